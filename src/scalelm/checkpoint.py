@@ -1,0 +1,188 @@
+"""Checkpoints: save, find the latest complete one, resume, and consolidate to one state dict.
+
+Layout of one checkpoint, `<run_dir>/checkpoints/step_00000420/`:
+    state.pt      model and optimizer state dicts (single, ddp: written by rank 0), or
+    *.distcp + .metadata   the same as a sharded Distributed Checkpoint (fsdp: every rank writes its shards)
+    trainer.pt    step, epoch, position in the epoch, scheduler, every rank's RNG state, model shape
+    COMPLETE      sha256 of every file above, written last
+
+A checkpoint is written into `step_N.partial/` and renamed when complete, so a crash mid-write never leaves
+something that looks finished. State dicts go through torch.distributed.checkpoint.state_dict, which speaks
+the same fully-qualified names for a plain, a DDP and an FSDP model: any checkpoint loads into any strategy and,
+for DCP, any world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from scalelm.errors import CheckpointError
+from scalelm.parallel.env import DistEnv, all_gather_object, barrier
+
+STATE_FILE = "state.pt"
+TRAINER_FILE = "trainer.pt"
+MARKER = "COMPLETE"
+PREFIX = "step_"
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps done within `epoch`
+    tokens_seen: int = 0
+    train_seconds: float = 0.0  # time in training steps, excluding evaluation and checkpoints
+    model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
+    world_size: int = 1
+    strategy: str = ""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, env: DistEnv, sharded: bool, keep: int):
+        self.directory = Path(directory)
+        self.env = env
+        self.sharded = sharded
+        self.keep = keep
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState) -> Path:
+        final = self.directory / f"{PREFIX}{state.step:08d}"
+        partial = final.with_name(final.name + ".partial")
+        if self.env.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        barrier()
+        rngs = all_gather_object(rng_state(self.env.device))
+        if self.sharded:
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+                checkpoint_id=partial,
+            )
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True) if _distributed() else None
+            model_sd = get_model_state_dict(model, options=options)
+            optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+            if self.env.is_main:
+                torch.save({"model": model_sd, "optim": optim_sd}, partial / STATE_FILE)
+        if self.env.is_main:
+            trainer = {"state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs}
+            torch.save(trainer, partial / TRAINER_FILE)
+        barrier()  # every shard is on disk before the marker says so
+        if self.env.is_main:
+            sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            (partial / MARKER).write_text(json.dumps(sums, indent=1) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            self._prune()
+        barrier()
+        return final
+
+    def _prune(self) -> None:
+        for old in complete_checkpoints(self.directory)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------------- load
+    def latest(self) -> Path | None:
+        found = complete_checkpoints(self.directory)
+        return found[-1] if found else None
+
+    def resume(self, model: nn.Module, optimizer, scheduler, expected_shape: dict[str, Any]) -> TrainerState | None:
+        path = self.latest()
+        if path is None:
+            return None
+        trainer = torch.load(path / TRAINER_FILE, weights_only=True)
+        state = TrainerState(**trainer["state"])
+        check_shape(state.model_shape, expected_shape, path)
+        load_weights(path, model, optimizer)
+        scheduler.load_state_dict(trainer["scheduler"])
+        rngs = trainer["rng"]
+        if len(rngs) == self.env.world_size:
+            set_rng_state(rngs[self.env.rank], self.env.device)
+        else:  # another world size: exact per-rank streams cannot be restored; derive fresh, distinct ones
+            torch.manual_seed(1_000_003 * (state.step + 1) + self.env.rank)
+        return state
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints (marker present) in step order."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
+    differ = [k for k in sorted(set(saved) | set(expected)) if saved.get(k) != expected.get(k)]
+    if differ:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, config {expected.get(k)!r}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model ({details}); "
+            "use the settings it was trained with, or another run directory"
+        )
+
+
+def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
+    """Load a checkpoint of either format into a model of any strategy (and its optimizer, if given)."""
+    if (path / STATE_FILE).is_file():
+        saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        # Every rank holds the full dict; set_*_state_dict shards it for FSDP.
+        options = StateDictOptions(full_state_dict=True) if _distributed() else None
+        set_model_state_dict(model, saved["model"], options=options)
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, saved["optim"], options=options)
+        return
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} holds neither {STATE_FILE} nor a Distributed Checkpoint (.metadata)")
+    target = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        target["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(target, checkpoint_id=path)  # reshards to this world size
+    set_model_state_dict(model, target["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, target["optim"])
+
+
+def read_trainer_state(path: Path) -> TrainerState:
+    return TrainerState(**torch.load(Path(path) / TRAINER_FILE, weights_only=True)["state"])

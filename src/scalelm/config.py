@@ -1,0 +1,286 @@
+"""Training settings: typed dataclasses, loaded from YAML plus ``key=value`` overrides.
+
+Every setting has a default that mirrors the course (see docs/); a file only names what it changes.
+Unknown keys and wrong types fail at load time with the dotted key and a suggestion, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from scalelm.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    prepared_dir: str = "data/prepared"  # written by `python -m scalelm.data.prepare`
+    seq_len: int = 32
+    stride: int | None = None  # distance between training windows; None = seq_len, 1 = the course's overlap
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 2048
+    dropout: float = 0.1
+    max_seq_len: int = 1024  # size of the positional table; data.seq_len must not exceed it
+    norm: Literal["post", "pre"] = "post"
+    tie_weights: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the peak learning rate
+    grad_clip: float | None = None  # max global gradient norm; None logs the norm without clipping
+
+
+@dataclass
+class BatchConfig:
+    # per_device: `size` sequences per device per step, the global batch grows with the world size (the course).
+    # global: `size` sequences per optimizer step whatever the world size, split across ranks.
+    mode: Literal["per_device", "global"] = "per_device"
+    size: int = 512
+    micro_size: int | None = None  # per-device micro-batch; smaller than the per-device share -> accumulation
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # per_device mode: scale lr with the world size
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    max_steps: int | None = None  # stop after this many optimizer steps (smoke runs, benchmarks)
+    log_every: int = 50
+    eval_every: int | None = None  # steps between validation runs; validation also runs after every epoch
+    eval_batch_size: int = 256
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    deterministic: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every: int | None = 500  # steps between checkpoints; one is also written after every epoch and at the end
+    keep: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "single"  # single | ddp | fsdp
+    reshard_after_forward: bool = True  # fsdp
+    cpu_offload: bool = False  # fsdp, CUDA only
+    timeout_s: int = 600  # collective timeout: a lost rank fails the job instead of hanging it
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check `value` against a (simple) type annotation, converting where YAML is looser than Python."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown setting '{prefix}{key}'{hint}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ('a.b', value), the value read as YAML (so 1e-3, true, null, [1, 2] work)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. optim.lr=1e-3)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from err
+    return key.strip(), value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+    return data
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    config = _build(Config, values)
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    values = read_yaml(path) if path else {}
+    for text in overrides:
+        set_dotted(values, *parse_override(text))
+    return from_dict(values)
+
+
+def validate(config: Config) -> None:
+    """Checks across settings that the types alone cannot express."""
+    positive = {
+        "data.seq_len": config.data.seq_len,
+        "model.d_model": config.model.d_model,
+        "model.n_heads": config.model.n_heads,
+        "model.n_layers": config.model.n_layers,
+        "model.d_ff": config.model.d_ff,
+        "model.max_seq_len": config.model.max_seq_len,
+        "batch.size": config.batch.size,
+        "train.epochs": config.train.epochs,
+        "train.log_every": config.train.log_every,
+        "train.eval_batch_size": config.train.eval_batch_size,
+        "checkpoint.keep": config.checkpoint.keep,
+        "parallel.timeout_s": config.parallel.timeout_s,
+    }
+    optional_positive = {
+        "data.stride": config.data.stride,
+        "batch.micro_size": config.batch.micro_size,
+        "train.max_steps": config.train.max_steps,
+        "train.eval_every": config.train.eval_every,
+        "checkpoint.every": config.checkpoint.every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    for key, value in optional_positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive or null, got {value}")
+    if config.model.d_model % config.model.n_heads:
+        raise ConfigError(
+            f"model.d_model ({config.model.d_model}) must be divisible by model.n_heads ({config.model.n_heads})"
+        )
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len ({config.data.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
+            "lower data.seq_len or raise model.max_seq_len"
+        )
+    if not 0.0 <= config.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {config.model.dropout}")
+    if config.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
+    if config.batch.mode == "global" and config.batch.lr_scaling != "none":
+        raise ConfigError(
+            "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
+            "needs no scaling; set batch.lr_scaling=none"
+        )
+    from scalelm.parallel import STRATEGIES  # late: parallel imports torch.distributed
+
+    if config.parallel.strategy not in STRATEGIES:
+        close = difflib.get_close_matches(config.parallel.strategy, STRATEGIES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"parallel.strategy: unknown strategy {config.parallel.strategy!r}{hint} "
+            f"(choose one of {', '.join(STRATEGIES)})"
+        )
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")

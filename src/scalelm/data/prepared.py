@@ -1,0 +1,48 @@
+"""Loading the prepared token ids that every training job reads (never the raw text)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalelm.errors import DataError
+
+SPLITS = ("train", "validation", "test")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class PreparedData:
+    path: Path
+    manifest: dict[str, Any]
+    splits: dict[str, torch.Tensor]  # int32 token ids, memory-mapped
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
+
+    def vocab(self) -> list[str]:
+        return (self.path / "vocab.txt").read_text(encoding="utf-8").split("\n")[: self.vocab_size]
+
+
+def load_prepared(path: str | Path) -> PreparedData:
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise DataError(
+            f"prepared data not found: {manifest_path} does not exist. Prepare it once on the login node "
+            f"(`snakemake prepare`, or `python -m scalelm.data.prefetch --out RAW` then "
+            f"`python -m scalelm.data.prepare --raw RAW --out {path}`); compute nodes have no internet."
+        )
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    splits = {}
+    for name in SPLITS:
+        file = path / f"{name}.pt"
+        if not file.is_file():
+            raise DataError(f"prepared data at {path} is incomplete: {file} is missing; run the prepare step again")
+        splits[name] = torch.load(file, mmap=True, weights_only=True)
+    return PreparedData(path=path, manifest=manifest, splits=splits)

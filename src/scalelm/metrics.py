@@ -1,0 +1,96 @@
+"""Metrics: one JSON object per line in <run_dir>/metrics.jsonl, and readable progress lines, on rank 0 only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak memory allocated by tensors. CPU: peak resident set size of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        self.start = time.time()
+        if enabled and resume_step is not None:
+            self._truncate_after(resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps the restored checkpoint has not seen (they will be redone)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time() - self.start, 3), **record}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        print(progress_line(record), flush=True, file=sys.stdout)
+
+
+def progress_line(record: dict[str, Any]) -> str:
+    if record["kind"] == "train":
+        return (
+            f"step {record['step']:>7} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | "
+            f"{record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_device']:,.0f}/device) | "
+            f"{record['step_time_s'] * 1000:.0f} ms/step | mem {record['peak_mem_mb']:,.0f} MB"
+        )
+    return (
+        f"step {record['step']:>7} | {record['split']} loss {record['loss']:.4f} | "
+        f"ppl {record['perplexity']:.2f} | {record['tokens']:,} tokens"
+    )
+
+
+class Stopwatch:
+    """Training time between laps, excluding the spans run inside `paused()` (evaluation, checkpoints)."""
+
+    def __init__(self) -> None:
+        self.started = self.lap_start = time.perf_counter()
+        self.paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed = now - self.lap_start - self.paused_s
+        self.lap_start, self.paused_s = now, 0.0
+        return elapsed
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line]

@@ -1,0 +1,77 @@
+"""Where and with what a run ran: resolved config, code version, software versions, hosts, container, times."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import scalelm
+from scalelm.parallel.env import all_gather_object
+
+# Environment variables worth keeping; everything else (tokens, keys) stays out of the files we write.
+RECORDED_ENV = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_CLUSTER_NAME",
+    "SLURM_JOB_PARTITION",
+    "APPTAINER_CONTAINER",
+    "APPTAINER_NAME",
+    "OMP_NUM_THREADS",
+)
+CONTAINER_LABELS = Path("/.singularity.d/labels.json")
+
+
+def git_commit() -> str | None:
+    if os.environ.get("SCALELM_GIT_COMMIT"):  # set inside the image, which has no .git
+        return os.environ["SCALELM_GIT_COMMIT"]
+    source = Path(scalelm.__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def container() -> dict[str, Any] | None:
+    if not (os.environ.get("APPTAINER_CONTAINER") or os.environ.get("SINGULARITY_CONTAINER")):
+        return None
+    info: dict[str, Any] = {"image": os.environ.get("APPTAINER_CONTAINER") or os.environ.get("SINGULARITY_CONTAINER")}
+    if CONTAINER_LABELS.is_file():
+        info["labels"] = json.loads(CONTAINER_LABELS.read_text())
+    return info
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Call on every rank (gathers the host names); the result matters on rank 0."""
+    hosts = all_gather_object(socket.gethostname())
+    return {
+        "config": config_dict,
+        "git_commit": git_commit(),
+        "versions": {
+            "scalelm": scalelm.__version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        },
+        "world_size": world_size,
+        "hostnames": hosts,
+        "nodes": sorted(set(hosts)),
+        "container": container(),
+        "environment": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        "start_time": now(),
+    }

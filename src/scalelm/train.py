@@ -1,0 +1,305 @@
+"""Train the language model with the strategy the config names.
+
+    python -m scalelm.train --config FILE [--set key=value ...]                       # one process
+    torchrun --nproc-per-node=2 -m scalelm.train --config FILE --set parallel.strategy=ddp
+
+Everything goes to `run_dir`: config.yaml (resolved), metrics.jsonl, checkpoints/, and run.json (provenance and
+results), written last so that its presence means the run finished. Rerunning the same command resumes from the
+latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scalelm import provenance
+from scalelm.checkpoint import Checkpointer, TrainerState
+from scalelm.config import Config, dump_config, load_config
+from scalelm.data import TrainBatches, load_prepared
+from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
+from scalelm.evaluate import evaluate
+from scalelm.metrics import MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.model import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler, scaled_lr
+from scalelm.parallel import build_strategy, strategy_class
+from scalelm.parallel.env import DistEnv, setup, teardown
+from scalelm.preemption import Preempted, StopFlag
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+
+
+class TrainingError(ScaleLMError):
+    pass
+
+
+def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
+    keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
+    return {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+
+
+def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(values, op=op)
+    return values
+
+
+class Trainer:
+    def __init__(self, config: Config, env: DistEnv):
+        self.config, self.env = config, env
+        self.run_dir = Path(config.run_dir)
+        self.strategy = build_strategy(config, env)
+        precision = config.train.precision
+        if precision == "auto":
+            precision = "bf16" if env.device.type == "cuda" else "fp32"
+        self.strategy.set_precision(torch.bfloat16 if precision == "bf16" else torch.float32)
+
+        self.data = data = load_prepared(config.data.prepared_dir)
+        per_device = config.batch.mode == "per_device"
+        global_batch = config.batch.size * env.world_size if per_device else config.batch.size
+        self.batches = TrainBatches(
+            tokens=data.splits["train"],
+            seq_len=config.data.seq_len,
+            stride=config.data.stride or config.data.seq_len,
+            global_batch=global_batch,
+            micro_batch=config.batch.micro_size or global_batch // env.world_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=config.seed,
+        )
+        self.tokens_per_step = global_batch * config.data.seq_len
+        total = config.train.epochs * self.batches.steps_per_epoch
+        self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
+
+        if config.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        self.shape = model_shape(config, data.vocab_size)
+        self.model = self.strategy.wrap(TransformerLM(config.model, data.vocab_size))
+        torch.manual_seed(config.seed * 1000 + env.rank)  # distinct dropout masks per rank
+        self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, env.world_size))
+        self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
+
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", env, self.strategy.sharded_checkpoint, config.checkpoint.keep
+        )
+        resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
+        self.state = resumed or TrainerState(model_shape=self.shape)
+        self.state.world_size, self.state.strategy = env.world_size, self.strategy.name
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, resume_step=resumed.step if resumed else None)
+        if resumed and env.is_main:
+            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest()}")
+        self.last_saved = resumed.step if resumed else -1
+        self.last_path = self.checkpointer.latest()
+        self.last_loss = math.nan
+        self.evaluations: dict[tuple[str, int], dict[str, Any]] = {}
+        self.stop = StopFlag()
+
+    # ------------------------------------------------------------------------------------------- steps
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the step's mean loss on this rank."""
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            inputs = inputs.to(self.env.device, non_blocking=True)
+            targets = targets.to(self.env.device, non_blocking=True)
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                with self.strategy.autocast():
+                    logits = self.model(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / len(micro_batches)
+                loss.backward()
+            loss_sum += loss.detach()
+        self.grad_norm = self.strategy.clip_grad_norm(self.model, self.config.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def fit(self) -> dict[str, Any]:
+        config, env, state = self.config, self.env, self.state
+        if env.is_main:
+            dump_config(config, self.run_dir / CONFIG_FILE)
+            print(
+                f"training {self.strategy.name} on {env.world_size} x {env.device.type}: "
+                f"{self.total_steps} steps ({self.batches.steps_per_epoch}/epoch), global batch "
+                f"{self.batches.global_batch} x {config.data.seq_len} tokens, accumulation {self.batches.accumulation}",
+                flush=True,
+            )
+        record = provenance.collect(config.to_dict(), env.world_size)
+        clock = Stopwatch()  # training time only: evaluation and checkpoints run with the clock paused
+        loss_acc, steps_acc = torch.zeros((), device=env.device), 0
+
+        while state.step < self.total_steps:
+            for micro_batches in self.batches.epoch(state.epoch, state.step_in_epoch):
+                loss_acc += self.train_step(micro_batches)
+                steps_acc += 1
+                state.step += 1
+                state.step_in_epoch += 1
+                state.tokens_seen += self.tokens_per_step
+                done = state.step >= self.total_steps
+                if state.step % config.train.log_every == 0 or done:
+                    self.log_train(loss_acc, steps_acc, clock.lap())
+                    loss_acc.zero_()
+                    steps_acc = 0
+                with clock.paused():
+                    if config.train.eval_every and state.step % config.train.eval_every == 0:
+                        self.evaluate_split("validation")
+                    if config.checkpoint.every and state.step % config.checkpoint.every == 0:
+                        self.save(loss_acc)
+                if self.stop.raised():
+                    with clock.paused():
+                        path = self.save(loss_acc)
+                    raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume")
+                if done:
+                    break
+            else:  # the epoch ran to its end
+                state.epoch += 1
+                state.step_in_epoch = 0
+                with clock.paused():
+                    self.evaluate_split("validation")
+                    self.save(loss_acc)
+
+        if steps_acc:  # steps after the last log line (log_every does not divide the total)
+            self.log_train(loss_acc, steps_acc, clock.lap())
+        validation = self.evaluate_split("validation")
+        test = self.evaluate_split("test")
+        checkpoint = self.save(loss_acc)
+        return self.finish(record, clock, validation, test, checkpoint)
+
+    # --------------------------------------------------------------------------------- bookkeeping
+    def log_train(self, loss_acc: torch.Tensor, steps: int, elapsed: float) -> None:
+        """Average the interval's loss over steps and ranks; the only host-device sync of the hot loop."""
+        values = torch.stack([loss_acc / steps, self.grad_norm.detach().float().to(loss_acc.device)])
+        values = global_reduce(values) / torch.tensor([self.env.world_size, self.env.world_size], device=values.device)
+        memory = global_reduce(torch.tensor([peak_memory_mb(self.env.device)], device=self.env.device), dist.ReduceOp.MAX)
+        loss, grad_norm = values.tolist()
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"non-finite training loss ({loss}) at step {self.state.step} (rank {self.env.rank}); the last good "
+                f"checkpoint is kept in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
+            )
+        self.state.train_seconds += elapsed
+        self.last_loss = loss
+        step_time = elapsed / steps
+        self.metrics.log(
+            {
+                "kind": "train",
+                "step": self.state.step,
+                "epoch": self.state.epoch,
+                "tokens": self.state.tokens_seen,
+                "loss": loss,
+                "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time,
+                "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
+                "peak_mem_mb": memory.item(),
+                "global_batch": self.batches.global_batch,
+                "tokens_per_step": self.tokens_per_step,
+                "world_size": self.env.world_size,
+            }
+        )
+
+    def evaluate_split(self, split: str) -> dict[str, Any]:
+        key = (split, self.state.step)
+        if key not in self.evaluations:  # the final validation often coincides with the last epoch's
+            result = evaluate(
+                self.model,
+                self.data.splits[split],
+                self.config.data.seq_len,
+                self.config.train.eval_batch_size,
+                self.env,
+                self.strategy.autocast,
+            )
+            self.evaluations[key] = result
+            self.metrics.log(
+                {"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result}
+            )
+        return self.evaluations[key]
+
+    def save(self, pending_loss: torch.Tensor) -> Path:
+        if self.last_saved != self.state.step:
+            # steps since the last log line have not been checked yet: never checkpoint non-finite weights
+            if not torch.isfinite(global_reduce(pending_loss.detach().clone().reshape(1))).all():
+                raise TrainingError(
+                    f"non-finite training loss before step {self.state.step} (rank {self.env.rank}); "
+                    f"not overwriting the last good checkpoint in {self.checkpointer.directory}"
+                )
+            self.last_path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
+            self.last_saved = self.state.step
+        return self.last_path
+
+    def finish(self, record, clock, validation, test, checkpoint) -> dict[str, Any]:
+        record.update(
+            end_time=provenance.now(),
+            wall_time_s=clock.wall(),
+            results={
+                "strategy": self.strategy.name,
+                "steps": self.state.step,
+                "epochs_completed": self.state.epoch,
+                "tokens_seen": self.state.tokens_seen,
+                "global_batch": self.batches.global_batch,
+                "tokens_per_step": self.tokens_per_step,
+                "train_time_s": self.state.train_seconds,
+                "tokens_per_s": self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else None,
+                "final_train_loss": self.last_loss,
+                "validation": validation,
+                "test": test,
+                "checkpoint": str(checkpoint),
+            },
+        )
+        if self.env.is_main:
+            (self.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        return record
+
+
+def prepare_run_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"run_dir {path} is not writable ({err.strerror}); choose another run_dir") from None
+
+
+def run(config: Config) -> dict[str, Any]:
+    # Compute nodes have no internet: never let a library try it (and wait for its retries).
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env = setup(config.device, strategy_class(config.parallel.strategy).needs_process_group, config.parallel.timeout_s)
+    try:
+        if env.is_main:
+            prepare_run_dir(Path(config.run_dir))
+        trainer = Trainer(config, env)
+        if env.is_main:  # run.json marks a finished run: a restarted run is not finished
+            (Path(config.run_dir) / RUN_FILE).unlink(missing_ok=True)
+        return trainer.fit()
+    finally:
+        teardown()
+
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, help="YAML file of settings (defaults: the course's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    parser.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    args = parser.parse_args(argv)
+    overrides = args.set + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+    run(load_config(args.config, overrides))
+
+
+if __name__ == "__main__":
+    main()

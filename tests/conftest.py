@@ -1,0 +1,92 @@
+"""Shared fixtures: the shipped WikiText-2 sample, prefetched and prepared once per session, and tiny runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "resources" / "wikitext-2-sample"
+
+# A model small enough for 2 CPU cores: a step takes a few milliseconds.
+TINY = {
+    "data": {"seq_len": 16},
+    "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "dropout": 0.0},
+    "batch": {"mode": "global", "size": 16},
+    "train": {"epochs": 1, "max_steps": 20, "log_every": 1, "eval_batch_size": 128},
+    "checkpoint": {"every": 10, "keep": 3},
+}
+
+
+def sample_files() -> str:
+    return ",".join(f"{split}={SAMPLE / f'{split}.txt'}" for split in ("train", "validation", "test"))
+
+
+@pytest.fixture(scope="session")
+def raw_data(tmp_path_factory) -> Path:
+    from scalelm.data.prefetch import main as prefetch
+
+    out = tmp_path_factory.mktemp("data") / "raw"
+    prefetch(["--out", str(out), "--files", sample_files()])
+    return out
+
+
+@pytest.fixture(scope="session")
+def prepared(raw_data) -> Path:
+    from scalelm.data.prepare import main as prepare
+
+    out = raw_data.parent / "prepared"
+    prepare(["--raw", str(raw_data), "--out", str(out), "--min-freq", "2"])
+    return out
+
+
+@pytest.fixture
+def tiny_config(tmp_path, prepared):
+    """Write a tiny training config (TINY, then `changes` as dotted keys) and return its path."""
+
+    def make(name: str = "config", **changes) -> Path:
+        from scalelm.config import set_dotted
+
+        values = yaml.safe_load(yaml.safe_dump(TINY))
+        values["data"]["prepared_dir"] = str(prepared)
+        values["run_dir"] = str(tmp_path / name)
+        for key, value in changes.items():
+            set_dotted(values, key.replace("__", "."), value)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+    return make
+
+
+def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    if nproc == 1:
+        return [sys.executable, "-m", "scalelm.train", "--config", str(config), *sets]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, "-m", "scalelm.train", "--config", str(config), *sets]
+
+
+def run_train(config: Path, nproc: int = 1, *overrides: str, check: bool = True, timeout: int = 120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        train_command(config, nproc, *overrides), capture_output=True, text=True, timeout=timeout, env=env
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def run_dir_of(config: Path) -> Path:
+    return Path(yaml.safe_load(config.read_text())["run_dir"])
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    from scalelm.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]

@@ -1,0 +1,54 @@
+import pytest
+
+from scalelm.config import Config, load_config, parse_override
+from scalelm.errors import ConfigError
+
+
+def test_defaults_mirror_the_course():
+    c = Config()
+    assert (c.model.d_model, c.model.n_heads, c.model.n_layers, c.model.d_ff) == (128, 4, 2, 2048)
+    assert (c.model.dropout, c.data.seq_len, c.optim.lr, c.batch.size, c.train.epochs, c.seed) == (
+        0.1, 32, 2e-3, 512, 10, 1,
+    )
+    assert c.batch.mode == "per_device" and c.parallel.strategy == "single"
+
+
+def test_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  d_model: 64\noptim:\n  lr: 1.0e-3\n")
+    c = load_config(path, ["model.n_layers=3", "optim.betas=[0.8, 0.9]", "optim.grad_clip=1", "run_dir=x"])
+    assert c.model.d_model == 64 and c.model.n_layers == 3
+    assert c.optim.betas == (0.8, 0.9) and c.optim.grad_clip == 1.0 and c.run_dir == "x"
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown setting 'model.d_modle'; did you mean 'model.d_model'"):
+        load_config(None, ["model.d_modle=3"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.d_model=abc", r"model.d_model: expected an integer, got 'abc'"),
+        ("model.dropout=true", r"model.dropout: expected a number"),
+        ("batch.mode=both", r"batch.mode: 'both' is not one of 'per_device', 'global'"),
+        ("parallel.strategy=dpp", r"unknown strategy 'dpp'; did you mean 'ddp'"),
+        ("data.seq_len=2048", r"data.seq_len \(2048\) exceeds model.max_seq_len \(1024\)"),
+        ("batch.size=0", r"batch.size must be positive, got 0"),
+        ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_invalid_yaml_and_bad_override(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        parse_override("model.d_model")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")

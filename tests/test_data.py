@@ -1,0 +1,114 @@
+import json
+
+import pytest
+import torch
+
+from conftest import SAMPLE
+from scalelm.data import EvalBatches, TrainBatches, load_prepared
+from scalelm.data.vocab import EOS_ID, UNK_ID
+from scalelm.data.windows import IGNORE_INDEX, num_windows
+from scalelm.errors import ConfigError, DataError
+
+
+def test_prepare_keeps_every_word(prepared):
+    data = load_prepared(prepared)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    vocab = data.vocab()
+    assert vocab[:2] == ["<unk>", "<eos>"] and len(vocab) == data.vocab_size == manifest["vocab_size"]
+    for split in ("train", "validation", "test"):
+        lines = [line.split() for line in (SAMPLE / f"{split}.txt").read_text().splitlines() if line.split()]
+        tokens = data.splits[split]
+        assert tokens.numel() == sum(len(words) + 1 for words in lines)  # every word, plus <eos> per line
+        assert int((tokens == EOS_ID).sum()) == len(lines)
+        assert manifest["splits"][split]["tokens"] == tokens.numel()
+        assert manifest["splits"][split]["unk"] == int((tokens == UNK_ID).sum())
+    # decode the first train line back to its words (min_freq 2 -> rare words are <unk>)
+    first = (SAMPLE / "train.txt").read_text().splitlines()
+    words = next(line.split() for line in first if line.split())
+    decoded = [vocab[i] for i in data.splits["train"][: len(words)].tolist()]
+    assert all(d == w or d == "<unk>" for d, w in zip(decoded, words))
+
+
+def test_missing_prepared_data_names_the_step(tmp_path):
+    with pytest.raises(DataError, match=r"prepared data not found.*run on the login node|login node"):
+        load_prepared(tmp_path / "nowhere")
+
+
+def test_training_windows_and_stride():
+    tokens = torch.arange(100, dtype=torch.int32)
+    assert num_windows(100, 10, 10) == 9 and num_windows(100, 10, 1) == 90
+    batches = TrainBatches(tokens, seq_len=10, stride=1, global_batch=8, micro_batch=2, rank=1, world_size=2, seed=3)
+    step = next(batches.epoch(0))
+    assert len(step) == 2 and step[0][0].shape == (2, 10)
+    for inputs, targets in step:
+        assert torch.equal(targets[:, :-1], inputs[:, 1:])  # targets are inputs shifted by one
+        assert torch.equal(inputs[:, 1:] - inputs[:, :-1], torch.ones(2, 9, dtype=torch.long))
+
+
+def test_ranks_split_the_global_batch_without_overlap():
+    tokens = torch.arange(1000, dtype=torch.int32)
+    make = lambda rank, world: TrainBatches(tokens, 8, 8, 12, 12 // world, rank, world, seed=1)
+    single = [torch.cat([x for x, _ in step]) for step in make(0, 1).epoch(2)]
+    for world in (2, 3):
+        per_rank = [list(make(r, world).epoch(2)) for r in range(world)]
+        for s, reference in enumerate(single):
+            together = torch.cat([torch.cat([x for x, _ in per_rank[r][s]]) for r in range(world)])
+            assert torch.equal(together, reference)
+    assert not torch.equal(single[0], next(iter(make(0, 1).epoch(3)))[0][0])  # reshuffled each epoch
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_exact_evaluation_counts_every_token_once(world):
+    tokens = torch.arange(2, 1003, dtype=torch.int32)  # 1001 tokens: the last window is partial
+    seen = []
+    lengths = set()
+    for rank in range(world):
+        batches = EvalBatches(tokens, seq_len=16, batch_size=5, rank=rank, world_size=world)
+        lengths.add(len(list(batches)))
+        for inputs, targets in batches:
+            mask = targets != IGNORE_INDEX
+            seen.append(targets[mask])
+            # each target's input is the token before it (<eos> before the first)
+            previous = torch.cat([torch.tensor([EOS_ID]), tokens.long()])[targets[mask] - 2]
+            assert torch.equal(inputs[mask], previous)
+    assert len(lengths) == 1  # every rank runs the same number of forward passes
+    assert torch.equal(torch.sort(torch.cat(seen)).values, tokens.long())
+
+
+def test_batch_not_divisible_by_world_size_is_a_clear_error():
+    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+        TrainBatches(torch.arange(1000), 8, 8, 16, 5, 0, 3, seed=1)
+    with pytest.raises(ConfigError, match="micro_size 3 does not divide"):
+        TrainBatches(torch.arange(1000), 8, 8, 16, 3, 0, 2, seed=1)
+    with pytest.raises(DataError, match="too small for one global batch"):
+        TrainBatches(torch.arange(100), 8, 8, 64, 64, 0, 1, seed=1)
+
+
+def test_prefetch_rejects_data_without_text_column(tmp_path):
+    from scalelm.data.prefetch import main as prefetch
+
+    files = {}
+    for split in ("train", "validation", "test"):
+        files[split] = tmp_path / f"{split}.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for path in files.values():
+        pq.write_table(pa.table({"sentence": ["a b c"]}), path)
+    spec = ",".join(f"{k}={v}" for k, v in files.items())
+    with pytest.raises(SystemExit) as exit_info:
+        prefetch(["--out", str(tmp_path / "raw"), "--files", spec, "--format", "parquet"])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "raw").exists()
+
+
+def test_prepare_errors(tmp_path, raw_data, capsys):
+    from scalelm.data.prepare import main as prepare
+
+    with pytest.raises(SystemExit):
+        prepare(["--raw", str(tmp_path / "none"), "--out", str(tmp_path / "p")])
+    assert "run the prefetch step" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare(["--raw", str(raw_data), "--out", str(tmp_path / "p"), "--min-freq", "10000000"])
+    assert "leaves no word in the vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()

@@ -1,0 +1,145 @@
+"""End-to-end training on CPU with gloo: parity across strategies, determinism, resume, resharding."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import run_dir_of, run_train, train_command, train_losses
+from scalelm.checkpoint import complete_checkpoints, load_weights
+from scalelm.config import load_config
+from scalelm.metrics import read_metrics
+from scalelm.model import TransformerLM
+from scalelm.preemption import EXIT_PREEMPTED
+
+
+def relative_gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_single_ddp_fsdp_agree_step_by_step(tiny_config):
+    """Same model, same data, global batch 16: one process, DDP on 2 ranks, FSDP on 2 ranks, and 4-way accumulation."""
+    runs = {
+        "single": (tiny_config("single"), 1, []),
+        "accumulate": (tiny_config("accumulate", batch__micro_size=4), 1, []),
+        "ddp": (tiny_config("ddp", parallel__strategy="ddp"), 2, []),
+        "fsdp": (tiny_config("fsdp", parallel__strategy="fsdp"), 2, []),
+    }
+    losses = {}
+    for name, (config, nproc, sets) in runs.items():
+        run_train(config, nproc, *sets)
+        losses[name] = train_losses(run_dir_of(config))
+    assert len(losses["single"]) == 20
+    assert losses["single"][-1] < losses["single"][0] - 0.5  # it learns
+    for name in ("accumulate", "ddp", "fsdp"):
+        assert relative_gap(losses[name], losses["single"]) <= 1e-5, name
+    # evaluation is exact whatever the world size: same tokens, same loss
+    evals = {n: [r for r in read_metrics(run_dir_of(c)) if r["kind"] == "eval"] for n, (c, _, _) in runs.items()}
+    for name in ("ddp", "fsdp"):
+        for mine, ref in zip(evals[name], evals["single"]):
+            assert mine["tokens"] == ref["tokens"]
+            assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
+    a, b, c = tiny_config("a", model__dropout=0.1), tiny_config("b", model__dropout=0.1), tiny_config("c", seed=2)
+    for config in (a, b, c):
+        run_train(config, 1, "train.max_steps=8")
+    assert train_losses(run_dir_of(a)) == train_losses(run_dir_of(b))
+    assert train_losses(run_dir_of(a)) != train_losses(run_dir_of(c))
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(complete_checkpoints(run_dir / "checkpoints")[-1] / "state.pt", weights_only=True)["model"]
+
+
+def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, str]:
+    """Start training, send SIGTERM once `step` is logged; returns the exit status and stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if metrics.is_file() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l):
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("nproc, strategy", [(1, "single"), (2, "ddp")])
+def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, nproc, strategy):
+    """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG."""
+    settings = dict(model__dropout=0.1, parallel__strategy=strategy, optim__schedule="cosine", optim__warmup_steps=3)
+    straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
+    run_train(straight, nproc)
+    status, stderr = interrupt_after_step(train_command(broken, nproc), run_dir_of(broken), step=6)
+    # torchrun forwards SIGTERM to its workers, which checkpoint and exit 75; torchrun itself then reports failure
+    assert status == EXIT_PREEMPTED if nproc == 1 else status != 0, (status, stderr[-2000:])
+    assert "stopped by a signal" in stderr
+    assert not (run_dir_of(broken) / "run.json").exists()
+    resumed = run_train(broken, nproc)
+    assert "resumed from step" in resumed.stdout
+    a, b = final_weights(run_dir_of(straight)), final_weights(run_dir_of(broken))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert train_losses(run_dir_of(broken)) == train_losses(run_dir_of(straight))
+
+
+def test_fsdp_checkpoint_loads_into_other_world_sizes_and_strategies(tiny_config, tmp_path):
+    """A DCP checkpoint from 2 FSDP ranks: 1 plain process, 2 DDP ranks and 1 FSDP rank evaluate identically."""
+    fsdp = tiny_config("fsdp", parallel__strategy="fsdp", train__max_steps=10)
+    run_train(fsdp, 2)
+    checkpoint = complete_checkpoints(run_dir_of(fsdp) / "checkpoints")[-1]
+    assert (checkpoint / ".metadata").is_file()
+    reference = json.loads((run_dir_of(fsdp) / "run.json").read_text())["results"]["validation"]["loss"]
+
+    config = load_config(fsdp)
+    from scalelm.data import load_prepared
+
+    data = load_prepared(config.data.prepared_dir)
+    model = TransformerLM(config.model, data.vocab_size)
+    load_weights(checkpoint, model)
+    from scalelm.evaluate import evaluate
+    from scalelm.parallel.env import DistEnv
+
+    env = DistEnv(0, 0, 1, torch.device("cpu"))
+    plain = evaluate(model, data.splits["validation"], config.data.seq_len, 128, env)["loss"]
+    assert plain == pytest.approx(reference, rel=1e-6)
+
+    # resume the same run directory with other strategies / world sizes: it continues from step 10
+    for name, nproc, strategy in (("ddp2", 2, "ddp"), ("fsdp1", 1, "fsdp")):
+        other = tiny_config(name, parallel__strategy=strategy, train__max_steps=10)
+        target = run_dir_of(other) / "checkpoints"
+        target.mkdir(parents=True)
+        import shutil
+
+        shutil.copytree(checkpoint, target / checkpoint.name)
+        result = run_train(other, nproc)
+        assert "resumed from step 10" in result.stdout
+        loss = json.loads((run_dir_of(other) / "run.json").read_text())["results"]["validation"]["loss"]
+        assert loss == pytest.approx(reference, rel=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "overrides, nproc, message",
+    [
+        (["parallel.strategy=pipeline"], 1, "unknown strategy 'pipeline'"),
+        (["batch.size=15", "parallel.strategy=ddp"], 2, "not divisible by the world size 2"),
+        (["data.prepared_dir=/nonexistent/prepared"], 1, "prepared data not found"),
+        (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
+        ([], 2, "strategy 'single' runs one process"),
+    ],
+)
+def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, message):
+    config = tiny_config("bad")
+    result = run_train(config, nproc, *overrides, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr.split("error:")[0] if nproc == 1 else True
+    assert not (run_dir_of(config) / "run.json").exists()
