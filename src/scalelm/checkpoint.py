@@ -14,7 +14,6 @@ for DCP, any world size.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from scalelm.provenance import sha256
 from scalelm.errors import CheckpointError
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier
 
@@ -52,14 +52,6 @@ class TrainerState:
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
     world_size: int = 1
     strategy: str = ""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _distributed() -> bool:
@@ -111,7 +103,7 @@ class Checkpointer:
             torch.save(trainer, partial / TRAINER_FILE)
         barrier()  # every shard is on disk before the marker says so
         if self.env.is_main:
-            sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            sums = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
             (partial / MARKER).write_text(json.dumps(sums, indent=1) + "\n")
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)

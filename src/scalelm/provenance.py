@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -52,6 +53,14 @@ def container() -> dict[str, Any] | None:
     return info
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
@@ -69,6 +78,11 @@ def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "world_size": world_size,
+        # torchrun's view: GROUP_WORLD_SIZE agents (one per node) of LOCAL_WORLD_SIZE workers each
+        "launch": {
+            "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+            "procs_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        },
         "hostnames": hosts,
         "nodes": sorted(set(hosts)),
         "container": container(),

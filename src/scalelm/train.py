@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,11 @@ from scalelm.config import Config, dump_config, load_config
 from scalelm.data import TrainBatches, load_prepared
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
 from scalelm.evaluate import evaluate
-from scalelm.metrics import MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.metrics import METRICS_FILE, MetricsLogger, Stopwatch, peak_memory_mb
 from scalelm.model import TransformerLM
 from scalelm.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.parallel import build_strategy, strategy_class
-from scalelm.parallel.env import DistEnv, setup, teardown
+from scalelm.parallel.env import DistEnv, barrier, setup, teardown
 from scalelm.preemption import Preempted, StopFlag
 
 RUN_FILE = "run.json"
@@ -264,6 +265,22 @@ class Trainer:
         return record
 
 
+def archive_if_changed(run_dir: Path, config: Config, world_size: int) -> None:
+    """A run directory holds one experiment: if its settings changed since the last attempt, the old checkpoints
+    and metrics move to previous/ (replacing an older one) and training starts afresh instead of resuming."""
+    identity = {**config.to_dict(), "world_size": world_size}
+    marker = run_dir / "identity.json"
+    if marker.is_file() and json.loads(marker.read_text()) != identity:
+        previous = run_dir / "previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        previous.mkdir()
+        for name in ("checkpoints", METRICS_FILE, CONFIG_FILE, "identity.json"):
+            if (run_dir / name).exists():
+                (run_dir / name).rename(previous / name)
+        print(f"settings changed since the last attempt in {run_dir}: its results moved to {previous}", flush=True)
+    marker.write_text(json.dumps(identity, indent=1) + "\n")
+
+
 def prepare_run_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -282,6 +299,8 @@ def run(config: Config) -> dict[str, Any]:
     try:
         if env.is_main:
             prepare_run_dir(Path(config.run_dir))
+            archive_if_changed(Path(config.run_dir), config, env.world_size)
+        barrier()
         trainer = Trainer(config, env)
         if env.is_main:  # run.json marks a finished run: a restarted run is not finished
             (Path(config.run_dir) / RUN_FILE).unlink(missing_ok=True)

@@ -10,7 +10,6 @@ Words outside the vocabulary become <unk> and every non-blank line ends with <eo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -23,15 +22,8 @@ import torch
 from scalelm.data.prefetch import SOURCE_FILE
 from scalelm.data.prepared import MANIFEST, SPLITS
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
+from scalelm.provenance import sha256
 from scalelm.errors import DataError, friendly_errors
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:

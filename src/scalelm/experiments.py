@@ -1,0 +1,87 @@
+"""The experiment matrix of the workflow config: experiments x seeds, each resolved to one training config.
+
+The workflow (workflow/rules/common.smk) calls `load_matrix` at parse time, so a bad setting in any experiment
+fails before a single job runs, naming the experiment and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from scalelm.config import Config, from_dict
+from scalelm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    strategy: str
+    nodes: int
+    procs_per_node: int
+    seed: int
+    training: dict[str, Any] = field(compare=False, hash=False)  # resolved training settings (scalelm.config)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/seed{self.seed}"
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in (update or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def apply_local_overlay(config: dict[str, Any]) -> dict[str, Any]:
+    """`local:` holds the embedded default's changes; the Slurm profile switches it off (local=null)."""
+    overlay = config.get("local")
+    base = {k: v for k, v in config.items() if k != "local"}
+    if isinstance(overlay, dict):
+        return deep_merge(base, overlay)
+    if overlay in (None, "", "null", "none", "None", False):
+        return base
+    raise ConfigError(f"local: expected a mapping of settings or null, got {overlay!r}")
+
+
+def training_config(config: dict[str, Any], name: str, seed: int, run_dir: str) -> Config:
+    spec = config["experiments"][name]
+    settings = deep_merge(config.get("training", {}), spec.get("training", {}))
+    settings = deep_merge(
+        settings,
+        {
+            "run_dir": run_dir,
+            "seed": seed,
+            "data": {"prepared_dir": config["data"]["prepared_dir"]},
+            "parallel": {"strategy": spec["strategy"]},
+        },
+    )
+    try:
+        return from_dict(settings)
+    except ConfigError as err:
+        raise ConfigError(f"experiments.{name}: {err}") from None
+
+
+def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
+    experiments = config.get("experiments") or {}
+    if not experiments:
+        raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
+    matrix = []
+    for name, spec in experiments.items():
+        for key in ("nodes", "procs_per_node"):
+            if not isinstance(spec.get(key), int) or isinstance(spec.get(key), bool) or spec[key] <= 0:
+                raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
+        for seed in config.get("seeds", [1]):
+            run_dir = f"{results}/runs/{name}/seed{seed}"
+            training = training_config(config, name, seed, run_dir).to_dict()
+            matrix.append(Experiment(name, spec["strategy"], spec["nodes"], spec["procs_per_node"], seed, training))
+    return matrix

@@ -1,0 +1,142 @@
+"""Start one training run on `nodes` x `procs_per_node` processes, wherever the job landed.
+
+    python -m scalelm.launch --nodes 2 --procs-per-node 4 [--container IMAGE ...] -- --config train.yaml
+
+- one node: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...`
+- several nodes inside a Slurm allocation: `srun --ntasks-per-node=1 torchrun --nnodes=N ... --rdzv-backend=c10d
+  --rdzv-endpoint=<first host><suffix>:<port> --rdzv-id=$SLURM_JOB_ID`, the port derived from the job id so that two
+  jobs sharing a node do not collide;
+- several "nodes" without Slurm (the local default): N torchrun processes on this machine, meeting on a free port.
+
+With --container, each torchrun runs inside the image (`apptainer exec --cleanenv [--nv] --bind ...`).
+The launcher prints the command it runs, and exits with the status of the first failing process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from scalelm.errors import ConfigError, friendly_errors
+
+TRAIN = ["-m", "scalelm.train"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_port(job_id: str, port_range: tuple[int, int]) -> int:
+    low, high = port_range
+    if not 1024 <= low <= high <= 65535:
+        raise ConfigError(f"launch port range {low}-{high} is not within 1024-65535; fix launch.port_range")
+    return low + int(job_id) % (high - low + 1)
+
+
+def slurm_hosts() -> list[str]:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def container_prefix(image: str | None, binds: Sequence[str], gpu: bool, runtime: str) -> list[str]:
+    if not image:
+        return []
+    prefix = [runtime, "exec", "--cleanenv"]
+    if gpu:
+        prefix.append("--nv")
+    for bind in binds:
+        prefix += ["--bind", bind]
+    # --cleanenv drops the host environment; pass on what torchrun and NCCL/gloo need
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "SLURM_JOB_ID"):
+        if name in os.environ:
+            prefix += ["--env", f"{name}={os.environ[name]}"]
+    return [*prefix, image]
+
+
+def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
+    return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
+
+
+def run_all(commands: list[list[str]]) -> int:
+    """Run the commands concurrently; when one fails, stop the others; return the first non-zero status."""
+    for command in commands:
+        print("+", shlex.join(command), flush=True)
+    processes = [subprocess.Popen(c) for c in commands]
+
+    def forward(signum, frame):  # a signal to the launcher (preemption) reaches every torchrun
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+    status = 0
+    while any(p.poll() is None for p in processes):
+        failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
+        if failed and not status:
+            status = failed[0]
+            for p in processes:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)
+    return status or next((p.returncode for p in processes if p.returncode), 0)
+
+
+def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list[str]]:
+    inside = container_prefix(args.container, args.bind, args.gpu, args.container_runtime)
+    tail = [*TRAIN, *train_args]
+    if args.nodes == 1:
+        return [[*inside, *torchrun(1, args.procs_per_node, ["--standalone"]), *tail]]
+    if "SLURM_JOB_ID" in os.environ:
+        hosts = slurm_hosts()
+        if len(hosts) < args.nodes:
+            raise ConfigError(f"the allocation has {len(hosts)} node(s) but the experiment needs {args.nodes}")
+        endpoint = f"{hosts[0]}{args.host_suffix}:{job_port(os.environ['SLURM_JOB_ID'], args.port_range)}"
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
+        srun = ["srun", f"--nodes={args.nodes}", f"--ntasks={args.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+        return [[*srun, *inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail]]
+    # no scheduler: every "node" is a torchrun process on this machine
+    port = free_port()
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=local-{port}"]
+    return [[*inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail] for _ in range(args.nodes)]
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m scalelm.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--procs-per-node", type=int, default=1)
+    parser.add_argument("--container", help="Apptainer image to run torchrun in (default: none)")
+    parser.add_argument("--container-runtime", default="apptainer", help="apptainer or singularity")
+    parser.add_argument("--bind", action="append", default=[], help="apptainer --bind (repeatable)")
+    parser.add_argument("--gpu", action="store_true", help="pass the GPUs into the container (--nv)")
+    parser.add_argument("--host-suffix", default="", help="appended to the head node's name, e.g. 'i' at JSC")
+    parser.add_argument("--port-range", type=int, nargs=2, default=(29500, 29999), metavar=("LOW", "HIGH"))
+    args = parser.parse_args(argv)
+    for key in ("nodes", "procs_per_node"):
+        if getattr(args, key) <= 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    return args, train_args
+
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> None:
+    args, train_args = parse_args(argv)
+    sys.exit(run_all(build_commands(args, train_args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+# The comparison: summary table and plots, also the content of `snakemake --report`.
+
+RUN_DIRS = [f"{RESULTS}/runs/{e.name}/seed{e.seed}" for e in MATRIX.values()]
+
+
+localrules:
+    aggregate,
+
+
+rule aggregate:
+    input:
+        runs=[f"{d}/run.json" for d in RUN_DIRS],
+        tests=[f"{d}/test.json" for d in RUN_DIRS],
+    output:
+        csv=report(f"{RESULTS}/summary.csv", category="Summary", caption="../report/summary.rst"),
+        md=f"{RESULTS}/summary.md",
+        loss_tokens=report(f"{RESULTS}/loss_vs_tokens.png", category="Loss curves", caption="../report/loss.rst"),
+        loss_time=report(f"{RESULTS}/loss_vs_time.png", category="Loss curves", caption="../report/loss.rst"),
+        scaling=report(f"{RESULTS}/scaling.png", category="Scaling", caption="../report/scaling.rst"),
+    params:
+        runs=" ".join(f"--run {d}" for d in RUN_DIRS),
+    log:
+        f"{RESULTS}/logs/aggregate.log",
+    shell:
+        "python -m scalelm.aggregate {params.runs} --out-dir {RESULTS} > {log} 2>&1"
