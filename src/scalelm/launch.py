@@ -42,10 +42,15 @@ def job_port(job_id: str, port_range: tuple[int, int]) -> int:
     return low + int(job_id) % (high - low + 1)
 
 
-def slurm_hosts() -> list[str]:
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
-    )
+def slurm_hosts(job_id: str) -> list[str]:
+    """Hosts of the allocation. Snakemake's Slurm executor strips SLURM_JOB_NODELIST from a job's environment
+    (only SLURM_JOB_ID is left), so ask the controller when it is missing."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        job = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True)
+        fields = dict(f.split("=", 1) for f in job.stdout.split() if "=" in f)
+        nodelist = fields["NodeList"]
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
     return out.stdout.split()
 
 
@@ -99,12 +104,15 @@ def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list
     if args.nodes == 1:
         return [[*inside, *torchrun(1, args.procs_per_node, ["--standalone"]), *tail]]
     if "SLURM_JOB_ID" in os.environ:
-        hosts = slurm_hosts()
+        hosts = slurm_hosts(os.environ["SLURM_JOB_ID"])
         if len(hosts) < args.nodes:
             raise ConfigError(f"the allocation has {len(hosts)} node(s) but the experiment needs {args.nodes}")
         endpoint = f"{hosts[0]}{args.host_suffix}:{job_port(os.environ['SLURM_JOB_ID'], args.port_range)}"
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
-        srun = ["srun", f"--nodes={args.nodes}", f"--ntasks={args.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+        srun = [
+            "srun", f"--jobid={os.environ['SLURM_JOB_ID']}", f"--nodes={args.nodes}", f"--ntasks={args.nodes}",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        ]  # fmt: skip
         return [[*srun, *inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail]]
     # no scheduler: every "node" is a torchrun process on this machine
     port = free_port()

@@ -1,7 +1,5 @@
 # The comparison: summary table and plots, also the content of `snakemake --report`.
 
-RUN_DIRS = [f"{RESULTS}/runs/{e.name}/seed{e.seed}" for e in MATRIX.values()]
-
 
 localrules:
     aggregate,
@@ -12,14 +10,33 @@ rule aggregate:
         runs=[f"{d}/run.json" for d in RUN_DIRS],
         tests=[f"{d}/test.json" for d in RUN_DIRS],
     output:
-        csv=report(f"{RESULTS}/summary.csv", category="Summary", caption="../report/summary.rst"),
+        csv=report(
+            f"{RESULTS}/summary.csv",
+            category="Summary",
+            caption="../report/summary.rst",
+        ),
         md=f"{RESULTS}/summary.md",
-        loss_tokens=report(f"{RESULTS}/loss_vs_tokens.png", category="Loss curves", caption="../report/loss.rst"),
-        loss_time=report(f"{RESULTS}/loss_vs_time.png", category="Loss curves", caption="../report/loss.rst"),
-        scaling=report(f"{RESULTS}/scaling.png", category="Scaling", caption="../report/scaling.rst"),
-    params:
-        runs=" ".join(f"--run {d}" for d in RUN_DIRS),
+        loss_tokens=report(
+            f"{RESULTS}/loss_vs_tokens.png",
+            category="Loss curves",
+            caption="../report/loss.rst",
+        ),
+        loss_time=report(
+            f"{RESULTS}/loss_vs_time.png",
+            category="Loss curves",
+            caption="../report/loss.rst",
+        ),
+        scaling=report(
+            f"{RESULTS}/scaling.png",
+            category="Scaling",
+            caption="../report/scaling.rst",
+        ),
     log:
         f"{RESULTS}/logs/aggregate.log",
+    conda:
+        "../envs/scalelm.yaml"
+    params:
+        runs=" ".join(f"--run {d}" for d in RUN_DIRS),
+        out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
-        "python -m scalelm.aggregate {params.runs} --out-dir {RESULTS} > {log} 2>&1"
+        "python -m scalelm.aggregate {params.runs} --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,0 +1,253 @@
+"""Single-process training throughput (tokens/s) and model-FLOPs utilisation (MFU) on this machine.
+
+    python bench/throughput.py [--steps N] [--warmup W] [--threads T] [--models a,b] [--json OUT] [--profile OUT]
+
+1. Measures the fp32 matrix-multiply rate of this machine, now, in this process: the best of several timed square
+   matmuls (FLOP = 2mnk) over a few sizes. That rate is the MFU denominator. The rates of the model's own GEMM
+   shapes (output projection forward, and both of its backward products) are reported alongside, for reference.
+2. Trains each model for W warm-up plus N timed steps through scalelm's real code path: a `Trainer` (the
+   single-device strategy, TransformerLM, AdamW + the LR scheduler, cross-entropy) built over a temporary prepared
+   data set of random token ids of the right vocabulary, fed by `scalelm.data.TrainBatches` and stepped with
+   `Trainer.train_step`. Producing each batch (the data loading) is timed separately from the step.
+3. Reports tokens/s, step time, the data-loading share of step time, model FLOPs per token
+   (`scalelm.model.flops_per_token`: 6 x matmul parameters + the attention term, as nanoGPT and PaLM count them),
+   the achieved FLOP/s and MFU = achieved / measured matmul rate.
+
+Models: (a) d_model 200, 2 heads, 2 layers, d_ff 200, dropout 0.2, seq_len 35, batch 20: the shape of
+pytorch/examples word_language_model's Transformer (emsize = nhid = 200, nhead 2, bptt 35); (b) the course
+defaults (d_model 128, 4 heads, 2 layers, d_ff 2048, dropout 0.1, seq_len 32, batch 512). Both use the WikiText-2
+vocabulary size, 33,278. On a shared machine, check `uptime` first: other processes lower every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
+from scalelm.model import count_parameters, flops_per_token
+from scalelm.parallel.env import setup, teardown
+from scalelm.train import Trainer
+
+VOCAB = 33_278  # WikiText-2 (raw, min-freq 1) vocabulary, as prepared by scalelm.data.prepare
+TRAIN_TOKENS = 2_088_628  # the size of WikiText-2's train split
+
+MODELS: dict[str, dict[str, Any]] = {
+    "a": {
+        "label": "(a) d200 L2 T35 B20",
+        "model": dict(d_model=200, n_heads=2, n_layers=2, d_ff=200, dropout=0.2),
+        "seq_len": 35,
+        "batch": 20,
+    },
+    "b": {
+        "label": "(b) course d128 L2 T32 B512",
+        "model": dict(d_model=128, n_heads=4, n_layers=2, d_ff=2048, dropout=0.1),
+        "seq_len": 32,
+        "batch": 512,
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------------- matmul rate
+def _best_seconds(fn, reps: int, min_time: float = 0.0) -> float:
+    best, total, n = float("inf"), 0.0, 0
+    while n < reps or total < min_time:
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        best, total, n = min(best, took), total + took, n + 1
+    return best
+
+
+def gemm_rate(m: int, n: int, k: int, reps: int, a_t: bool = False, b_t: bool = False) -> float:
+    """FLOP/s of the best of `reps` timed (m x k) @ (k x n) products, operands optionally transposed views."""
+    a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
+    b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
+    out = torch.empty(m, n)
+    for _ in range(2):
+        torch.mm(a, b, out=out)
+    return 2 * m * n * k / _best_seconds(lambda: torch.mm(a, b, out=out), reps, min_time=0.5)
+
+
+def matmul_rates(reps: int) -> dict[str, Any]:
+    square = {str(s): gemm_rate(s, s, s, reps) for s in (512, 1024, 2048, 3072)}
+    d, tokens = MODELS["a"]["model"]["d_model"], MODELS["a"]["batch"] * MODELS["a"]["seq_len"]
+    shapes = {  # the output projection of model (a): its forward and both backward products, as autograd runs them
+        f"head fwd {tokens}x{VOCAB}x{d}": gemm_rate(tokens, VOCAB, d, reps, b_t=True),
+        f"head dgrad {tokens}x{d}x{VOCAB}": gemm_rate(tokens, d, VOCAB, reps),
+        f"head wgrad {VOCAB}x{d}x{tokens}": gemm_rate(VOCAB, d, tokens, reps, a_t=True),
+    }
+    return {"peak_flops": max(square.values()), "square": square, "model_shapes": shapes}
+
+
+# ----------------------------------------------------------------------------------------------- training
+def make_prepared(directory: Path, seed: int = 0) -> Path:
+    """A prepared-data directory as scalelm.data.prepare writes it, holding random ids of the WikiText-2 vocabulary."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    splits = {"train": TRAIN_TOKENS, "validation": 10_000, "test": 10_000}
+    for split, n in splits.items():
+        torch.save(torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32), directory / f"{split}.pt")
+    (directory / "vocab.txt").write_text("\n".join(f"w{i}" for i in range(VOCAB)) + "\n")
+    manifest = {"format": 1, "source": {"benchmark": "random"}, "vocab_size": VOCAB, "splits": {}}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+def build_config(spec: dict[str, Any], prepared: Path, run_dir: Path, steps: int) -> Config:
+    return Config(
+        run_dir=str(run_dir),
+        device="cpu",
+        data=DataConfig(prepared_dir=str(prepared), seq_len=spec["seq_len"]),
+        model=ModelConfig(**spec["model"]),
+        batch=BatchConfig(size=spec["batch"]),
+        train=TrainConfig(epochs=1, max_steps=steps, precision="fp32"),
+        checkpoint=CheckpointConfig(every=None),
+    )
+
+
+def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: int, profile: Path | None) -> dict:
+    spec = MODELS[name]
+    config = build_config(spec, prepared, workdir / f"run-{name}", warmup + steps)
+    env = setup("cpu", needs_group=False, timeout_s=60)
+    trainer = Trainer(config, env)
+    trainer.stop.restore()
+    batches = trainer.batches.epoch(0)
+    data_s, step_s, losses = [], [], []
+    profiler = None
+    for i in range(warmup + steps):
+        if profile is not None and i == warmup:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            profiler.__enter__()
+        start = time.perf_counter()
+        micro_batches = next(batches)
+        loaded = time.perf_counter()
+        loss = trainer.train_step(micro_batches)
+        losses.append(loss.item())  # the CPU is synchronous: .item() only reads the finished value
+        done = time.perf_counter()
+        if i >= warmup:
+            data_s.append(loaded - start)
+            step_s.append(done - start)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+        profile.write_text(table + "\n")
+        print(f"profile of {steps} steps of model ({name}) written to {profile}")
+
+    tokens = spec["batch"] * spec["seq_len"]
+    step_median = statistics.median(step_s)
+    fpt = flops_per_token(config.model, VOCAB, spec["seq_len"])
+    return {
+        "model": name,
+        "label": spec["label"],
+        "config": {**spec["model"], "seq_len": spec["seq_len"], "batch": spec["batch"], "vocab": VOCAB},
+        "parameters": count_parameters(trainer.model),
+        "tokens_per_step": tokens,
+        "steps": steps,
+        "warmup": warmup,
+        "step_s_median": step_median,
+        "step_s_min": min(step_s),
+        "step_s_max": max(step_s),
+        "data_s_median": statistics.median(data_s),
+        "data_share": sum(data_s) / sum(step_s),
+        "tokens_per_s": tokens / step_median,
+        "flops_per_token": fpt,
+        "flops_per_s": fpt * tokens / step_median,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    m, rates = result["machine"], result["matmul"]
+    lines = [
+        f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} threads; torch {m['torch']}; "
+        f"load average at start {m['load_average'][0]:.2f}",
+        "fp32 matmul rate (best of several, GFLOP/s): "
+        + ", ".join(f"{s}^3 {r / 1e9:.1f}" for s, r in rates["square"].items())
+        + f" -> peak {rates['peak_flops'] / 1e9:.1f}",
+        "  model (a) output-projection GEMMs: "
+        + ", ".join(f"{k} {r / 1e9:.1f}" for k, r in rates["model_shapes"].items()),
+        "",
+        f"{'model':<30}{'tokens/s':>10}{'step ms':>9}{'min ms':>8}{'data %':>8}{'MFLOP/tok':>11}"
+        f"{'GFLOP/s':>9}{'MFU':>7}",
+    ]
+    for r in result["models"]:
+        lines.append(
+            f"{r['label']:<30}{r['tokens_per_s']:>10,.0f}{r['step_s_median'] * 1e3:>9.1f}{r['step_s_min'] * 1e3:>8.1f}"
+            f"{100 * r['data_share']:>7.2f}%{r['flops_per_token'] / 1e6:>11.2f}{r['flops_per_s'] / 1e9:>9.1f}"
+            f"{100 * r['mfu']:>6.1f}%"
+        )
+    lines.append(f"(median over {result['models'][0]['steps']} steps after {result['models'][0]['warmup']} warm-up)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per model (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--models", default="a,b", help="comma-separated subset of: a, b (default: %(default)s)")
+    parser.add_argument("--matmul-reps", type=int, default=5, help="timed repetitions per matmul size")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", type=Path, help="write a torch.profiler table of model (a)'s timed steps here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+
+    result: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine()}
+    result["matmul"] = matmul_rates(args.matmul_reps)
+    with tempfile.TemporaryDirectory(prefix="scalelm-bench-") as tmp:
+        prepared = make_prepared(Path(tmp) / "prepared")
+        try:
+            models = []
+            for name in names:
+                profile = args.profile if name == "a" else None
+                models.append(bench_model(name, prepared, Path(tmp), args.warmup, args.steps, profile))
+        finally:
+            teardown()
+    for r in models:
+        r["mfu"] = r["flops_per_s"] / result["matmul"]["peak_flops"]
+    result["models"] = models
+    result["machine"]["load_average_end"] = list(os.getloadavg())
+    print(report(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The Snakemake workflow, run for real on the embedded local default (CPU, gloo, shipped sample)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+WORKFLOW_PARTS = ("workflow", "config", "profiles", "resources")
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A scratch copy of the workflow, so runs write nowhere near the repository."""
+    for part in WORKFLOW_PARTS:
+        shutil.copytree(REPO / part, tmp_path / part)
+    return tmp_path
+
+
+def snakemake(project: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["snakemake", *args], cwd=project, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def edit_yaml(path: Path, change) -> None:
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
+    """Job counts from the 'Job stats' table of a dry run."""
+    table = result.stdout.split("Job stats:")[1].split("Reasons:")[0] if "Job stats:" in result.stdout else ""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+
+
+def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
+    result = snakemake(project, "-n", "-p", "--workflow-profile", "none", "--cores", "1")
+    assert result.returncode == 0, result.stderr
+    jobs = planned_jobs(result)
+    assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
+    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 4
+    commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
+    launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
+    assert launched == {"single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4")}
+    assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
+
+
+def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
+    def faster(config):
+        training = config["local"]["training"]
+        training["train"].update(max_steps=12, log_every=3, eval_every=6)
+        training["checkpoint"]["every"] = 6
+
+    edit_yaml(project / "config/local.yaml", faster)
+    first = snakemake(project)
+    assert first.returncode == 0, first.stderr[-5000:]
+
+    results = project / "results/local"
+    with (results / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["experiment"] for r in rows} == {"single_gpu", "ddp", "ddp_multinode", "fsdp"}
+    for row in rows:
+        for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
+            assert math.isfinite(float(row[key])), (row["experiment"], key)
+        assert row["steps"] == "12" and len(row["sha256"]) == 64
+    by_name = {r["experiment"]: r for r in rows}
+    assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
+    assert by_name["single_gpu"]["speedup"] == "1.0"
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png"):
+        assert (results / png).read_bytes()[:4] == b"\x89PNG"
+    provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
+    assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]
+
+    again = snakemake(project, "-n")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+    stamps = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"].setdefault("experiments", {}).setdefault("fsdp", {}).update(training={"optim": {"lr": 1e-3}}))
+    plan = snakemake(project, "-n")
+    assert planned_jobs(plan) == {"train_config": 1, "train": 1, "consolidate": 1, "evaluate": 1, "aggregate": 1, "all": 1}, plan.stdout
+    planned = set(re.findall(r"wildcards: experiment=(\w+)", plan.stdout))
+    assert planned == {"fsdp"}, plan.stdout
+    rerun = snakemake(project)
+    assert rerun.returncode == 0, rerun.stderr[-5000:]
+    after = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
+    assert [n for n in stamps if after[n] != stamps[n]] == ["fsdp"]
+    assert (results / "runs/fsdp/seed1/previous/checkpoints").is_dir()  # the old attempt is kept, not mixed in
+
+    report = snakemake(project, "--report", "report.html")
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert (project / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"procs_per_node": 0}, "procs_per_node"),
+        ({"nodes": "two"}, "'two' is not of type 'integer'"),
+        ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
+        ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
+        ({"strategy": "zero3"}, "'zero3' is not one of ['single', 'ddp', 'fsdp']"),
+        ({"gpus": 4}, "'gpus' was unexpected"),
+    ],
+)
+def test_invalid_config_fails_before_any_job(project, change, message):
+    """A bad value in one experiment of the embedded default: nothing runs, the message names the key."""
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp"].update(change))
+    result = snakemake(project, "--cores", "1")
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert not (project / "results").exists() and not (project / "data").exists()
