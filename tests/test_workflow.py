@@ -119,3 +119,10 @@ def test_invalid_config_fails_before_any_job(project, change, message):
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert not (project / "results").exists() and not (project / "data").exists()
+
+
+def test_lint_and_format_are_clean(project):
+    lint = snakemake(project, "--lint", "--workflow-profile", "none")
+    assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    fmt = subprocess.run(["snakefmt", "--check", "workflow"], cwd=project, capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stderr

@@ -77,6 +77,7 @@ class Checkpointer:
         self.env = env
         self.sharded = sharded
         self.keep = keep
+        self.resumed_from: Path | None = None
 
     # ----------------------------------------------------------------------------------------- save
     def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState) -> Path:
@@ -117,11 +118,17 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------------- load
     def latest(self) -> Path | None:
-        found = complete_checkpoints(self.directory)
-        return found[-1] if found else None
+        """The newest checkpoint whose files match the checksums of its marker; damaged ones are reported and skipped."""
+        for path in reversed(complete_checkpoints(self.directory)):
+            problem = verify(path)
+            if problem is None:
+                return path
+            if self.env.is_main:
+                print(f"warning: skipping checkpoint {path}: {problem}", flush=True)
+        return None
 
     def resume(self, model: nn.Module, optimizer, scheduler, expected_shape: dict[str, Any]) -> TrainerState | None:
-        path = self.latest()
+        path = self.resumed_from = self.latest()
         if path is None:
             return None
         trainer = torch.load(path / TRAINER_FILE, weights_only=True)
@@ -143,6 +150,21 @@ def complete_checkpoints(directory: Path) -> list[Path]:
         return []
     found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and (p / MARKER).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def verify(path: Path) -> str | None:
+    """None if every file listed in the marker is present with its checksum, else what is wrong."""
+    try:
+        expected = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable {MARKER} marker ({err})"
+    for name, digest in expected.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if sha256(file) != digest:
+            return f"{name} does not match its checksum (truncated or corrupted)"
+    return None
 
 
 def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:

@@ -100,9 +100,9 @@ class Trainer:
         self.state.world_size, self.state.strategy = env.world_size, self.strategy.name
         self.metrics = MetricsLogger(self.run_dir, env.is_main, resume_step=resumed.step if resumed else None)
         if resumed and env.is_main:
-            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest()}")
+            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
         self.last_saved = resumed.step if resumed else -1
-        self.last_path = self.checkpointer.latest()
+        self.last_path = self.checkpointer.resumed_from
         self.last_loss = math.nan
         self.evaluations: dict[tuple[str, int], dict[str, Any]] = {}
         self.stop = StopFlag()
@@ -186,9 +186,10 @@ class Trainer:
         memory = global_reduce(torch.tensor([peak_memory_mb(self.env.device)], device=self.env.device), dist.ReduceOp.MAX)
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
+            bad = self.ranks_where(~loss_acc.isfinite())
             raise TrainingError(
-                f"non-finite training loss ({loss}) at step {self.state.step} (rank {self.env.rank}); the last good "
-                f"checkpoint is kept in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
+                f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; the last good "
+                f"checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
         self.state.train_seconds += elapsed
         self.last_loss = loss
@@ -231,15 +232,27 @@ class Trainer:
 
     def save(self, pending_loss: torch.Tensor) -> Path:
         if self.last_saved != self.state.step:
-            # steps since the last log line have not been checked yet: never checkpoint non-finite weights
-            if not torch.isfinite(global_reduce(pending_loss.detach().clone().reshape(1))).all():
-                raise TrainingError(
-                    f"non-finite training loss before step {self.state.step} (rank {self.env.rank}); "
-                    f"not overwriting the last good checkpoint in {self.checkpointer.directory}"
-                )
+            self.check_finite(pending_loss)
             self.last_path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
             self.last_saved = self.state.step
         return self.last_path
+
+    def ranks_where(self, flag: torch.Tensor) -> list[int]:
+        """The ranks on which `flag` (a 0-dim bool tensor) is true; a collective."""
+        flags = torch.zeros(self.env.world_size, device=self.env.device)
+        flags[self.env.rank] = flag.float()
+        return [rank for rank, value in enumerate(global_reduce(flags).tolist()) if value]
+
+    def check_finite(self, pending_loss: torch.Tensor) -> None:
+        """Never checkpoint non-finite weights, nor weights after a non-finite loss not yet logged."""
+        tensors = [pending_loss.detach().reshape(1)]
+        tensors += [(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1) for p in self.model.parameters()]
+        bad = self.ranks_where(~torch.cat([t.isfinite().all().reshape(1) for t in tensors]).all())
+        if bad:
+            raise TrainingError(
+                f"non-finite loss or weights at step {self.state.step} on rank(s) {bad}; not checkpointing, the last "
+                f"good checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
+            )
 
     def finish(self, record, clock, validation, test, checkpoint) -> dict[str, Any]:
         record.update(

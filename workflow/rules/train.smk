@@ -45,7 +45,7 @@ rule train:
         launch=launch_args,
         prelude=site_prelude(),
     shell:
-        "{params.prelude}python -m scalelm.launch {params.launch} -- --config {input.config} > {log} 2>&1"
+        "{params.prelude}python -m scalelm.launch {params.launch} -- --config {input.config} 2>&1 | tee {log}"
 
 
 rule consolidate:

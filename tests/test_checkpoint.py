@@ -1,0 +1,65 @@
+"""Checkpoints that can be trusted: damaged ones are skipped, other models are refused, NaN never overwrites."""
+
+import pytest
+import torch
+
+from conftest import run_dir_of, run_train
+from scalelm.checkpoint import Checkpointer, TrainerState, complete_checkpoints, verify
+from scalelm.config import ModelConfig, OptimConfig
+from scalelm.errors import CheckpointError
+from scalelm.model import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler
+from scalelm.parallel.env import DistEnv
+
+
+def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tiny_config):
+    config = tiny_config("run", model__dropout=0.1)
+    run_train(config)
+    run_dir = run_dir_of(config)
+    steps = complete_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in steps] == ["step_00000010", "step_00000020"]
+    reference = torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
+    with (steps[-1] / "state.pt").open("r+b") as handle:  # a write cut short
+        handle.truncate(1000)
+    result = run_train(config)
+    assert "skipping checkpoint" in result.stdout and "does not match its checksum" in result.stdout
+    assert "resumed from step 10" in result.stdout
+    redone = torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
+    assert all(torch.equal(reference[k], redone[k]) for k in reference)
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_setting(tmp_path):
+    env = DistEnv(0, 0, 1, torch.device("cpu"))
+
+    def parts(d_model):
+        model = TransformerLM(ModelConfig(d_model=d_model, n_heads=2, n_layers=1, d_ff=16), 50)
+        optimizer = build_optimizer(model, OptimConfig(), 1e-3)
+        return model, optimizer, build_scheduler(optimizer, OptimConfig(), 10)
+
+    checkpointer = Checkpointer(tmp_path, env, sharded=False, keep=2)
+    model, optimizer, scheduler = parts(16)
+    checkpointer.save(model, optimizer, scheduler, TrainerState(step=3, model_shape={"d_model": 16, "vocab_size": 50}))
+    with pytest.raises(CheckpointError, match=r"d_model: checkpoint 16, config 32"):
+        checkpointer.resume(*parts(32), {"d_model": 32, "vocab_size": 50})
+
+
+def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config):
+    config = tiny_config("nan", checkpoint__every=1)
+    run_train(config, 1, "train.max_steps=5")
+    run_dir = run_dir_of(config)
+    # a learning rate near float32's limit: the weights explode within two steps
+    result = run_train(config, 1, "train.max_steps=5", "optim.lr=1e37", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "non-finite" in result.stderr and "on rank(s) [0]" in result.stderr, result.stderr[-2000:]
+    for checkpoint in complete_checkpoints(run_dir / "checkpoints"):
+        weights = torch.load(checkpoint / "state.pt", weights_only=True)["model"]
+        assert all(w.isfinite().all() for w in weights.values()), checkpoint
+    # the earlier run (other settings) was moved aside, not lost
+    kept = complete_checkpoints(run_dir / "previous" / "checkpoints")
+    assert kept and verify(kept[-1]) is None
+
+
+def test_yaml_style_numbers_are_accepted():
+    from scalelm.config import load_config
+
+    assert load_config(None, ["optim.lr=1e-3"]).optim.lr == 1e-3
