@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
+import sys
 import shutil
 import subprocess
 from pathlib import Path
@@ -126,3 +128,23 @@ def test_lint_and_format_are_clean(project):
     assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
     fmt = subprocess.run(["snakefmt", "--check", "workflow"], cwd=project, capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stderr
+
+
+def test_container_problems_are_clear_errors_before_any_job(project):
+    def image(path):
+        return lambda c: c["local"].update(container={"mode": "image", "image": path})
+
+    edit_yaml(project / "config/local.yaml", image("/nonexistent/scalelm.sif"))
+    missing = snakemake(project, "-n")
+    assert missing.returncode != 0
+    assert "container image /nonexistent/scalelm.sif does not exist" in missing.stdout + missing.stderr
+
+    (project / "scalelm.sif").write_bytes(b"not really an image")
+    edit_yaml(project / "config/local.yaml", image("scalelm.sif"))
+    bin_dir = os.path.dirname(sys.executable)
+    no_runtime = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n"], cwd=project, capture_output=True, text=True,
+        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )  # fmt: skip
+    assert no_runtime.returncode != 0
+    assert "neither apptainer nor singularity is on PATH" in no_runtime.stdout + no_runtime.stderr

@@ -2,6 +2,7 @@
 import yaml
 from snakemake.utils import validate
 
+from scalelm.container import check_image, find_runtime
 from scalelm.errors import ScaleLMError
 from scalelm.experiments import apply_local_overlay, load_matrix
 
@@ -51,21 +52,52 @@ def run_dir(wildcards):
     return f"{RESULTS}/runs/{wildcards.experiment}/seed{wildcards.seed}"
 
 
+def image_file():
+    """The .sif every job runs in: built here, pulled here (a URI), or given (a path); None without a container."""
+    mode, image = config["container"]["mode"], config["container"].get("image")
+    if mode == "none":
+        return None
+    if not image:
+        raise WorkflowError(
+            f"container.mode is {mode}: set container.image (a .sif path or an oras:// URI)"
+        )
+    if mode == "image" and "://" in image:
+        return f"{RESULTS}/image/scalelm.sif"  # rule pull_image fetches it on the login node
+    if mode == "image":
+        check_image(image)
+    return image
+
+
+try:
+    IMAGE = image_file()
+    RUNTIME = find_runtime() if IMAGE else None
+except ScaleLMError as err:
+    raise WorkflowError(f"invalid config: {err}")
+
+
 def image_input(wildcards):
-    return (
-        [config["container"]["image"]] if config["container"]["mode"] == "build" else []
-    )
+    return [IMAGE] if IMAGE else []
+
+
+def container_binds():
+    return [os.path.abspath(p) for p in (config["data"]["prepared_dir"], RESULTS)]
+
+
+def in_container():
+    """Prefix that runs a single-process command inside the image (empty without a container)."""
+    if not IMAGE:
+        return ""
+    binds = " ".join(f"--bind {b}" for b in container_binds())
+    return f"{RUNTIME} exec --cleanenv {binds} {IMAGE} "
 
 
 def container_args():
     """Launcher options that run each torchrun inside the image."""
-    if config["container"]["mode"] == "none":
+    if not IMAGE:
         return ""
-    binds = [config["data"]["prepared_dir"], RESULTS]
     gpu = "--gpu " if SITE.get("gpus_per_node") else ""
-    return f"--container {config['container']['image']} {gpu}" + " ".join(
-        f"--bind {b}" for b in binds
-    )
+    binds = " ".join(f"--bind {b}" for b in container_binds())
+    return f"--container {IMAGE} --container-runtime {RUNTIME} {gpu}{binds}"
 
 
 def prefetch_args():

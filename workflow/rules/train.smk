@@ -62,8 +62,9 @@ rule consolidate:
         **SITE_RESOURCES,
     params:
         run_dir=run_dir,
+        run=in_container(),
     shell:
-        "python -m scalelm.consolidate --run-dir {params.run_dir} --out {output.model} > {log} 2>&1"
+        "{params.run}python -m scalelm.consolidate --run-dir {params.run_dir} --out {output.model} > {log} 2>&1"
 
 
 rule evaluate:
@@ -78,5 +79,7 @@ rule evaluate:
         "../envs/scalelm.yaml"
     resources:
         **SITE_RESOURCES,
+    params:
+        run=in_container(),
     shell:
-        "python -m scalelm.evaluate --model {input.model} --data {input.data} --split test --out {output} > {log} 2>&1"
+        "{params.run}python -m scalelm.evaluate --model {input.model} --data {input.data} --split test --out {output} > {log} 2>&1"

@@ -1,0 +1,143 @@
+"""Build or fetch the Apptainer image the training jobs run in.
+
+    python -m scalelm.container build --definition containers/scalelm.def --out results/image/scalelm.sif \
+        --base-image docker://nvcr.io/nvidia/pytorch:25.01-py3
+    python -m scalelm.container pull --uri oras://registry/scalelm:0.1 --out results/image/scalelm.sif
+
+Builds go through spython, which calls an executable named `singularity`; on systems that only have `apptainer`
+a private `singularity` link to it is put first on PATH for the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import scalelm
+from scalelm.errors import ScaleLMError, friendly_errors
+from scalelm.provenance import git_commit
+
+
+class ContainerError(ScaleLMError):
+    pass
+
+
+RUNTIMES = ("apptainer", "singularity")
+
+
+def find_runtime() -> str:
+    for name in RUNTIMES:
+        if shutil.which(name):
+            return name
+    raise ContainerError(
+        "neither apptainer nor singularity is on PATH: load the site's module (e.g. `module load apptainer`), "
+        "build the image on a machine that has it and copy the .sif here (container.mode: image), "
+        "or run without a container (container.mode: none)"
+    )
+
+
+@contextmanager
+def singularity_on_path():
+    """spython runs `singularity`; make that name reach whichever runtime this system has."""
+    runtime = find_runtime()
+    if runtime == "singularity":
+        yield
+        return
+    with tempfile.TemporaryDirectory() as shim:
+        os.symlink(shutil.which(runtime), Path(shim) / "singularity")
+        previous = os.environ["PATH"]
+        os.environ["PATH"] = f"{shim}{os.pathsep}{previous}"
+        try:
+            yield
+        finally:
+            os.environ["PATH"] = previous
+
+
+def split_base(base_image: str) -> tuple[str, str]:
+    """`docker://repo:tag` -> ('docker', 'repo:tag'); a local .sif path -> ('localimage', path)."""
+    if "://" in base_image:
+        agent, _, rest = base_image.partition("://")
+        return agent, rest
+    path = Path(base_image)
+    if not path.is_file():
+        raise ContainerError(
+            f"base image {base_image} is neither a URI (docker://, oras://, library://) nor an existing image file"
+        )
+    return "localimage", str(path.resolve())
+
+
+def build(definition: Path, out: Path, base_image: str, fakeroot: bool) -> Path:
+    from spython.main import Client
+
+    if not definition.is_file():
+        raise ContainerError(f"definition file {definition} does not exist")
+    agent, base = split_base(base_image)
+    build_args = {
+        "bootstrap": agent,
+        "base_image": base,
+        "project_dir": str(definition.resolve().parent.parent),
+        "scalelm_version": scalelm.__version__,
+        "git_commit": git_commit() or "unknown",
+    }
+    options = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
+    if fakeroot:
+        options.append("--fakeroot")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.unlink(missing_ok=True)
+    with singularity_on_path():
+        # the build's own output goes straight to this process's stdout/stderr (the rule's log)
+        Client.build(recipe=str(definition), image=str(partial), sudo=False, options=options, force=True)
+    if not partial.is_file():
+        raise ContainerError(
+            f"building {out} from {definition} (base {base_image}) failed; the build output above says why. "
+            "If the base image cannot be reached from here, build on a machine that can and copy the .sif "
+            "(container.mode: image), or run without a container (container.mode: none)"
+        )
+    partial.rename(out)
+    return out
+
+
+def pull(uri: str, out: Path) -> Path:
+    runtime = find_runtime()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([runtime, "pull", "--force", str(out), uri], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ContainerError(f"`{runtime} pull {uri}` failed: {result.stderr.strip()[-2000:]}")
+    return out
+
+
+def check_image(image: str) -> None:
+    if "://" not in image and not Path(image).is_file():
+        raise ContainerError(
+            f"container image {image} does not exist: build it (container.mode: build), copy it from the cluster "
+            "where it was built, or run without a container (container.mode: none)"
+        )
+
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.container", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    b = commands.add_parser("build", help="build the image from the definition file")
+    b.add_argument("--definition", type=Path, required=True)
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--base-image", required=True, help="docker://..., oras://... or a local .sif")
+    b.add_argument("--no-fakeroot", action="store_true", help="build without --fakeroot (e.g. as root)")
+    p = commands.add_parser("pull", help="fetch a prebuilt image (oras://, library://, docker://)")
+    p.add_argument("--uri", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        print(f"built {build(args.definition, args.out, args.base_image, not args.no_fakeroot)}")
+    else:
+        print(f"pulled {pull(args.uri, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The image: built by the workflow from containers/scalelm.def on a real Apptainer (scripts/apptainer/), tested,
+and used by the training jobs of the tiny matrix. Runs as root; under CI it must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from system import require_root
+from test_workflow import WORKFLOW_PARTS, edit_yaml, snakemake
+
+pytestmark = pytest.mark.apptainer
+CACHE = Path(os.environ.get("SCALELM_CACHE_DIR", "/var/cache/scalelm"))
+
+
+def script(name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts/apptainer" / name), *args], capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"scripts/apptainer/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def base_image() -> Path:
+    """A real Apptainer and a local base image (Python 3.11 + the local torch CPU wheel)."""
+    require_root("apptainer")
+    script("setup.sh")
+    base = CACHE / "test-base.sif"
+    script("make-base-image.sh", str(base))
+    return base
+
+
+@pytest.fixture
+def project(tmp_path, base_image) -> Path:
+    for part in (*WORKFLOW_PARTS, "containers", "src", "pyproject.toml", "README.md"):
+        source = REPO / part
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / part)
+
+    def in_image(config):
+        local = config["local"]
+        local["container"] = {
+            "mode": "build",
+            "definition": "containers/scalelm.def",
+            "base_image": str(base_image),
+            "image": "results/local/image/scalelm.sif",
+        }
+        local["training"]["train"].update(max_steps=6, log_every=2, eval_every=3)
+        local["training"]["checkpoint"]["every"] = 3
+        for name in ("ddp_multinode", "fsdp"):
+            config["local"]["experiments"].pop(name, None)
+
+    edit_yaml(tmp_path / "config/local.yaml", in_image)
+    edit_yaml(tmp_path / "config/config.yaml", lambda c: [c["experiments"].pop(n) for n in ("ddp_multinode", "fsdp")])
+    return tmp_path
+
+
+def test_workflow_builds_the_image_and_trains_inside_it(project):
+    result = snakemake(project, timeout=1500)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    image = project / "results/local/image/scalelm.sif"
+    assert image.is_file()
+
+    tested = subprocess.run(["apptainer", "test", str(image)], capture_output=True, text=True, timeout=300)
+    assert tested.returncode == 0 and "selftest passed" in tested.stdout, tested.stdout + tested.stderr
+    labels = json.loads(
+        subprocess.run(["apptainer", "inspect", "--json", "--labels", str(image)], capture_output=True, text=True).stdout
+    )["data"]["attributes"]["labels"]
+    assert labels["org.scalelm.version"] == "0.1.0" and labels["org.scalelm.base-image"].startswith("localimage:")
+
+    for name, world in (("single_gpu", 1), ("ddp", 2)):
+        record = json.loads((project / f"results/local/runs/{name}/seed1/run.json").read_text())
+        container = record["container"]
+        assert container, f"{name} did not run inside the image"
+        assert container["labels"]["org.scalelm.version"] == labels["org.scalelm.version"]
+        assert record["world_size"] == world
+        assert (project / f"results/local/runs/{name}/seed1/test.json").is_file()
+    summary = (project / "results/local/summary.md").read_text()
+    assert "single_gpu" in summary and "ddp" in summary
+
+
+def test_unreachable_base_image_is_a_clear_error(project):
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["container"].update(base_image="docker://registry.invalid/none:1"))
+    result = snakemake(project, "build_image", timeout=600)
+    assert result.returncode != 0
+    log = (project / "results/local/logs/build_image.log").read_text()
+    assert "failed" in log and "build on a machine that can and copy the .sif" in log
+    assert not (project / "results/local/image/scalelm.sif").exists()

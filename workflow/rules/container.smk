@@ -1,0 +1,40 @@
+# The Apptainer image (container.mode: build or image). Built or pulled on the login node, where the base image and
+# registries are reachable; every training, consolidation and evaluation job then runs inside it.
+
+if config["container"]["mode"] == "build":
+
+    localrules:
+        build_image,
+
+    rule build_image:
+        input:
+            definition=config["container"].get("definition", "containers/scalelm.def"),
+        output:
+            IMAGE,
+        log:
+            f"{RESULTS}/logs/build_image.log",
+        conda:
+            "../envs/scalelm.yaml"
+        params:
+            base=config["container"].get("base_image", ""),
+        shell:
+            "python -m scalelm.container build --definition {input.definition} --out {output} "
+            "--base-image {params.base} > {log} 2>&1"
+
+
+if config["container"]["mode"] == "image" and "://" in config["container"]["image"]:
+
+    localrules:
+        pull_image,
+
+    rule pull_image:
+        output:
+            IMAGE,
+        log:
+            f"{RESULTS}/logs/pull_image.log",
+        conda:
+            "../envs/scalelm.yaml"
+        params:
+            uri=config["container"]["image"],
+        shell:
+            "python -m scalelm.container pull --uri {params.uri} --out {output} > {log} 2>&1"
