@@ -1,0 +1,57 @@
+"""How scalelm.launch turns an experiment's geometry into torchrun command lines."""
+
+import pytest
+
+from scalelm import launch
+from scalelm.errors import ConfigError
+
+
+def commands(monkeypatch, argv, env=None, hosts=("c01", "c02")):
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "slurm_hosts", lambda job_id: list(hosts))
+    args, train = launch.parse_args([*argv, "--", "--config", "t.yaml"])
+    return launch.build_commands(args, train)
+
+
+def test_single_node_is_one_standalone_torchrun(monkeypatch):
+    [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"])
+    assert command[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone"]
+    assert command[-4:] == ["-m", "scalelm.train", "--config", "t.yaml"]
+
+
+def test_multi_node_in_slurm_is_one_torchrun_per_node_with_a_job_derived_port(monkeypatch):
+    env = {"SLURM_JOB_ID": "123457"}
+    [command] = commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4", "--host-suffix", "i"], env)
+    assert command[:7] == ["srun", "--jobid=123457", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "torchrun"]
+    assert "--rdzv-endpoint=c01i:29957" in command  # 29500 + 123457 mod 500
+    assert "--rdzv-id=123457" in command and "--nnodes=2" in command
+
+
+def test_two_jobs_sharing_a_node_get_different_ports():
+    ports = {launch.job_port(str(job), (29500, 29999)) for job in range(1000, 1500)}
+    assert len(ports) == 500
+    with pytest.raises(ConfigError, match="port range 80-90"):
+        launch.job_port("1", (80, 90))
+
+
+def test_multi_node_without_slurm_runs_local_torchruns_meeting_on_one_port(monkeypatch):
+    first, second = commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "1"])
+    assert first == second and "--nnodes=2" in first
+    assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in first)
+
+
+def test_container_wraps_each_torchrun(monkeypatch):
+    env = {"NCCL_SOCKET_IFNAME": "ib0"}
+    [command] = commands(monkeypatch, ["--container", "img.sif", "--bind", "/data", "--gpu"], env)
+    prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data", "--env", "NCCL_SOCKET_IFNAME=ib0", "img.sif"]
+    assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
+
+
+def test_bad_geometry_is_refused(monkeypatch):
+    with pytest.raises(ConfigError, match="--nodes must be positive, got 0"):
+        commands(monkeypatch, ["--nodes", "0"])
+    with pytest.raises(ConfigError, match="allocation has 2 node"):
+        commands(monkeypatch, ["--nodes", "3"], {"SLURM_JOB_ID": "5"})
