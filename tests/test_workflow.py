@@ -46,7 +46,8 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
 
 
 def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
-    result = snakemake(project, "-n", "-p", "--workflow-profile", "none", "--cores", "1")
+    """What a user runs on a login node: the real matrix, jobs sized from each experiment and the site file."""
+    result = snakemake(project, "-n", "--profile", "profiles/slurm")
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
@@ -55,6 +56,10 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
     assert launched == {"single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4")}
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
+    found = re.findall(r"wildcards: experiment=(\w+).*\n\s+resources: (.*)", result.stdout)
+    resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
+    assert "nodes=2, tasks=2, mpi=srun, gres=gpu:4" in resources["ddp_multinode"]
+    assert "nodes=1, tasks=1, mpi=, gres=gpu:4" in resources["ddp"] and "gres=gpu:1" in resources["single_gpu"]
 
 
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
