@@ -56,7 +56,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
     assert launched == {"single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4")}
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
-    found = re.findall(r"wildcards: experiment=(\w+).*\n\s+resources: (.*)", result.stdout)
+    found = re.findall(r"wildcards: experiment=(\w+).*\n(?:\s+threads: .*\n)?\s+resources: (.*)", result.stdout)
     resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
     assert "nodes=2, tasks=2, mpi=srun, gres=gpu:4" in resources["ddp_multinode"]
     assert "nodes=1, tasks=1, mpi=, gres=gpu:4" in resources["ddp"] and "gres=gpu:1" in resources["single_gpu"]
