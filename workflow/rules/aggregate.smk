@@ -36,7 +36,7 @@ rule aggregate:
     conda:
         "../envs/scalelm.yaml"
     params:
-        runs=" ".join(f"--run {d}" for d in RUN_DIRS),
+        runs=shlex.join(arg for d in RUN_DIRS for arg in ("--run", d)),
         out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
-        "python -m scalelm.aggregate {params.runs} --out-dir {params.out_dir} > {log} 2>&1"
+        "python -m scalelm.aggregate {params.runs} --out-dir {params.out_dir:q} > {log:q} 2>&1"

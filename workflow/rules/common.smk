@@ -1,4 +1,6 @@
 # Configuration: apply or drop the local overlay, validate, resolve the experiment matrix (fails before any job).
+import shlex
+
 import yaml
 from snakemake.utils import validate
 
@@ -87,35 +89,35 @@ def in_container():
     """Prefix that runs a single-process command inside the image (empty without a container)."""
     if not IMAGE:
         return ""
-    binds = " ".join(f"--bind {b}" for b in container_binds())
-    return f"{RUNTIME} exec --cleanenv {binds} {IMAGE} "
+    binds = [arg for b in container_binds() for arg in ("--bind", b)]
+    return shlex.join([RUNTIME, "exec", "--cleanenv", *binds, IMAGE]) + " "
 
 
 def container_args():
     """Launcher options that run each torchrun inside the image."""
     if not IMAGE:
-        return ""
-    gpu = "--gpu " if SITE.get("gpus_per_node") else ""
-    binds = " ".join(f"--bind {b}" for b in container_binds())
-    return f"--container {IMAGE} --container-runtime {RUNTIME} {gpu}{binds}"
+        return []
+    binds = [arg for b in container_binds() for arg in ("--bind", b)]
+    gpu = ["--gpu"] if SITE.get("gpus_per_node") else []
+    return ["--container", IMAGE, "--container-runtime", RUNTIME, *gpu, *binds]
 
 
 def prefetch_args():
     source = config["data"]["source"]
     if "files" in source:
         files = ",".join(f"{split}={path}" for split, path in source["files"].items())
-        return f"--files {files} --format {source.get('format', 'text')}"
-    return f"--dataset {source['dataset']} --name {source['name']}"
+        return shlex.join(["--files", files, "--format", source.get("format", "text")])
+    return shlex.join(["--dataset", source["dataset"], "--name", source["name"]])
 
 
 def launch_args(wildcards):
     e = experiment(wildcards)
-    args = f"--nodes {e.nodes} --procs-per-node {e.procs_per_node} {container_args()}"
+    args = ["--nodes", e.nodes, "--procs-per-node", e.procs_per_node, *container_args()]
     if SITE.get("host_suffix"):
-        args += f" --host-suffix {SITE['host_suffix']}"
+        args += ["--host-suffix", SITE["host_suffix"]]
     if SITE.get("port_range"):
-        args += " --port-range {} {}".format(*SITE["port_range"])
-    return args
+        args += ["--port-range", *SITE["port_range"]]
+    return shlex.join(str(a) for a in args)
 
 
 def per_proc(key):
@@ -132,8 +134,10 @@ def site_prelude():
     """Shell run before a training job: the site's modules and the network interface for NCCL and gloo."""
     parts = []
     if SITE.get("modules"):
-        parts.append("module load " + " ".join(SITE["modules"]))
+        parts.append(shlex.join(["module", "load", *SITE["modules"]]))
     if SITE.get("network_interface"):
         nic = SITE["network_interface"]
-        parts.append(f"export NCCL_SOCKET_IFNAME={nic} GLOO_SOCKET_IFNAME={nic}")
+        parts.append(
+            f"export NCCL_SOCKET_IFNAME={shlex.quote(nic)} GLOO_SOCKET_IFNAME={shlex.quote(nic)}"
+        )
     return "".join(f"{p} && " for p in parts)

@@ -18,8 +18,8 @@ if config["container"]["mode"] == "build":
         params:
             base=config["container"].get("base_image", ""),
         shell:
-            "python -m scalelm.container build --definition {input.definition} --out {output} "
-            "--base-image {params.base} > {log} 2>&1"
+            "python -m scalelm.container build --definition {input.definition:q} --out {output:q} "
+            "--base-image {params.base:q} > {log:q} 2>&1"
 
 
 if config["container"]["mode"] == "image" and "://" in config["container"]["image"]:
@@ -37,4 +37,4 @@ if config["container"]["mode"] == "image" and "://" in config["container"]["imag
         params:
             uri=config["container"]["image"],
         shell:
-            "python -m scalelm.container pull --uri {params.uri} --out {output} > {log} 2>&1"
+            "python -m scalelm.container pull --uri {params.uri:q} --out {output:q} > {log:q} 2>&1"

@@ -16,7 +16,7 @@ rule prefetch:
     params:
         source=prefetch_args(),
     shell:
-        "python -m scalelm.data.prefetch --out {output} {params.source} > {log} 2>&1"
+        "python -m scalelm.data.prefetch --out {output:q} {params.source} > {log:q} 2>&1"
 
 
 rule prepare:
@@ -32,4 +32,4 @@ rule prepare:
         options=("--lowercase " if config["data"].get("lowercase") else "")
         + f"--min-freq {config['data'].get('min_freq', 1)}",
     shell:
-        "python -m scalelm.data.prepare --raw {input} --out {output} {params.options} > {log} 2>&1"
+        "python -m scalelm.data.prepare --raw {input:q} --out {output:q} {params.options} > {log:q} 2>&1"

@@ -45,7 +45,7 @@ rule train:
         launch=launch_args,
         prelude=site_prelude(),
     shell:
-        "{params.prelude}python -m scalelm.launch {params.launch} -- --config {input.config} 2>&1 | tee {log}"
+        "{params.prelude}python -m scalelm.launch {params.launch} -- --config {input.config:q} 2>&1 | tee {log:q}"
 
 
 rule consolidate:
@@ -64,7 +64,7 @@ rule consolidate:
         run_dir=run_dir,
         run=in_container(),
     shell:
-        "{params.run}python -m scalelm.consolidate --run-dir {params.run_dir} --out {output.model} > {log} 2>&1"
+        "{params.run}python -m scalelm.consolidate --run-dir {params.run_dir:q} --out {output.model:q} > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -82,4 +82,4 @@ rule evaluate:
     params:
         run=in_container(),
     shell:
-        "{params.run}python -m scalelm.evaluate --model {input.model} --data {input.data} --split test --out {output} > {log} 2>&1"
+        "{params.run}python -m scalelm.evaluate --model {input.model:q} --data {input.data:q} --split test --out {output:q} > {log:q} 2>&1"
