@@ -71,7 +71,7 @@ def split_base(base_image: str) -> tuple[str, str]:
     return "localimage", str(path.resolve())
 
 
-def build(definition: Path, out: Path, base_image: str, fakeroot: bool) -> Path:
+def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: list[str] = ()) -> Path:
     from spython.main import Client
 
     if not definition.is_file():
@@ -87,6 +87,7 @@ def build(definition: Path, out: Path, base_image: str, fakeroot: bool) -> Path:
     options = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
     if fakeroot:
         options.append("--fakeroot")
+    options += extra
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     partial.unlink(missing_ok=True)
@@ -129,12 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--base-image", required=True, help="docker://..., oras://... or a local .sif")
     b.add_argument("--no-fakeroot", action="store_true", help="build without --fakeroot (e.g. as root)")
+    b.add_argument("--build-option", action="append", default=[], help="passed on to `apptainer build` (repeatable)")
     p = commands.add_parser("pull", help="fetch a prebuilt image (oras://, library://, docker://)")
     p.add_argument("--uri", required=True)
     p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "build":
-        print(f"built {build(args.definition, args.out, args.base_image, not args.no_fakeroot)}")
+        image = build(args.definition, args.out, args.base_image, not args.no_fakeroot, args.build_option)
+        print(f"built {image}")
     else:
         print(f"pulled {pull(args.uri, args.out)}")
 

@@ -17,9 +17,13 @@ if config["container"]["mode"] == "build":
             "../envs/scalelm.yaml"
         params:
             base=config["container"].get("base_image", ""),
+            options=shlex.join(
+                f"--build-option={o}"
+                for o in config["container"].get("build_options", [])
+            ),
         shell:
             "python -m scalelm.container build --definition {input.definition:q} --out {output:q} "
-            "--base-image {params.base:q} > {log:q} 2>&1"
+            "--base-image {params.base:q} {params.options} > {log:q} 2>&1"
 
 
 if config["container"]["mode"] == "image" and "://" in config["container"]["image"]:

@@ -1,0 +1,149 @@
+#!/bin/bash
+# Make a local base image (stand-in for the CUDA PyTorch image, which cannot be pulled here):
+# Debian bookworm minbase + python3 (3.11) + pip + venv + `python` + the local torch CPU wheel (+ numpy).
+#
+#   scripts/apptainer/make-base-image.sh [--rebuild] OUT.sif
+#
+# Needs the wrappers from scripts/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
+# (.debs cached in $SCALELM_CACHE_DIR/debs-bookworm), torch's dependencies downloaded by the host's pip into
+# $SCALELM_CACHE_DIR/wheelhouse, `pip install` of the wheel in a chroot (no network needed then),
+# clean-up (empty /dev: device nodes break `Bootstrap: localimage` under a user namespace; ownership
+# shifted into the wrapper's subuid range so the image keeps it), then `apptainer build OUT.sif DIR`.
+# The result is cached in $SCALELM_CACHE_DIR/base-images/ keyed by the inputs; a hit is a plain copy.
+#
+# Environment: SCALELM_TORCH_WHEEL (default: the torch 2.13.0 CPU wheel in /opt/wheels),
+#   SCALELM_BASE_PIP_EXTRA (default "numpy"), SCALELM_EXTRA_CA_DIR (host CA certificates added to the image,
+#   default /usr/local/share/ca-certificates: this machine's TLS-intercepting proxy), SCALELM_MKSQUASHFS_ARGS (default "-comp zstd -Xcompression-level 3";
+#   set to "" for Apptainer's default gzip: same size, about 90 s slower on 2 cores), SCALELM_BUILD_IN_RAM
+#   (auto: stage in a tmpfs when 6 GB are free; no: on disk), SCALELM_CACHE_DIR, SCALELM_DEBIAN_MIRROR.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=common.sh
+source "$here/common.sh"
+
+rebuild=0 out=""
+for a in "$@"; do
+    case "$a" in
+        --rebuild) rebuild=1 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -*) die "unknown option: $a" ;;
+        *) [[ -z "$out" ]] || die "one output only"; out="$a" ;;
+    esac
+done
+[[ -n "$out" ]] || die "usage: $0 [--rebuild] OUT.sif"
+need_root
+APPTAINER="$SCALELM_APPTAINER_BINDIR/apptainer"
+[[ -x "$APPTAINER" ]] || die "no $APPTAINER: run scripts/apptainer/setup.sh first"
+
+WHEEL="${SCALELM_TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
+PIP_EXTRA="${SCALELM_BASE_PIP_EXTRA-numpy}"
+CA_DIR="${SCALELM_EXTRA_CA_DIR:-/usr/local/share/ca-certificates}"
+SQUASH_ARGS="${SCALELM_MKSQUASHFS_ARGS-"-comp zstd -Xcompression-level 3"}"
+PACKAGES="python3,python3-pip,python3-venv,python-is-python3,ca-certificates"
+SUITE=bookworm
+[[ -f "$WHEEL" ]] || die "no torch wheel at $WHEEL"
+torch_req="$(basename "$WHEEL" | cut -d- -f1)==$(basename "$WHEEL" | cut -d- -f2)"   # torch==2.13.0+cpu
+
+out_abs="$(readlink -f "$(dirname "$out")")/$(basename "$out")"
+key_src="v1 $SUITE $PACKAGES $(cat "$CA_DIR"/*.crt 2>/dev/null | sha256sum | cut -c1-16) $(stat -c '%n %s %Y' "$WHEEL") $PIP_EXTRA $SQUASH_ARGS $(sha256sum "$0" | cut -c1-16)"
+key="$(echo "$key_src" | sha256sum | cut -c1-16)"
+cached="$SCALELM_CACHE_DIR/base-images/base-$key.sif"
+t0=$SECONDS
+
+if [[ $rebuild -eq 0 && -f "$cached" ]]; then
+    cp --reflink=auto "$cached" "$out_abs"
+    log "base image from cache ($cached) -> $out_abs in $((SECONDS - t0)) s"
+    exit 0
+fi
+
+ensure_host_pkg mmdebstrap mmdebstrap
+stage="$(mktemp -d "$SCALELM_CACHE_DIR/base-build.XXXXXX")"
+trap 'umount -l "$stage" 2>/dev/null || true; rm -rf "$stage"' EXIT
+trap 'exit 130' INT TERM
+# Build in RAM when there is room (about 3 GB used at the peak): the many small files of the rootfs and
+# Apptainer's copy of it make this step disk-bound otherwise (about 2x slower here).
+mem_gb=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo)
+if [[ "${SCALELM_BUILD_IN_RAM:-auto}" != no ]] && (( mem_gb >= 6 )); then
+    mount -t tmpfs -o size=5g,mode=0755 scalelm-base-build "$stage"
+    export APPTAINER_TMPDIR="${APPTAINER_TMPDIR:-/dev/shm}"   # the host tmpfs, bound by the wrapper
+fi
+rootfs="$stage/rootfs"
+
+# 1. Debian bookworm minbase with Python.
+mapfile -t opts < <(mmdebstrap_opts "$SCALELM_CACHE_DIR/debs-$SUITE")
+log "bootstrapping Debian $SUITE + $PACKAGES"
+mmdebstrap --quiet "${opts[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$(debian_mirror)"
+t1=$SECONDS
+
+# 2. torch's dependencies, fetched by the host's pip (it knows the host's indexes) into a reusable wheelhouse.
+wh="$SCALELM_CACHE_DIR/wheelhouse"
+mkdir -p "$wh"
+mapfile -t deps < <(python3 - "$WHEEL" <<'EOF'
+import sys, zipfile
+from email.parser import Parser
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for req in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
+        if "extra ==" not in req:
+            print(req)
+EOF
+)
+index_opt=--no-index
+# shellcheck disable=SC2086
+if ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --find-links "$wh" \
+        --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$stage/pip-download.log" 2>&1; then
+    grep -v 'is ignored: it is neither' "$stage/pip-download.log" >&2 || true
+    log "warning: the host's pip download failed; the chroot's pip will use PyPI"
+    index_opt=""
+fi
+
+# The host's extra CA certificates (this machine reaches PyPI through a TLS-intercepting proxy): without
+# them pip in the image (e.g. in the scalelm.def %post) cannot reach PyPI here.
+if compgen -G "$CA_DIR/*.crt" >/dev/null; then
+    mkdir -p "$rootfs/usr/local/share/ca-certificates"
+    cp "$CA_DIR"/*.crt "$rootfs/usr/local/share/ca-certificates/"
+    chroot "$rootfs" update-ca-certificates >/dev/null 2>&1
+fi
+
+# 3. pip install in the chroot, from local files (network only for what the wheelhouse lacks).
+log "installing $(basename "$WHEEL") $PIP_EXTRA"
+mkdir -p "$rootfs/mnt/wheel" "$rootfs/mnt/wheelhouse"
+cat /etc/resolv.conf > "$rootfs/etc/resolv.conf" 2>/dev/null || true
+# shellcheck disable=SC2086,SC2016
+unshare --mount --propagation private -- /bin/bash -euc '
+    r=$1; shift
+    mount --bind "$(dirname "$1")" "$r/mnt/wheel"; mount --bind "$2" "$r/mnt/wheelhouse"
+    mount -t proc proc "$r/proc"
+    shift 2
+    chroot "$r" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
+        PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+        python3 -m pip install --quiet --no-cache-dir --break-system-packages --root-user-action=ignore \
+        --disable-pip-version-check --find-links /mnt/wheel --find-links /mnt/wheelhouse "$@"
+' _ "$rootfs" "$WHEEL" "$wh" $index_opt "$torch_req" $PIP_EXTRA
+rmdir "$rootfs/mnt/wheel" "$rootfs/mnt/wheelhouse"
+t2=$SECONDS
+
+# 4. Clean up for a small, bootstrap-able image.
+rm -f "$rootfs"/usr/lib/python3*/EXTERNALLY-MANAGED   # pip installs work as in the NGC/PyTorch images
+rm -rf "${rootfs:?}"/dev/* "$rootfs"/root/.cache "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin \
+       "$rootfs"/var/cache/apt/archives/partial "$rootfs"/var/lib/apt/lists/partial "$rootfs"/var/log/*.log
+: > "$rootfs/etc/resolv.conf"
+# Shift non-root owners into the subuid range the wrapper maps (namespace id N = host id START+N-1), so
+# that inside Apptainer's user namespace they keep their ids. chown clears set[ug]id bits: restore the mode.
+shift_by=$((SCALELM_SUBID_START - 1))
+find "$rootfs" \( ! -uid 0 -o ! -gid 0 \) -printf '%U %G %m %p\0' |
+    while IFS=' ' read -r -d '' u g m p; do
+        (( u > 0 )) && u=$((u + shift_by)); (( g > 0 )) && g=$((g + shift_by))
+        chown -h "$u:$g" "$p"; [[ -L "$p" ]] || chmod "$m" "$p"
+    done
+
+# 5. SIF (the staging dir is under the cache dir: make the wrapper bind it).
+log "building the SIF (mksquashfs args: ${SQUASH_ARGS:-default})"
+mkdir -p "$SCALELM_CACHE_DIR/base-images"
+sqargs=(); [[ -n "$SQUASH_ARGS" ]] && sqargs=(--mksquashfs-args "$SQUASH_ARGS")
+SCALELM_APPTAINER_BINDS="$stage:$SCALELM_CACHE_DIR/base-images${SCALELM_APPTAINER_BINDS:+:$SCALELM_APPTAINER_BINDS}" \
+    "$APPTAINER" --quiet build --force "${sqargs[@]}" "$stage/base.sif" "$rootfs"
+mv -f "$stage/base.sif" "$cached"
+cp --reflink=auto "$cached" "$out_abs"
+t3=$SECONDS
+log "base image $out_abs ($(du -h "$out_abs" | cut -f1)): mmdebstrap $((t1 - t0)) s, pip $((t2 - t1)) s, sif $((t3 - t2)) s, total $((t3 - t0)) s"
