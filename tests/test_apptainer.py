@@ -29,13 +29,17 @@ def script(name: str, *args: str, timeout: int = 900) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="module")
-def base_image() -> Path:
-    """A real Apptainer and a local base image (Python 3.11 + the local torch CPU wheel)."""
+def base_image():
+    """A real Apptainer and a local base image (Python 3.11 + the local torch CPU wheel); the runtime's wrappers
+    are removed afterwards (the rootfs and caches stay in /var/cache/scalelm for the next run)."""
     require_root("apptainer")
     script("setup.sh")
-    BASE_IMAGE.parent.mkdir(parents=True, exist_ok=True)
-    script("make-base-image.sh", str(BASE_IMAGE))
-    return BASE_IMAGE
+    try:
+        BASE_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+        script("make-base-image.sh", str(BASE_IMAGE))
+        yield BASE_IMAGE
+    finally:
+        script("teardown.sh")
 
 
 @pytest.fixture
