@@ -43,10 +43,22 @@ def test_multi_node_without_slurm_runs_local_torchruns_meeting_on_one_port(monke
     assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in first)
 
 
+def test_each_process_gets_its_share_of_the_cpus(monkeypatch):
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
+    commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"], {"OMP_NUM_THREADS": "4"})  # Snakemake's value
+    assert launch.os.environ["OMP_NUM_THREADS"] == "2"
+    commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4"])  # two local "nodes" share this machine
+    assert launch.os.environ["OMP_NUM_THREADS"] == "1"
+    commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "2"], {"SLURM_JOB_ID": "7"})  # one torchrun per node
+    assert launch.os.environ["OMP_NUM_THREADS"] == "4"
+
+
 def test_container_wraps_each_torchrun(monkeypatch):
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1})
     env = {"NCCL_SOCKET_IFNAME": "ib0"}
     [command] = commands(monkeypatch, ["--container", "img.sif", "--bind", "/data", "--gpu"], env)
-    prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data", "--env", "NCCL_SOCKET_IFNAME=ib0", "img.sif"]
+    prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data"]
+    prefix += ["--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "OMP_NUM_THREADS=2", "img.sif"]  # --cleanenv drops them
     assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
 
 

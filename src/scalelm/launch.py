@@ -76,7 +76,7 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
 def run_all(commands: list[list[str]]) -> int:
     """Run the commands concurrently; when one fails, stop the others; return the first non-zero status."""
     for command in commands:
-        print("+", shlex.join(command), flush=True)
+        print(f"+ OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", shlex.join(command), flush=True)
     processes = [subprocess.Popen(c) for c in commands]
 
     def forward(signum, frame):  # a signal to the launcher (preemption) reaches every torchrun
@@ -98,7 +98,17 @@ def run_all(commands: list[list[str]]) -> int:
     return status or next((p.returncode for p in processes if p.returncode), 0)
 
 
+def threads_per_process(processes_here: int) -> int:
+    """CPU threads for each training process on this node: the CPUs this job may use, shared out.
+    Snakemake exports OMP_NUM_THREADS=<rule threads> to every job; kept, each of several workers would start that
+    many threads and oversubscribe the cores (measured: 9x slower DDP on 2 cores)."""
+    return max(1, len(os.sched_getaffinity(0)) // processes_here)
+
+
 def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list[str]]:
+    local_nodes = args.nodes > 1 and "SLURM_JOB_ID" not in os.environ
+    processes_here = args.procs_per_node * (args.nodes if local_nodes else 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(processes_here))
     inside = container_prefix(args.container, args.bind, args.gpu, args.container_runtime)
     tail = [*TRAIN, *train_args]
     if args.nodes == 1:
