@@ -6,8 +6,12 @@ Under CI they must run: a missing prerequisite fails the test. Elsewhere they sk
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def in_ci() -> bool:
@@ -21,3 +25,11 @@ def require_root(tier: str) -> None:
     if in_ci():
         pytest.fail(message + "; CI must run it")
     pytest.skip(message)
+
+
+def run_script(tier: str, name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """scripts/<tier>/<name>; a failure fails the test with the script's output."""
+    result = subprocess.run(["bash", str(SCRIPTS / tier / name), *args], capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"scripts/{tier}/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result

@@ -9,9 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
-from system import require_root
+from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml, snakemake
 
 pytestmark = pytest.mark.apptainer
@@ -19,13 +18,8 @@ pytestmark = pytest.mark.apptainer
 BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 
 
-def script(name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts/apptainer" / name), *args], capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode != 0:
-        raise AssertionError(f"scripts/apptainer/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
+def script(name: str, *args: str):
+    return run_script("apptainer", name, *args)
 
 
 @pytest.fixture(scope="module")

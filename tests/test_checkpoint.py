@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import run_dir_of, run_train
+
 from scalelm.checkpoint import Checkpointer, TrainerState, complete_checkpoints, verify
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError

@@ -2,8 +2,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import SAMPLE
+
 from scalelm.data import EvalBatches, TrainBatches, load_prepared
 from scalelm.data.vocab import EOS_ID, UNK_ID
 from scalelm.data.windows import IGNORE_INDEX, num_windows

@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import psutil
-
 from conftest import run_dir_of, run_train, train_command
 
 

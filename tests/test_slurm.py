@@ -12,22 +12,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
-from system import require_root
+from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml
 
 pytestmark = pytest.mark.slurm
 STATE_DIR = Path(os.environ.get("SCALELM_SLURM_STATE_DIR", "/tmp/scalelm-slurm-tests"))
 
 
-def script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts/slurm" / name), *args], capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode != 0:
-        raise AssertionError(f"scripts/slurm/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
+def script(name: str, *args: str):
+    return run_script("slurm", name, *args)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import run_dir_of, run_train, train_command, train_losses
+
 from scalelm.checkpoint import complete_checkpoints, load_weights
 from scalelm.config import load_config
 from scalelm.metrics import read_metrics

@@ -6,14 +6,13 @@ import csv
 import math
 import os
 import re
-import sys
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
 
 WORKFLOW_PARTS = ("workflow", "config", "profiles", "resources")

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from scalelm.provenance import sha256
 from scalelm.errors import CheckpointError
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier
+from scalelm.provenance import sha256
 
 STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"

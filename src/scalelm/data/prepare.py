@@ -22,8 +22,8 @@ import torch
 from scalelm.data.prefetch import SOURCE_FILE
 from scalelm.data.prepared import MANIFEST, SPLITS
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
-from scalelm.provenance import sha256
 from scalelm.errors import DataError, friendly_errors
+from scalelm.provenance import sha256
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:

@@ -14,11 +14,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from scalelm.errors import ConfigError
 from scalelm.parallel.base import Strategy
-
 
 # The head's logits are a view of a matmul result; scalelm never modifies them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
