@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from scalelm.errors import ConfigError, friendly_errors
+from scalelm.preemption import EXIT_PREEMPTED
 
 TRAIN = ["-m", "scalelm.train"]
 
@@ -73,19 +74,28 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
 
 
+def ignore_usr1() -> None:
+    """In torchrun (before exec): it has no handler for SIGUSR1 and would die of Slurm's --signal=USR1, leaving
+    its workers behind. Its workers install their own handler (scalelm.preemption)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def run_all(commands: list[list[str]]) -> int:
-    """Run the commands concurrently; when one fails, stop the others; return the first non-zero status."""
+    """Run the commands concurrently; when one fails, stop the others; return the first non-zero status,
+    or EXIT_PREEMPTED after a stop signal (the workers have checkpointed; rerunning resumes)."""
     for command in commands:
         print(f"+ OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", shlex.join(command), flush=True)
-    processes = [subprocess.Popen(c) for c in commands]
+    processes = [subprocess.Popen(c, preexec_fn=ignore_usr1) for c in commands]
+    stop_signals = []
 
-    def forward(signum, frame):  # a signal to the launcher (preemption) reaches every torchrun
+    def stop(signum, frame):  # torchrun turns SIGTERM into a graceful stop of its workers
+        stop_signals.append(signum)
         for p in processes:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, forward)
+        signal.signal(sig, stop)
     status = 0
     while any(p.poll() is None for p in processes):
         failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
@@ -95,7 +105,11 @@ def run_all(commands: list[list[str]]) -> int:
                 if p.poll() is None:
                     p.terminate()
         time.sleep(0.2)
-    return status or next((p.returncode for p in processes if p.returncode), 0)
+    status = status or next((p.returncode for p in processes if p.returncode), 0)
+    if stop_signals and status:
+        print(f"stopped by signal {signal.Signals(stop_signals[0]).name}: rerun to resume", flush=True)
+        return EXIT_PREEMPTED
+    return status
 
 
 def threads_per_process(processes_here: int) -> int:
