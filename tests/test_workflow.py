@@ -46,6 +46,8 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
 
 def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     """What a user runs on a login node: the real matrix, jobs sized from each experiment and the site file."""
+    site = dict(account="proj1", partition="dc-gpu", reservation="course", host_suffix="i", network_interface="ib0")
+    edit_yaml(project / "profiles/slurm/site.yaml", lambda c: c.update(site))
     result = snakemake(project, "-n", "--profile", "profiles/slurm")
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
@@ -59,6 +61,11 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
     assert "nodes=2, tasks=2, mpi=srun, gres=gpu:4" in resources["ddp_multinode"]
     assert "nodes=1, tasks=1, mpi=, gres=gpu:4" in resources["ddp"] and "gres=gpu:1" in resources["single_gpu"]
+    for line in resources.values():
+        assert "slurm_extra=--reservation=course --signal=USR1@300" in line, line
+        assert "slurm_account=proj1, slurm_partition=dc-gpu" in line, line
+    assert "export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && python -m scalelm.launch" in result.stdout
+    assert "--host-suffix i" in result.stdout
 
 
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):

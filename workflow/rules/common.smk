@@ -32,8 +32,18 @@ SITE_RESOURCES = {
     )
     if SITE.get(key)
 }
-if SITE.get("reservation"):
-    SITE_RESOURCES["slurm_extra"] = f"--reservation={SITE['reservation']}"
+
+
+def slurm_extra(stop_signal=False):
+    """Further sbatch flags: the site's reservation; for training, USR1 to every process of the job some minutes
+    before its time limit, so that it checkpoints and exits 75 (rerunning the workflow resumes).
+    """
+    flags = [f"--reservation={SITE['reservation']}"] if SITE.get("reservation") else []
+    if stop_signal:
+        flags.append(f"--signal=USR1@{config['resources'].get('stop_signal_s', 300)}")
+    return shlex.join(flags)
+
+
 RESULTS = config["results"]
 try:
     MATRIX = {(e.name, str(e.seed)): e for e in load_matrix(config, RESULTS)}

@@ -30,6 +30,7 @@ rule train:
         "../envs/scalelm.yaml"
     threads: lambda wildcards: experiment(wildcards).procs_per_node
     resources:
+        **SITE_RESOURCES,
         nodes=lambda wildcards: experiment(wildcards).nodes,
         tasks=lambda wildcards: experiment(wildcards).nodes,
         mpi=lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else "",
@@ -41,6 +42,7 @@ rule train:
             if SITE.get("gpus_per_node")
             else ""
         ),
+        slurm_extra=slurm_extra(stop_signal=True),
     params:
         launch=launch_args,
         prelude=site_prelude(),
@@ -60,6 +62,7 @@ rule consolidate:
         "../envs/scalelm.yaml"
     resources:
         **SITE_RESOURCES,
+        slurm_extra=slurm_extra(),
     params:
         run_dir=run_dir,
         run=in_container(),
@@ -79,6 +82,7 @@ rule evaluate:
         "../envs/scalelm.yaml"
     resources:
         **SITE_RESOURCES,
+        slurm_extra=slurm_extra(),
     params:
         run=in_container(),
     shell:
