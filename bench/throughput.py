@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -46,13 +47,13 @@ TRAIN_TOKENS = 2_088_628  # the size of WikiText-2's train split
 MODELS: dict[str, dict[str, Any]] = {
     "a": {
         "label": "(a) d200 L2 T35 B20",
-        "model": dict(d_model=200, n_heads=2, n_layers=2, d_ff=200, dropout=0.2),
+        "model": {"d_model": 200, "n_heads": 2, "n_layers": 2, "d_ff": 200, "dropout": 0.2},
         "seq_len": 35,
         "batch": 20,
     },
     "b": {
         "label": "(b) course d128 L2 T32 B512",
-        "model": dict(d_model=128, n_heads=4, n_layers=2, d_ff=2048, dropout=0.1),
+        "model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048, "dropout": 0.1},
         "seq_len": 32,
         "batch": 512,
     },
@@ -70,25 +71,59 @@ def _best_seconds(fn, reps: int, min_time: float = 0.0) -> float:
     return best
 
 
-def gemm_rate(m: int, n: int, k: int, reps: int, a_t: bool = False, b_t: bool = False) -> float:
-    """FLOP/s of the best of `reps` timed (m x k) @ (k x n) products, operands optionally transposed views."""
+def gemm_rate(m: int, n: int, k: int, reps: int, a_t: bool = False, b_t: bool = False, ld: int = 0) -> float:
+    """FLOP/s of the best of `reps` timed (m x k) @ (k x n) products, operands optionally transposed views,
+    the result optionally written with row stride `ld` > n (as the fused loss's padded workspace is)."""
     a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
     b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
-    out = torch.empty(m, n)
+    out = torch.empty(m, max(ld, n))[:, :n]
     for _ in range(2):
         torch.mm(a, b, out=out)
     return 2 * m * n * k / _best_seconds(lambda: torch.mm(a, b, out=out), reps, min_time=0.5)
 
 
+def square_rates(reps: int) -> dict[str, float]:
+    return {str(s): gemm_rate(s, s, s, reps) for s in (512, 1024, 2048, 3072)}
+
+
 def matmul_rates(reps: int) -> dict[str, Any]:
-    square = {str(s): gemm_rate(s, s, s, reps) for s in (512, 1024, 2048, 3072)}
-    d, tokens = MODELS["a"]["model"]["d_model"], MODELS["a"]["batch"] * MODELS["a"]["seq_len"]
-    shapes = {  # the output projection of model (a): its forward and both backward products, as autograd runs them
-        f"head fwd {tokens}x{VOCAB}x{d}": gemm_rate(tokens, VOCAB, d, reps, b_t=True),
-        f"head dgrad {tokens}x{d}x{VOCAB}": gemm_rate(tokens, d, VOCAB, reps),
-        f"head wgrad {VOCAB}x{d}x{tokens}": gemm_rate(VOCAB, d, tokens, reps, a_t=True),
+    square = square_rates(reps)
+    d, n = MODELS["a"]["model"]["d_model"], MODELS["a"]["batch"] * MODELS["a"]["seq_len"]
+    shapes = {  # model (a)'s output projection, the bulk of its FLOPs: m x n result, inner dimension k
+        f"logits x.W^T {n}x{VOCAB} k={d} (autograd's layout)": gemm_rate(n, VOCAB, d, reps, b_t=True),
+        f"logits W.x^T {VOCAB}x{n} k={d} (contiguous)": gemm_rate(VOCAB, n, d, reps, b_t=True),
+        f"logits W.x^T {VOCAB}x{n} k={d} (fused, ld {n + 4})": gemm_rate(VOCAB, n, d, reps, b_t=True, ld=n + 4),
+        f"input grad {n}x{d} k={VOCAB}": gemm_rate(n, d, VOCAB, reps, a_t=True),
+        f"weight grad {VOCAB}x{d} k={n}": gemm_rate(VOCAB, d, n, reps),
     }
     return {"peak_flops": max(square.values()), "square": square, "model_shapes": shapes}
+
+
+class CpuMeter:
+    """CPU time other processes (and the hypervisor, as steal) took while we measured, as a share of all CPUs."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, list[int], float] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return time.perf_counter(), fields, time.process_time()
+
+    def shares(self) -> dict[str, float] | None:
+        end = self._read()
+        if self.start is None or end is None:
+            return None
+        hz, cpus = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+        (t0, f0, p0), (t1, f1, p1) = self.start, end
+        delta = [b - a for a, b in zip(f0, f1)]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = delta
+        busy = (user + nice + system + irq + softirq) / hz
+        capacity = (t1 - t0) * cpus
+        return {"others": max(0.0, busy - (p1 - p0)) / capacity, "steal": steal / hz / capacity}
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -125,11 +160,15 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
     trainer.stop.restore()
     batches = trainer.batches.epoch(0)
     data_s, step_s, losses = [], [], []
+    faults = 0
     profiler = None
     for i in range(warmup + steps):
         if profile is not None and i == warmup:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
             profiler.__enter__()
+        if i == warmup:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            meter = CpuMeter()
         start = time.perf_counter()
         micro_batches = next(batches)
         loaded = time.perf_counter()
@@ -139,6 +178,8 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
         if i >= warmup:
             data_s.append(loaded - start)
             step_s.append(done - start)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    interference = meter.shares()
     if profiler is not None:
         profiler.__exit__(None, None, None)
         table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
@@ -161,6 +202,8 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
         "step_s_max": max(step_s),
         "data_s_median": statistics.median(data_s),
         "data_share": sum(data_s) / sum(step_s),
+        "page_faults_per_step": faults / steps,
+        "cpu_taken_by_others": interference,
         "tokens_per_s": tokens / step_median,
         "flops_per_token": fpt,
         "flops_per_s": fpt * tokens / step_median,
@@ -188,25 +231,45 @@ def machine() -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     m, rates = result["machine"], result["matmul"]
+
+    def rates_line(measured: dict[str, float]) -> str:
+        return ", ".join(f"{size}^3 {rate / 1e9:.1f}" for size, rate in measured.items())
+
     lines = [
-        f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} threads; torch {m['torch']}; "
-        f"load average at start {m['load_average'][0]:.2f}",
-        "fp32 matmul rate (best of several, GFLOP/s): "
-        + ", ".join(f"{s}^3 {r / 1e9:.1f}" for s, r in rates["square"].items())
-        + f" -> peak {rates['peak_flops'] / 1e9:.1f}",
-        "  model (a) output-projection GEMMs: "
-        + ", ".join(f"{k} {r / 1e9:.1f}" for k, r in rates["model_shapes"].items()),
+        (
+            f"machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} threads; torch {m['torch']}; "
+            f"load average at start {m['load_average'][0]:.2f}"
+        ),
+        f"fp32 square matmuls, best of several (GFLOP/s): {rates_line(rates['square'])}",
+        *(
+            f"  again after model {i + 1}: {rates_line(again)}"
+            for i, again in enumerate(rates["square_after_each_model"])
+        ),
+        f"  -> peak {rates['peak_flops'] / 1e9:.1f} GFLOP/s, the best of the run: the MFU denominator",
+        "model (a)'s output-projection GEMMs (GFLOP/s):",
+        *(f"  {name:<48}{rate / 1e9:>7.1f}" for name, rate in rates["model_shapes"].items()),
         "",
-        f"{'model':<30}{'tokens/s':>10}{'step ms':>9}{'min ms':>8}{'data %':>8}{'MFLOP/tok':>11}"
-        f"{'GFLOP/s':>9}{'MFU':>7}",
+        (
+            f"{'model':<30}{'tokens/s':>10}{'step ms':>9}{'min ms':>8}{'data %':>8}{'faults':>8}{'others %':>9}"
+            f"{'MFLOP/tok':>11}{'GFLOP/s':>9}{'MFU':>7}{'best':>7}"
+        ),
     ]
     for r in result["models"]:
+        others = r["cpu_taken_by_others"]
+        others = f"{100 * (others['others'] + others['steal']):>8.1f}%" if others else f"{'?':>9}"
         lines.append(
             f"{r['label']:<30}{r['tokens_per_s']:>10,.0f}{r['step_s_median'] * 1e3:>9.1f}{r['step_s_min'] * 1e3:>8.1f}"
-            f"{100 * r['data_share']:>7.2f}%{r['flops_per_token'] / 1e6:>11.2f}{r['flops_per_s'] / 1e9:>9.1f}"
-            f"{100 * r['mfu']:>6.1f}%"
+            f"{100 * r['data_share']:>7.2f}%{r['page_faults_per_step']:>8.0f}{others}"
+            f"{r['flops_per_token'] / 1e6:>11.2f}{r['flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%"
+            f"{100 * r['mfu_best_step']:>6.1f}%"
         )
-    lines.append(f"(median over {result['models'][0]['steps']} steps after {result['models'][0]['warmup']} warm-up)")
+    first = result["models"][0]
+    lines += [
+        f"step ms: median of {first['steps']} steps after {first['warmup']} warm-up; tokens/s, GFLOP/s and MFU use it.",
+        "min ms / best: the fastest step, and the MFU it would give. data %: share of step time spent producing the",
+        "batch. faults: minor page faults per step. others %: CPU time other processes and the hypervisor (steal)",
+        "took during the timed steps, as a share of all CPUs: above a few % the figures are pessimistic; repeat.",
+    ]
     return "\n".join(lines)
 
 
@@ -236,10 +299,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in names:
                 profile = args.profile if name == "a" else None
                 models.append(bench_model(name, prepared, Path(tmp), args.warmup, args.steps, profile))
+                # the machine's speed drifts: measure again, and divide by the best rate seen in the whole run
+                again = square_rates(max(2, args.matmul_reps // 2))
+                result["matmul"].setdefault("square_after_each_model", []).append(again)
+                result["matmul"]["peak_flops"] = max(result["matmul"]["peak_flops"], *again.values())
         finally:
             teardown()
     for r in models:
         r["mfu"] = r["flops_per_s"] / result["matmul"]["peak_flops"]
+        r["mfu_best_step"] = (
+            r["flops_per_token"] * r["tokens_per_step"] / r["step_s_min"] / result["matmul"]["peak_flops"]
+        )
     result["models"] = models
     result["machine"]["load_average_end"] = list(os.getloadavg())
     print(report(result))

@@ -1,7 +1,9 @@
+import pytest
 import torch
+import torch.nn.functional as F
 
 from scalelm.config import ModelConfig
-from scalelm.model import TransformerLM, count_parameters
+from scalelm.model import IGNORE_INDEX, Dropout, LinearCrossEntropy, TransformerLM, count_parameters
 
 
 def test_causal_future_tokens_do_not_change_the_past():
@@ -29,3 +31,45 @@ def test_weight_tying_and_pre_norm():
     model = TransformerLM(config, 100)
     assert model.head.weight is model.embed.weight
     assert model(torch.randint(0, 100, (2, 8))).shape == (2, 8, 100)
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_training_loss_is_the_cross_entropy_of_the_logits_with_the_same_gradients(monkeypatch, tie_weights):
+    """model(tokens, targets), fused with the output projection on CPU, equals F.cross_entropy over model(tokens)."""
+    monkeypatch.setattr(LinearCrossEntropy, "CHUNK_ROWS", 7)  # several chunks, the last one partial and padded
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, tie_weights=tie_weights)
+    model = TransformerLM(config, vocab_size=300)
+    tokens, targets = torch.randint(0, 300, (3, 20)), torch.randint(0, 300, (3, 20))
+    targets[0, ::3] = IGNORE_INDEX
+
+    loss = model(tokens, targets)
+    assert "LinearCrossEntropy" in type(loss.grad_fn).__name__  # the fused path was taken
+    (loss * 0.25).backward()  # as with 4 accumulated micro-batches
+    fused = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    reference = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    (reference * 0.25).backward()
+
+    assert torch.allclose(loss, reference, rtol=1e-6, atol=0)
+    for name, p in model.named_parameters():
+        assert torch.allclose(fused[name], p.grad, rtol=1e-4, atol=1e-8), name
+    with torch.no_grad():  # evaluation keeps the plain path
+        assert torch.allclose(model(tokens, targets), reference, rtol=1e-6, atol=0)
+
+
+def test_dropout_keeps_each_element_with_probability_1_minus_p_scaled_as_f_dropout():
+    drop = Dropout(0.25)
+    x = torch.randn(400, 500, requires_grad=True)
+    torch.manual_seed(0)
+    a = drop(x)
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), a)  # the masks follow torch's seed (and so the RNG state in checkpoints)
+    kept = a != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.005  # 5 standard deviations for 200,000 draws
+    scale = F.dropout(torch.ones(1000), 0.25, training=True).max()  # torch's own 1 / (1 - p), in fp32
+    assert torch.equal(a[kept], x[kept] * scale)
+    a.sum().backward()
+    assert torch.equal(x.grad, kept * scale)
+    drop.eval()
+    assert torch.equal(drop(x), x)

@@ -3,17 +3,27 @@
 Shape of the course model (embedding, sinusoidal positions, N blocks, final LayerNorm, output projection),
 with the defect fixed: attention is causal, through scaled_dot_product_attention(is_causal=True), which also gives
 GPUs the fused flash/memory-efficient kernels. Each block is its own module so FSDP can shard block by block.
+
+Training calls `model(inputs, targets)`, which returns the mean next-token cross-entropy instead of the logits.
+On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
+its gradient, chunk by chunk, and so never materialises the (tokens x vocabulary) logits, their log-softmax and
+its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the plain
+`F.cross_entropy(head(x).float(), targets)`. Both compute the same function.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from scalelm.config import ModelConfig
+
+IGNORE_INDEX = -100  # targets to leave out of the loss, as in F.cross_entropy (and scalelm.data.windows)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -23,6 +33,27 @@ def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(position * freq)
     table[:, 1::2] = torch.cos(position * freq[: d_model // 2])
     return table
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout whose keep-mask is drawn, on CPU, by numpy's PCG64 instead of torch's Bernoulli sampler.
+
+    The same function: every element kept independently with probability 1 - p (to within 2^-24) and scaled by
+    1 / (1 - p), computed exactly as F.dropout does. torch's CPU Bernoulli sampler is serial Mersenne-Twister code
+    (its vectorised MKL path is taken on Intel CPUs only): 307 ms for one feed-forward dropout of the course model
+    (16,384 x 2,048 values) against 140 ms for this (docs/benchmarks.md). The generator is seeded from torch's default
+    generator, so torch.manual_seed and the RNG states saved in checkpoints still determine every mask.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and 0.0 < self.p < 1.0 and x.device.type == "cpu" and x.dtype == torch.float32):
+            return super().forward(x)
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        values = np.random.Generator(np.random.PCG64(seed)).random(x.numel(), dtype=np.float32)
+        keep = values >= np.float32(self.p)
+        np.multiply(keep, np.float32(1.0) / np.float32(1.0 - self.p), out=values)  # F.dropout's 1/(1-p), in fp32
+        mask = torch.from_numpy(values).view(x.shape)
+        return x.mul_(mask) if self.inplace else x * mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -48,12 +79,12 @@ class Block(nn.Module):
         self.ffn = nn.Sequential(
             nn.Linear(config.d_model, config.d_ff),
             nn.ReLU(),
-            nn.Dropout(config.dropout),
+            Dropout(config.dropout),
             nn.Linear(config.d_ff, config.d_model),
         )
         self.norm1 = nn.LayerNorm(config.d_model)
         self.norm2 = nn.LayerNorm(config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_norm:
@@ -70,7 +101,7 @@ class TransformerLM(nn.Module):
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, config.d_model)
         self.register_buffer("positions", sinusoidal_positions(config.max_seq_len, config.d_model), persistent=False)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, vocab_size)
@@ -85,15 +116,133 @@ class TransformerLM(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.
+
+        With targets (batch, seq): the mean cross-entropy of those logits against the targets (entries equal to
+        IGNORE_INDEX left out), i.e. F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).
+        """
         seq = tokens.shape[1]
         if seq > self.positions.shape[0]:
             raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
         x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        if targets is None:
+            return self.head(x)
+        return linear_cross_entropy(x.flatten(0, -2), self.head.weight, self.head.bias, targets.flatten())
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+) -> torch.Tensor:
+    """F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX), mean reduction.
+
+    hidden (tokens, d_model), weight (vocab, d_model), targets (tokens,). Fused on CPU in fp32 when gradients are
+    wanted (training); the plain composition everywhere else (GPUs, autocast, bf16, no_grad).
+    """
+    fusable = (
+        torch.is_grad_enabled()
+        and hidden.device.type == "cpu"
+        and hidden.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and not torch.is_autocast_enabled("cpu")
+        and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        and hidden.shape[0] > 0
+    )
+    if fusable:
+        return LinearCrossEntropy.apply(hidden, weight, bias, targets)
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Output projection + mean cross-entropy, with all three gradients computed in the forward pass.
+
+    The unfused path allocates, writes and reads several (tokens x vocabulary) tensors per step: the logits, their
+    log-softmax, the loss gradient (a zero-filled one-hot) and the log-softmax gradient, 93 MB each for 700 tokens
+    and 33,278 words (2.2 GB for the course's 16,384 tokens), each freshly allocated and page-faulted. Here, per
+    chunk of at most CHUNK_ROWS tokens, the logits are computed transposed, (vocab x tokens), the GEMM layout MKL
+    runs fastest for this shape, into a reused workspace; turned in place into e = exp(logit - max); and read by the
+    three products that give the gradients of the hidden states, the weight and the bias. The softmax normalisation
+    1/sum(e) and the one-hot subtraction are applied to small (tokens x d_model) operands instead of the big buffer.
+    backward() only scales the stored gradients by the incoming gradient (1 for a single micro-batch).
+    """
+
+    CHUNK_ROWS = 1024  # tokens per chunk: the workspace holds (vocab x 1024) floats, 136 MB for 33,278 words
+    ALIGN = 32  # chunk widths are padded to a multiple of this: reductions over the vocabulary are 3-5x faster
+    _workspace: ClassVar[dict[tuple[torch.device, torch.dtype], torch.Tensor]] = {}
+
+    @staticmethod
+    def workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer kept between steps: reallocating ~100 MB every step costs ~25 ms of page faults alone."""
+        key = (like.device, like.dtype)
+        buffer = LinearCrossEntropy._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            LinearCrossEntropy._workspace.pop(key, None)
+            buffer = LinearCrossEntropy._workspace[key] = like.new_zeros(numel)  # zeros: padding stays finite
+        return buffer[:numel]
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        valid = targets != IGNORE_INDEX
+        count = valid.sum()
+        safe = torch.where(valid, targets, 0)  # any in-range index: ignored rows get weight 0 below
+        # d(mean loss)/d(row loss): 1/count for counted rows, 0 for ignored ones (nan if none counts, as in F)
+        row_weight = valid.to(hidden.dtype) / count
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = torch.zeros_like(bias) if bias is not None else None
+        total = hidden.new_zeros(())
+        chunks = -(-n // LinearCrossEntropy.CHUNK_ROWS)
+        rows = -(-n // chunks)  # balanced chunks
+        align = LinearCrossEntropy.ALIGN
+        width = -(-rows // align) * align
+        if width % 256 == 0:  # a row stride of a multiple of 1 KiB makes the GEMMs ~10% slower (cache-set aliasing)
+            width += align
+        buffer = LinearCrossEntropy.workspace(vocab * width, hidden).view(vocab, width)
+        for first in range(0, n, rows):
+            x = hidden[first : first + rows]
+            c = x.shape[0]
+            t, w = safe[first : first + c], row_weight[first : first + c]
+            padded = buffer[:, : -(-c // align) * align]  # the reductions run over the padded width
+            z = buffer[:, :c]  # logits, transposed
+            torch.mm(weight, x.t(), out=z)
+            if bias is not None:  # a separate pass: addmm's broadcast bias costs ~4x more (copy, then beta=1 GEMM)
+                z.add_(bias[:, None])
+            target_logit = z.gather(0, t[None]).squeeze(0)
+            peak = padded.amax(0)
+            padded.sub_(peak).exp_()  # e = exp(logit - max); softmax = e / sum(e)
+            s = padded.sum(0)[:c]
+            peak = peak[:c]
+            total += ((peak + s.log() - target_logit) * valid[first : first + c]).sum()
+            # d loss / d logits = w (softmax - onehot(t)) = e (w / s) - w onehot(t), row by row
+            scale = w / s
+            g = grad_hidden[first : first + c]
+            torch.mm(z.t(), weight, out=g)
+            g.mul_(scale[:, None]).sub_(weight[t] * w[:, None])
+            if first == 0:
+                torch.mm(z, x * scale[:, None], out=grad_weight)
+            else:
+                grad_weight.addmm_(z, x * scale[:, None])
+            grad_weight.index_add_(0, t, x * w[:, None], alpha=-1)
+            if grad_bias is not None:
+                grad_bias.addmv_(z, scale)
+                grad_bias.index_add_(0, t, w, alpha=-1)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        return total / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if ctx.grads is None:
+            raise RuntimeError("LinearCrossEntropy: backward through the same loss twice is not supported")
+        grads, ctx.grads = ctx.grads, None
+        if grad_loss.item() != 1.0:  # a CPU scalar: no synchronisation
+            grads = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
+        needed = ctx.needs_input_grad
+        return (*(g if need else None for g, need in zip(grads, needed)), None)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from scalelm import provenance
 from scalelm.checkpoint import Checkpointer, TrainerState
@@ -117,8 +116,8 @@ class Trainer:
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.strategy.autocast():
-                    logits = self.model(inputs)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / len(micro_batches)
+                    # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
+                    loss = self.model(inputs, targets) / len(micro_batches)
                 loss.backward()
             loss_sum += loss.detach()
         self.grad_norm = self.strategy.clip_grad_norm(self.model, self.config.optim.grad_clip)

@@ -45,5 +45,8 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Global gradient norm (over all ranks), clipping to max_norm when given."""
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+        if max_norm:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        else:  # the norm only: clip_grad_norm_(inf) would also multiply every gradient by 1.0, a pass for nothing
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
