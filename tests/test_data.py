@@ -112,3 +112,18 @@ def test_prepare_errors(tmp_path, raw_data, capsys):
         prepare(["--raw", str(raw_data), "--out", str(tmp_path / "p"), "--min-freq", "10000000"])
     assert "leaves no word in the vocabulary" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_an_empty_split_is_refused_naming_it(tmp_path, capsys):
+    from scalelm.data.prefetch import main as prefetch
+    from scalelm.data.prepare import main as prepare
+
+    texts = {"train": " = Title = \n the cat sat \n", "validation": "\n \n", "test": " the dog \n"}
+    for split, text in texts.items():
+        (tmp_path / f"{split}.txt").write_text(text)
+    prefetch(["--out", str(tmp_path / "raw"), "--files", ",".join(f"{s}={tmp_path / s}.txt" for s in texts)])
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "prepared")])
+    assert exit_info.value.code == 2
+    assert "split 'validation'" in capsys.readouterr().err
+    assert not (tmp_path / "prepared").exists()

@@ -1,5 +1,8 @@
 """How scalelm.launch turns an experiment's geometry into torchrun command lines."""
 
+import contextlib
+import socket
+
 import pytest
 
 from scalelm import launch
@@ -35,6 +38,20 @@ def test_two_jobs_sharing_a_node_get_different_ports():
     assert len(ports) == 500
     with pytest.raises(ConfigError, match="port range 80-90"):
         launch.job_port("1", (80, 90))
+
+
+def test_a_port_in_use_on_the_rendezvous_host_is_skipped_and_an_exhausted_range_is_a_clear_error():
+    low = next(p for p in range(40000, 48000, 11) if all(launch.port_is_free(p + i) for i in range(4)))
+    with contextlib.ExitStack() as held:
+        for port in (low, low + 1, low + 2):  # held listening, like other jobs' rendezvous servers
+            sock = held.enter_context(socket.socket())
+            sock.bind(("", port))
+            sock.listen()
+        job = "3000"  # 0 mod 3 and 0 mod 4: the range's first port
+        assert launch.job_port(job, (low, low + 2)) == low  # without probing: the port derived from the job id
+        assert launch.job_port(job, (low, low + 3), probe=True) == low + 3  # the first free one after it
+        with pytest.raises(ConfigError, match=rf"port range {low}-{low + 2} is exhausted: all 3 ports are in use"):
+            launch.job_port(job, (low, low + 2), probe=True)
 
 
 def test_multi_node_without_slurm_runs_local_torchruns_meeting_on_one_port(monkeypatch):

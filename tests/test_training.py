@@ -134,6 +134,7 @@ def test_fsdp_checkpoint_loads_into_other_world_sizes_and_strategies(tiny_config
         (["data.prepared_dir=/nonexistent/prepared"], 1, "prepared data not found"),
         (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
         ([], 2, "strategy 'single' runs one process"),
+        (["run_dir=/proc/version/run"], 1, "run_dir /proc/version/run is not writable (Not a directory)"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, message):

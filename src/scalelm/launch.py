@@ -36,11 +36,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def job_port(job_id: str, port_range: tuple[int, int]) -> int:
+def job_port(job_id: str, port_range: tuple[int, int], probe: bool = False) -> int:
+    """The rendezvous port of a multi-node job: derived from the job id, so that jobs sharing a node differ.
+
+    With `probe` (the launcher runs on the rendezvous host, Slurm's batch host) a port already in use there is
+    skipped for the next one of the range; the launcher alone decides and passes it to every node on the srun line.
+    """
     low, high = port_range
     if not 1024 <= low <= high <= 65535:
         raise ConfigError(f"launch port range {low}-{high} is not within 1024-65535; fix launch.port_range")
-    return low + int(job_id) % (high - low + 1)
+    size = high - low + 1
+    candidates = [low + (int(job_id) + i) % size for i in range(size)]
+    if not probe:
+        return candidates[0]
+    for port in candidates:
+        if port_is_free(port):
+            return port
+    raise ConfigError(
+        f"launch port range {low}-{high} is exhausted: all {size} ports are in use on {socket.gethostname()}; "
+        "widen port_range in the site file (profiles/slurm/site.yaml)"
+    )
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def slurm_hosts(job_id: str) -> list[str]:
@@ -131,7 +155,9 @@ def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list
         hosts = slurm_hosts(os.environ["SLURM_JOB_ID"])
         if len(hosts) < args.nodes:
             raise ConfigError(f"the allocation has {len(hosts)} node(s) but the experiment needs {args.nodes}")
-        endpoint = f"{hosts[0]}{args.host_suffix}:{job_port(os.environ['SLURM_JOB_ID'], args.port_range)}"
+        on_rendezvous_host = socket.gethostname().split(".")[0] == hosts[0]
+        port = job_port(os.environ["SLURM_JOB_ID"], args.port_range, probe=on_rendezvous_host)
+        endpoint = f"{hosts[0]}{args.host_suffix}:{port}"
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
         srun = [
             "srun", f"--jobid={os.environ['SLURM_JOB_ID']}", f"--nodes={args.nodes}", f"--ntasks={args.nodes}",

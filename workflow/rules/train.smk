@@ -26,6 +26,7 @@ rule train:
         f"{RESULTS}/runs/{{experiment}}/seed{{seed}}/run.json",
     log:
         f"{RESULTS}/logs/train/{{experiment}}/seed{{seed}}.log",
+    retries: config["resources"].get("retries", 0)
     conda:
         "../envs/scalelm.yaml"
     threads: lambda wildcards: experiment(wildcards).procs_per_node
@@ -33,7 +34,9 @@ rule train:
         **SITE_RESOURCES,
         nodes=lambda wildcards: experiment(wildcards).nodes,
         tasks=lambda wildcards: experiment(wildcards).nodes,
-        mpi=lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else "",
+        # absent on one node: Snakemake's job-step executor then runs the job in an srun step, the only place
+        # Slurm's --signal (and scancel --signal) reaches; an "mpi" job runs in the batch shell
+        mpi=lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else None,
         cpus_per_task=per_proc("cpus_per_proc"),
         mem_mb=per_proc("mem_mb_per_proc"),
         runtime=config["resources"]["runtime_min"],

@@ -1,0 +1,122 @@
+"""Fault drills on a running training job: stop it the way Slurm does, or kill one of its ranks, at a chosen step.
+
+The job is `python -m scalelm.launch` in its own process group, like a Slurm job step; the stop signal (SIGUSR1, what
+the Slurm profile asks for ahead of the time limit) goes to the whole group, as `scancel --signal=USR1` and Slurm's
+`--signal` deliver it. Used by tests/test_faults.py and by bench/fault_trials.py for the figures in the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import yaml
+
+from scalelm.checkpoint import MARKER
+from scalelm.consolidate import consolidate
+from scalelm.preemption import EXIT_PREEMPTED
+
+
+@dataclass
+class Interruption:
+    target: int  # the step the signal was sent at (or just after)
+    exit_code: int
+    stopped_at: int | None  # the step of the checkpoint the job saved
+    signal_to_checkpoint_s: float | None  # from the signal to the checkpoint's completion marker
+    output: str
+
+    @property
+    def survived(self) -> bool:
+        return self.exit_code == EXIT_PREEMPTED and self.stopped_at is not None
+
+
+@dataclass
+class Crash:
+    rank: int
+    at_step: int
+    exit_code: int
+    detected_s: float  # from the kill to the whole job's exit
+    survivors: int  # training processes still running after the job exited
+    output: str
+
+
+def launch_command(config: Path, nodes: int = 1, procs: int = 2) -> list[str]:
+    geometry = ["--nodes", str(nodes), "--procs-per-node", str(procs)]
+    return [sys.executable, "-m", "scalelm.launch", *geometry, "--", "--config", str(config)]
+
+
+def run_dir_of(config: Path) -> Path:
+    return Path(yaml.safe_load(config.read_text())["run_dir"])
+
+
+def last_step(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def run(config: Path, nodes: int = 1, procs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(config, nodes, procs), capture_output=True, text=True, timeout=timeout)
+
+
+def start(config: Path, nodes: int, procs: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_command(config, nodes, procs),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a Slurm job step
+    )
+
+
+def wait_for_step(job: subprocess.Popen, config: Path, step: int, timeout: int) -> None:
+    metrics = run_dir_of(config) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and last_step(metrics) < step and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def interrupt(config: Path, at_step: int, nodes: int = 1, procs: int = 2, timeout: int = 300) -> Interruption:
+    """Start (or resume) the job, send SIGUSR1 to its process group once it has logged `at_step`, wait for it."""
+    job = start(config, nodes, procs)
+    wait_for_step(job, config, at_step, timeout)
+    sent = time.time()
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGUSR1)
+    output, _ = job.communicate(timeout=timeout)
+    found = re.search(r"stopped by a signal at step (\d+); checkpoint (\S+);", output)
+    stopped_at = took = None
+    if found:
+        stopped_at = int(found[1])
+        took = (Path(found[2]) / MARKER).stat().st_mtime - sent
+    return Interruption(at_step, job.returncode, stopped_at, took, output)
+
+
+def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int = 2, timeout: int = 300) -> Crash:
+    """SIGKILL one training process (as the OOM killer or a lost node would) once the job has logged `at_step`."""
+    job = start(config, nodes, procs)
+    wait_for_step(job, config, at_step, timeout)
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "scalelm.train" in " ".join(p.cmdline())]
+    victim = next(p for p in workers if p.environ().get("RANK") == str(rank))
+    killed = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    output, _ = job.communicate(timeout=timeout)
+    detected = time.monotonic() - killed
+    survivors = sum(1 for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    return Crash(rank, at_step, job.returncode, detected, survivors, output)
+
+
+def final_weights(config: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model weights as one state dict, whatever the strategy wrote (file or DCP)."""
+    consolidate(run_dir_of(config), out)
+    return torch.load(out, weights_only=True)["model"]
