@@ -1,5 +1,7 @@
 """Checkpoints that can be trusted: damaged ones are skipped, other models are refused, NaN never overwrites."""
 
+import shutil
+
 import pytest
 import torch
 from conftest import run_dir_of, run_train
@@ -26,6 +28,10 @@ def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tin
     assert "resumed from step 10" in result.stdout
     redone = torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
     assert all(torch.equal(reference[k], redone[k]) for k in reference)
+
+    # killed between the marker and the rename: the .partial copy, marker and all, is not a checkpoint
+    shutil.copytree(steps[-1], run_dir / "checkpoints/step_00000030.partial")
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000010", "step_00000020"]
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_setting(tmp_path):

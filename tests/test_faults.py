@@ -8,6 +8,8 @@ import drills
 import pytest
 import torch
 
+from scalelm.metrics import read_metrics
+
 
 @pytest.mark.parametrize("strategy, rank", [("ddp", 1), ("fsdp", 0)])
 def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_resumes(tiny_config, strategy, rank):
@@ -20,6 +22,9 @@ def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_res
 
     rerun = drills.run(config)
     assert rerun.returncode == 0 and "resumed from step" in rerun.stdout, rerun.stdout[-3000:]
+    # the steps the crashed attempt logged past its last checkpoint were redone, not logged twice
+    steps = [r["step"] for r in read_metrics(drills.run_dir_of(config)) if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 200, steps
 
 
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])

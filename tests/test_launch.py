@@ -9,12 +9,13 @@ from scalelm import launch
 from scalelm.errors import ConfigError
 
 
-def commands(monkeypatch, argv, env=None, hosts=("c01", "c02")):
+def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8):
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(launch, "slurm_hosts", lambda job_id: list(hosts))
+    allocation = launch.Allocation(list(hosts), cpus_per_node, restarts=0)
+    monkeypatch.setattr(launch, "slurm_allocation", lambda job_id: allocation)
     args, train = launch.parse_args([*argv, "--", "--config", "t.yaml"])
     return launch.build_commands(args, train)
 
@@ -25,12 +26,21 @@ def test_single_node_is_one_standalone_torchrun(monkeypatch):
     assert command[-4:] == ["-m", "scalelm.train", "--config", "t.yaml"]
 
 
-def test_multi_node_in_slurm_is_one_torchrun_per_node_with_a_job_derived_port(monkeypatch):
+def test_multi_node_in_slurm_is_one_supervised_torchrun_per_node_with_a_job_derived_port(monkeypatch):
     env = {"SLURM_JOB_ID": "123457"}
     [command] = commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4", "--host-suffix", "i"], env)
-    assert command[:7] == ["srun", "--jobid=123457", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "torchrun"]
+    srun = ["srun", "--jobid=123457", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=8"]
+    assert command[:8] == [*srun, "--kill-on-bad-exit=1", launch.sys.executable]
+    assert command[8:12] == ["-m", "scalelm.supervise", "--", "torchrun"]
     assert "--rdzv-endpoint=c01i:29957" in command  # 29500 + 123457 mod 500
     assert "--rdzv-id=123457" in command and "--nnodes=2" in command
+
+
+def test_one_node_in_slurm_is_a_supervised_torchrun_in_an_srun_step_that_the_stop_signal_reaches(monkeypatch):
+    [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"], {"SLURM_JOB_ID": "9"}, hosts=["c07"])
+    assert command[:6] == ["srun", "--jobid=9", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=8"]
+    supervised = command[command.index("scalelm.supervise") + 2 :]
+    assert supervised[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone"]
 
 
 def test_two_jobs_sharing_a_node_get_different_ports():
@@ -66,7 +76,7 @@ def test_each_process_gets_its_share_of_the_cpus(monkeypatch):
     assert launch.os.environ["OMP_NUM_THREADS"] == "2"
     commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4"])  # two local "nodes" share this machine
     assert launch.os.environ["OMP_NUM_THREADS"] == "1"
-    commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "2"], {"SLURM_JOB_ID": "7"})  # one torchrun per node
+    commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "2"], {"SLURM_JOB_ID": "7"})  # the job's CPUs per node
     assert launch.os.environ["OMP_NUM_THREADS"] == "4"
 
 
@@ -77,6 +87,10 @@ def test_container_wraps_each_torchrun(monkeypatch):
     prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data"]
     prefix += ["--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "OMP_NUM_THREADS=2", "img.sif"]  # --cleanenv drops them
     assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
+    [command] = commands(monkeypatch, ["--container", "img.sif"], {"SLURM_JOB_ID": "3"}, cpus_per_node=6)
+    inside = command[command.index("img.sif") + 1 :]  # the image's Python supervises the image's torchrun
+    assert inside[:5] == ["python", "-m", "scalelm.supervise", "--", "torchrun"]
+    assert "OMP_NUM_THREADS=6" in command
 
 
 def test_bad_geometry_is_refused(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -16,6 +17,8 @@ import yaml
 from conftest import REPO
 from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml
+
+from scalelm.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 STATE_DIR = Path(os.environ.get("SCALELM_SLURM_STATE_DIR", "/tmp/scalelm-slurm-tests"))
@@ -29,7 +32,8 @@ def script(name: str, *args: str):
 def cluster():
     require_root("slurm")
     script("install.sh")
-    script("start.sh", "--nodes", "2", "--gpus-per-node", "2", "--cpus-per-node", "4", "--state-dir", str(STATE_DIR))
+    # 4 fake GPUs a node: a 1x2 and a 2x1 job (gres gpu:2 and gpu:1 per node) can run side by side
+    script("start.sh", "--nodes", "2", "--gpus-per-node", "4", "--cpus-per-node", "4", "--state-dir", str(STATE_DIR))
     env = dict(line.split("=", 1) for line in (STATE_DIR / "cluster.env").read_text().split("\n") if "=" in line)
     try:
         yield env
@@ -111,40 +115,138 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert "COMPLETED" in accounting.stdout and "FAILED" in accounting.stdout
 
 
-def test_a_job_stopped_by_slurm_checkpoints_exits_75_and_its_resubmission_resumes(project):
-    """`scancel --signal=USR1` is what Slurm's --signal (before the time limit) and preemption deliver.
-
-    Known limit: Snakemake's job-step process shares the srun step with the training and dies of USR1, so the job
-    ends FAILED by a signal rather than with exit 75 and the checkpoint races the end of the step (docs/faults.md).
-    """
-
-    def long_run(config):
+def long_runs(project: Path, max_steps: int, checkpoint_every: int, **resources) -> None:
+    def change(config):
         local = config["local"]
-        local["training"]["train"].update(epochs=100, max_steps=1500, log_every=10, eval_every=10000)
-        local["training"]["checkpoint"]["every"] = 500
+        local["training"]["train"].update(epochs=1000, max_steps=max_steps, log_every=10, eval_every=100000)
+        local["training"]["checkpoint"]["every"] = checkpoint_every
+        local["resources"].update(resources)
         local["experiments"].pop("broken")
 
-    edit_yaml(project / "config/local.yaml", long_run)
-    target = "results/local/runs/ddp/seed1/run.json"
-    command = snakemake_on_slurm(project, target, "--retries", "1", run=False)
-    workflow = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = project / "results/local/runs/ddp/seed1/metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while workflow.poll() is None and time.monotonic() < deadline and not (
-        metrics.is_file() and any(json.loads(line)["step"] >= 50 for line in metrics.read_text().splitlines() if line)
-    ):
+    edit_yaml(project / "config/local.yaml", change)
+
+
+def start_workflow(project: Path, *targets: str) -> subprocess.Popen:
+    command = snakemake_on_slurm(project, *targets, run=False)
+    return subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(workflow: subprocess.Popen, project: Path, step: int, *experiments: str, timeout: int = 300):
+    """Until every experiment has logged `step`; returns {experiment: its running Slurm job id}."""
+    deadline = time.monotonic() + timeout
+    metrics = [project / f"results/local/runs/{e}/seed1/metrics.jsonl" for e in experiments]
+    while not all(last_step(m) >= step for m in metrics):
+        assert workflow.poll() is None and time.monotonic() < deadline, f"no step {step} in {metrics}"
         time.sleep(0.5)
-    running = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True, text=True).stdout.split()
-    assert len(running) == 1, running  # the training job
-    subprocess.run(["scancel", "--signal=USR1", running[0]], check=True)
+    jobs = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i %k %N"], capture_output=True, text=True).stdout
+    running = {}
+    for line in jobs.splitlines():  # the plugin puts "rule_train_wildcards_<experiment>_1" in the job's comment
+        job_id, comment, nodes = line.split()
+        running.update({e: (job_id, nodes) for e in experiments if comment.endswith(f"wildcards_{e}_1")})
+    assert set(running) == set(experiments), jobs
+    return running
+
+
+def last_step(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line), default=0)
+
+
+def resumed_step(project: Path, experiment: str) -> int:
+    log = (project / f"results/local/logs/train/{experiment}/seed1.log").read_text()
+    assert "resumed from step " in log, log[-3000:]
+    return int(log.split("resumed from step ")[-1].split(" ")[0])
+
+
+def slurm_states(job_id: str) -> list[tuple[str, str, str]]:
+    """(step, state, exit code) of every step of the job and of every earlier run of it (requeued jobs)."""
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "--duplicates", "-n", "-P", "-o", "JobID,State,ExitCode"], capture_output=True, text=True
+    )
+    return [tuple(line.split("|")) for line in out.stdout.splitlines()]
+
+
+def test_jobs_stopped_by_slurm_checkpoint_exit_75_and_their_resubmissions_resume(project):
+    """`scancel --signal=USR1` is what Slurm's --signal (before the time limit) and preemption deliver: to the
+    processes of the job's steps, which are the launcher's srun step, on one node and on two."""
+    long_runs(project, max_steps=300, checkpoint_every=250, retries=1)
+    targets = [f"results/local/runs/{e}/seed1/run.json" for e in ("ddp", "ddp_multinode")]
+    workflow = start_workflow(project, *targets)
+    jobs = wait_for_steps(workflow, project, 30, "ddp", "ddp_multinode")
+    for job_id, _ in jobs.values():
+        subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
     output, _ = workflow.communicate(timeout=600)
 
     assert workflow.returncode == 0, output[-4000:]
-    # the stop saved a checkpoint (the periodic ones come every 500 steps) and the resubmitted job resumed from it
-    log = (project / "results/local/logs/train/ddp/seed1.log").read_text()
-    resumed = int(log.split("resumed from step ")[1].split(" ")[0])
-    assert 50 <= resumed < 500, log[-3000:]
-    slurm_logs = "".join(p.read_text() for p in (project / ".snakemake/slurm_logs/rule_train").rglob("*.log"))
-    assert "User defined signal 1" in slurm_logs or "stopped by a signal" in slurm_logs, slurm_logs[-3000:]
-    record = json.loads((project / target).read_text())
-    assert record["results"]["steps"] == 1500 and record["results"]["tokens_seen"] == 1500 * 32 * 32
+    for experiment, (job_id, _) in jobs.items():
+        # the training step of the stopped job exited 75 after its checkpoint (the periodic ones come every 250
+        # steps); the resubmitted job resumed from that checkpoint and ran to the end
+        assert (f"{job_id}.0", "FAILED", "75:0") in slurm_states(job_id), slurm_states(job_id)
+        assert 30 <= resumed_step(project, experiment) < 250
+        record = json.loads((project / f"results/local/runs/{experiment}/seed1/run.json").read_text())
+        assert record["results"]["steps"] == 300 and record["results"]["tokens_seen"] == 300 * 32 * 32
+        steps = [r["step"] for r in read_metrics(project / f"results/local/runs/{experiment}/seed1") if r["kind"] == "train"]
+        assert steps == sorted(set(steps)), steps  # the stopped attempt's records past its checkpoint were dropped
+    stopped_job = (project / f".snakemake/slurm_logs/rule_train/ddp_multinode_1/{jobs['ddp_multinode'][0]}.log").read_text()
+    assert "stopped by SIGUSR1 on n1" in stopped_job and "stopped by SIGUSR1 on n2" in stopped_job, stopped_job[-3000:]
+
+
+def test_a_job_that_hits_its_time_limit_is_reported_as_timeout_and_its_resubmission_resumes(project):
+    """No stop signal ahead of the limit (stop_signal_s 0): Slurm's SIGTERM at the limit still gets a checkpoint.
+    The training is longer than two one-minute attempts, so both time out whatever this machine's speed."""
+    long_runs(project, max_steps=1_000_000, checkpoint_every=1_000_000, runtime_min=1, stop_signal_s=0, retries=1)
+    workflow = start_workflow(project, "results/local/runs/ddp_multinode/seed1/run.json")
+    [(job_id, _)] = wait_for_steps(workflow, project, 10, "ddp_multinode").values()
+    output, _ = workflow.communicate(timeout=600)
+
+    assert workflow.returncode != 0
+    resubmitted = re.findall(r"SLURM-job '(\d+)' failed, SLURM status is: 'TIMEOUT'", output)
+    assert resubmitted[0] == job_id and len(resubmitted) == 2, output[-4000:]
+    for job in resubmitted:
+        assert [state for _, state, _ in slurm_states(job)][0] == "TIMEOUT", slurm_states(job)
+    # the second job resumed from the checkpoint the first one wrote on Slurm's SIGTERM, and wrote its own
+    first_stop = resumed_step(project, "ddp_multinode")
+    assert first_stop > 10
+    checkpoints = sorted((project / "results/local/runs/ddp_multinode/seed1/checkpoints").glob("step_*"))
+    assert int(checkpoints[-1].name.split("_")[1]) > first_stop, checkpoints
+    assert not (project / "results/local/runs/ddp_multinode/seed1/run.json").exists()
+
+
+def test_a_job_whose_node_fails_is_requeued_by_slurm_and_resumes(project):
+    """The node is set DOWN under the running job, as Slurm does when it loses one (this cluster's ReturnToService
+    lets it rejoin at once; the requeued job may run on either node)."""
+    long_runs(project, max_steps=600, checkpoint_every=50, retries=0)  # Slurm requeues it, not Snakemake
+    workflow = start_workflow(project, "results/local/runs/single_gpu/seed1/run.json")
+    [(job_id, node)] = wait_for_steps(workflow, project, 120, "single_gpu").values()
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=scalelm-test"], check=True)
+    try:
+        output, _ = workflow.communicate(timeout=600)
+    finally:  # back in service (an error if it already is)
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+
+    assert workflow.returncode == 0, output[-4000:]
+    assert any(state == "NODE_FAIL" for _, state, _ in slurm_states(job_id)), slurm_states(job_id)
+    log = (project / "results/local/logs/train/single_gpu/seed1.log").read_text()
+    assert f"Slurm requeued job {job_id} (1 time(s))" in log, log[-3000:]
+    assert 100 <= resumed_step(project, "single_gpu") < 600
+    record = json.loads((project / "results/local/runs/single_gpu/seed1/run.json").read_text())
+    assert record["results"]["steps"] == 600
+
+
+def test_more_nodes_than_the_partition_has_is_refused_before_any_job(project):
+    """Slurm would accept the job and leave it pending for ever (PartitionNodeLimit); the workflow asks sinfo."""
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp_multinode"].update(nodes=3))
+    submitted = subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split()
+    result = snakemake_on_slurm(project, "results/local/runs/ddp_multinode/seed1/run.json")
+    assert result.returncode != 0
+    message = "experiment ddp_multinode asks for 3 nodes but partition scalelm has 2 (sinfo)"
+    assert message in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
+    assert subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split() == submitted
+    assert not (project / "results").exists()
+
+    edit_yaml(project / "test-site.yaml", lambda site: site.update(partition="gpus"))
+    result = snakemake_on_slurm(project, "results/local/runs/single_gpu/seed1/run.json")
+    assert result.returncode != 0 and not (project / "results").exists()
+    message = "partition 'gpus' does not exist on this cluster (sinfo lists scalelm); fix partition in the site file"
+    assert message in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]

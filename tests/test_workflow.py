@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import re
@@ -59,8 +60,11 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
     found = re.findall(r"wildcards: experiment=(\w+).*\n(?:\s+threads: .*\n)?\s+resources: (.*)", result.stdout)
     resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
-    assert "nodes=2, tasks=2, mpi=srun, gres=gpu:4" in resources["ddp_multinode"]
-    assert "nodes=1, tasks=1, mpi=, gres=gpu:4" in resources["ddp"] and "gres=gpu:1" in resources["single_gpu"]
+    # one task per node (the launcher's srun step), never --ntasks-per-gpu (tasks_per_gpu=0)
+    assert "nodes=2, tasks=2, mpi=srun, tasks_per_gpu=0, gres=gpu:4" in resources["ddp_multinode"]
+    # every training job runs in the batch shell (an "mpi" key) and starts its own srun step, which --signal reaches
+    assert "nodes=1, tasks=1, mpi=, tasks_per_gpu=0, gres=gpu:4" in resources["ddp"]
+    assert "gres=gpu:1" in resources["single_gpu"]
     for line in resources.values():
         assert "slurm_extra=--reservation=course --signal=USR1@300" in line, line
         assert "slurm_account=proj1, slurm_partition=dc-gpu" in line, line
@@ -114,6 +118,32 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert (project / "report.html").stat().st_size > 10_000
 
 
+def test_two_workflow_runs_with_their_own_result_directories_run_side_by_side(project):
+    """Two studies at once in one checkout: both complete, each writes only its own directories, and their
+    multi-node experiments (local torchrun rendezvous) do not meet each other."""
+    local = yaml.safe_load((project / "config/local.yaml").read_text())
+    runs = []
+    for name in ("study_a", "study_b"):
+        overlay = local["local"]
+        overlay["results"] = f"results/{name}"
+        overlay["data"].update(raw_dir=f"data/{name}/raw", prepared_dir=f"data/{name}/prepared")
+        overlay["training"]["train"].update(max_steps=6, log_every=3, eval_every=6)
+        overlay["training"]["checkpoint"]["every"] = 6
+        (project / f"{name}.yaml").write_text(yaml.safe_dump(local))
+        targets = [f"results/{name}/runs/{e}/seed1/test.json" for e in ("ddp_multinode", "fsdp")]
+        command = ["snakemake", "--configfile", f"{name}.yaml", "--cores", "1", *targets]
+        runs.append(subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    for name, run, output in zip(("study_a", "study_b"), runs, outputs):
+        assert run.returncode == 0, output[-4000:]
+        for experiment in ("ddp_multinode", "fsdp"):
+            record = json.loads((project / f"results/{name}/runs/{experiment}/seed1/run.json").read_text())
+            assert record["config"]["run_dir"] == f"results/{name}/runs/{experiment}/seed1"
+            assert record["config"]["data"]["prepared_dir"] == f"data/{name}/prepared"
+            assert record["results"]["steps"] == 6 and record["world_size"] == 2
+    assert sorted(p.name for p in (project / "results").iterdir()) == ["study_a", "study_b"]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -132,6 +162,13 @@ def test_invalid_config_fails_before_any_job(project, change, message):
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert not (project / "results").exists() and not (project / "data").exists()
+
+
+def test_a_stop_signal_at_or_before_the_jobs_start_is_refused(project):
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["resources"].update(runtime_min=5, stop_signal_s=300))
+    result = snakemake(project, "--cores", "1")
+    assert result.returncode != 0 and not (project / "results").exists()
+    assert "resources.stop_signal_s (300 s) must be less than resources.runtime_min (5 min = 300 s)" in result.stderr
 
 
 def test_lint_and_format_are_clean(project):

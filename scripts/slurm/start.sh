@@ -176,6 +176,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# a requeued job (node failure, preemption) waits the credential lifetime before it starts again: 120 s by default
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/slurmd-%n
 SlurmctldPidFile=$STATE/run/slurmctld.pid

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from scalelm.errors import CheckpointError
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier
 from scalelm.provenance import sha256
+from scalelm.serialization import load_tensors
 
 STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"
@@ -131,7 +132,7 @@ class Checkpointer:
         path = self.resumed_from = self.latest()
         if path is None:
             return None
-        trainer = torch.load(path / TRAINER_FILE, weights_only=True)
+        trainer = load_tensors(path / TRAINER_FILE)
         state = TrainerState(**trainer["state"])
         check_shape(state.model_shape, expected_shape, path)
         load_weights(path, model, optimizer)
@@ -145,10 +146,12 @@ class Checkpointer:
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints (marker present) in step order."""
+    """Complete checkpoints (marker present) in step order. A `.partial` directory is never one, even with its
+    marker: a job killed between writing the marker and the rename leaves it so."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and (p / MARKER).is_file()]
+    named = [p for p in directory.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()]
+    found = [p for p in named if p.is_dir() and (p / MARKER).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
@@ -180,7 +183,7 @@ def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> 
 def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
     """Load a checkpoint of either format into a model of any strategy (and its optimizer, if given)."""
     if (path / STATE_FILE).is_file():
-        saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        saved = load_tensors(path / STATE_FILE, map_location="cpu")
         # Every rank holds the full dict; set_*_state_dict shards it for FSDP.
         options = StateDictOptions(full_state_dict=True) if _distributed() else None
         set_model_state_dict(model, saved["model"], options=options)
@@ -199,4 +202,4 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
 
 
 def read_trainer_state(path: Path) -> TrainerState:
-    return TrainerState(**torch.load(Path(path) / TRAINER_FILE, weights_only=True)["state"])
+    return TrainerState(**load_tensors(Path(path) / TRAINER_FILE)["state"])

@@ -20,6 +20,7 @@ from scalelm.config import ModelConfig, load_config
 from scalelm.errors import CheckpointError, friendly_errors
 from scalelm.model import TransformerLM
 from scalelm.provenance import sha256
+from scalelm.serialization import load_tensors
 
 
 def consolidate(run_dir: Path, out: Path) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def consolidate(run_dir: Path, out: Path) -> dict[str, Any]:
 def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:
     if not Path(path).is_file():
         raise CheckpointError(f"consolidated model {path} does not exist: run the consolidate step first")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = load_tensors(path, map_location="cpu")
     model = TransformerLM(ModelConfig(**{**payload["model_config"], "dropout": 0.0}), payload["vocab_size"])
     model.load_state_dict(payload["model"])
     return model.eval(), {"seq_len": payload["seq_len"], "step": payload["step"], "sha256": sha256(Path(path))}

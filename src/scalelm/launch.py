@@ -2,32 +2,35 @@
 
     python -m scalelm.launch --nodes 2 --procs-per-node 4 [--container IMAGE ...] -- --config train.yaml
 
-- one node: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...`
-- several nodes inside a Slurm allocation: `srun --ntasks-per-node=1 torchrun --nnodes=N ... --rdzv-backend=c10d
-  --rdzv-endpoint=<first host><suffix>:<port> --rdzv-id=$SLURM_JOB_ID`, the port derived from the job id so that two
-  jobs sharing a node do not collide;
-- several "nodes" without Slurm (the local default): N torchrun processes on this machine, meeting on a free port.
+- without a scheduler: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...` on one node; several
+  "nodes" (the local default) are N torchrun processes on this machine, meeting on a free port;
+- inside a Slurm allocation: one `srun` step with one task per node, each `python -m scalelm.supervise -- torchrun
+  ...` (`--standalone` on one node; else `--nnodes=N --rdzv-backend=c10d --rdzv-endpoint=<first host><suffix>:<port>
+  --rdzv-id=$SLURM_JOB_ID`, the port derived from the job id so that two jobs sharing a node do not collide).
 
 With --container, each torchrun runs inside the image (`apptainer exec --cleanenv [--nv] --bind ...`).
-The launcher prints the command it runs, and exits with the status of the first failing process.
+The launcher prints the command it runs and exits with the status of the first failing process, or 75 after a stop
+signal once the workers have checkpointed (scalelm.supervise).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scalelm.errors import ConfigError, friendly_errors
-from scalelm.preemption import EXIT_PREEMPTED
+from scalelm.supervise import supervise
 
 TRAIN = ["-m", "scalelm.train"]
+# apptainer --cleanenv drops the host environment; these are what torchrun and NCCL/gloo need from it
+CONTAINER_ENV = (
+    "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+)  # fmt: skip
 
 
 def free_port() -> int:
@@ -67,16 +70,22 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def slurm_hosts(job_id: str) -> list[str]:
-    """Hosts of the allocation. Snakemake's Slurm executor strips SLURM_JOB_NODELIST from a job's environment
-    (only SLURM_JOB_ID is left), so ask the controller when it is missing."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    if not nodelist:
-        job = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True)
-        fields = dict(f.split("=", 1) for f in job.stdout.split() if "=" in f)
-        nodelist = fields["NodeList"]
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()
+@dataclass
+class Allocation:
+    hosts: list[str]
+    cpus_per_node: int  # the CPUs of the job's one task per node
+    restarts: int  # times Slurm requeued the job (node failure, preemption)
+
+
+def slurm_allocation(job_id: str) -> Allocation:
+    """Hosts and CPUs of the job, from the controller: Snakemake's Slurm executor strips every SLURM_* variable but
+    the job id from a job's environment, and srun no longer takes --cpus-per-task from it (Slurm 22.05)."""
+    job = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True)
+    fields = dict(f.split("=", 1) for f in job.stdout.split() if "=" in f)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True, check=True
+    )
+    return Allocation(out.stdout.split(), int(fields.get("CPUs/Task", "1")), int(fields.get("Restarts", "0")))
 
 
 def container_prefix(image: str | None, binds: Sequence[str], gpu: bool, runtime: str) -> list[str]:
@@ -87,8 +96,7 @@ def container_prefix(image: str | None, binds: Sequence[str], gpu: bool, runtime
         prefix.append("--nv")
     for bind in binds:
         prefix += ["--bind", bind]
-    # --cleanenv drops the host environment; pass on what torchrun and NCCL/gloo need
-    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "SLURM_JOB_ID"):
+    for name in CONTAINER_ENV:
         if name in os.environ:
             prefix += ["--env", f"{name}={os.environ[name]}"]
     return [*prefix, image]
@@ -98,76 +106,54 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
 
 
-def ignore_usr1() -> None:
-    """In torchrun (before exec): it has no handler for SIGUSR1 and would die of Slurm's --signal=USR1, leaving
-    its workers behind. Its workers install their own handler (scalelm.preemption)."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-
-def run_all(commands: list[list[str]]) -> int:
-    """Run the commands concurrently; when one fails, stop the others; return the first non-zero status,
-    or EXIT_PREEMPTED after a stop signal (the workers have checkpointed; rerunning resumes)."""
-    for command in commands:
-        print(f"+ OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", shlex.join(command), flush=True)
-    processes = [subprocess.Popen(c, preexec_fn=ignore_usr1) for c in commands]
-    stop_signals = []
-
-    def stop(signum, frame):  # torchrun turns SIGTERM into a graceful stop of its workers
-        stop_signals.append(signum)
-        for p in processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, stop)
-    status = 0
-    while any(p.poll() is None for p in processes):
-        failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
-        if failed and not status:
-            status = failed[0]
-            for p in processes:
-                if p.poll() is None:
-                    p.terminate()
-        time.sleep(0.2)
-    status = status or next((p.returncode for p in processes if p.returncode), 0)
-    if stop_signals and status:
-        print(f"stopped by signal {signal.Signals(stop_signals[0]).name}: rerun to resume", flush=True)
-        return EXIT_PREEMPTED
-    return status
-
-
-def threads_per_process(processes_here: int) -> int:
-    """CPU threads for each training process on this node: the CPUs this job may use, shared out.
+def threads_per_process(cpus: int, processes: int) -> int:
+    """CPU threads for each training process on a node: the node's CPUs for this job, shared out.
     Snakemake exports OMP_NUM_THREADS=<rule threads> to every job; kept, each of several workers would start that
     many threads and oversubscribe the cores (measured: 9x slower DDP on 2 cores)."""
-    return max(1, len(os.sched_getaffinity(0)) // processes_here)
+    return max(1, cpus // processes)
 
 
 def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list[str]]:
-    local_nodes = args.nodes > 1 and "SLURM_JOB_ID" not in os.environ
-    processes_here = args.procs_per_node * (args.nodes if local_nodes else 1)
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(processes_here))
+    if "SLURM_JOB_ID" in os.environ:
+        return [slurm_command(args, train_args, os.environ["SLURM_JOB_ID"])]
+    processes_here = args.procs_per_node * args.nodes  # without a scheduler every "node" runs here
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(len(os.sched_getaffinity(0)), processes_here))
     inside = container_prefix(args.container, args.bind, args.gpu, args.container_runtime)
     tail = [*TRAIN, *train_args]
     if args.nodes == 1:
         return [[*inside, *torchrun(1, args.procs_per_node, ["--standalone"]), *tail]]
-    if "SLURM_JOB_ID" in os.environ:
-        hosts = slurm_hosts(os.environ["SLURM_JOB_ID"])
-        if len(hosts) < args.nodes:
-            raise ConfigError(f"the allocation has {len(hosts)} node(s) but the experiment needs {args.nodes}")
-        on_rendezvous_host = socket.gethostname().split(".")[0] == hosts[0]
-        port = job_port(os.environ["SLURM_JOB_ID"], args.port_range, probe=on_rendezvous_host)
-        endpoint = f"{hosts[0]}{args.host_suffix}:{port}"
-        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}"]
-        srun = [
-            "srun", f"--jobid={os.environ['SLURM_JOB_ID']}", f"--nodes={args.nodes}", f"--ntasks={args.nodes}",
-            "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        ]  # fmt: skip
-        return [[*srun, *inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail]]
-    # no scheduler: every "node" is a torchrun process on this machine
     port = free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=local-{port}"]
     return [[*inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail] for _ in range(args.nodes)]
+
+
+def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) -> list[str]:
+    """One srun step with one task per node, each `scalelm.supervise` around that node's torchrun.
+
+    Also on one node: Slurm's --signal reaches job steps, not the batch shell, and the train rule runs in the batch
+    shell (its `mpi` resource), so the stop signal reaches the training and its supervisor only.
+    """
+    allocation = slurm_allocation(job_id)
+    if len(allocation.hosts) < args.nodes:
+        raise ConfigError(f"the allocation has {len(allocation.hosts)} node(s) but the experiment needs {args.nodes}")
+    if allocation.restarts:
+        print(f"Slurm requeued job {job_id} ({allocation.restarts} time(s)): the training resumes", flush=True)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(allocation.cpus_per_node, args.procs_per_node))
+    if args.nodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        on_rendezvous_host = socket.gethostname().split(".")[0] == allocation.hosts[0]
+        port = job_port(job_id, args.port_range, probe=on_rendezvous_host)
+        endpoint = f"{allocation.hosts[0]}{args.host_suffix}:{port}"
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"]
+    srun = [
+        "srun", f"--jobid={job_id}", f"--nodes={args.nodes}", f"--ntasks={args.nodes}", "--ntasks-per-node=1",
+        f"--cpus-per-task={allocation.cpus_per_node}", "--kill-on-bad-exit=1",
+    ]  # fmt: skip
+    inside = container_prefix(args.container, args.bind, args.gpu, args.container_runtime)
+    python = "python" if inside else sys.executable  # the image's own Python, or this one
+    supervisor = [python, "-m", "scalelm.supervise", "--"]
+    return [*srun, *inside, *supervisor, *torchrun(args.nodes, args.procs_per_node, rendezvous), *TRAIN, *train_args]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -193,7 +179,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
     args, train_args = parse_args(argv)
-    sys.exit(run_all(build_commands(args, train_args)))
+    sys.exit(supervise(build_commands(args, train_args)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from snakemake.utils import validate
 from scalelm.container import check_image, find_runtime
 from scalelm.errors import ScaleLMError
 from scalelm.experiments import apply_local_overlay, load_matrix
+from scalelm.scheduler import check_node_counts
 
 
 def load_site(config):
@@ -34,19 +35,39 @@ SITE_RESOURCES = {
 }
 
 
-def slurm_extra(stop_signal=False):
-    """Further sbatch flags: the site's reservation; for training, USR1 to every process of the job some minutes
-    before its time limit, so that it checkpoints and exits 75 (rerunning the workflow resumes).
+def stop_signal_flags():
+    """USR1 to every process of a training job's steps some minutes before its time limit: the training
+    checkpoints and exits 75, and Snakemake resubmits the job (retries), which resumes.
     """
+    ahead, runtime = (
+        config["resources"].get(k) for k in ("stop_signal_s", "runtime_min")
+    )
+    ahead = 300 if ahead is None else ahead
+    if ahead >= runtime * 60:
+        raise WorkflowError(
+            f"invalid config: resources.stop_signal_s ({ahead} s) must be less than resources.runtime_min "
+            f"({runtime} min = {runtime * 60} s), or the stop signal would come at the job's start; "
+            "lower stop_signal_s (0 sends none) or raise runtime_min"
+        )
+    return [f"--signal=USR1@{ahead}"] if ahead else []
+
+
+def slurm_extra(stop_signal=False):
+    """Further sbatch flags: the site's reservation; for training, the stop signal."""
     flags = [f"--reservation={SITE['reservation']}"] if SITE.get("reservation") else []
     if stop_signal:
-        flags.append(f"--signal=USR1@{config['resources'].get('stop_signal_s', 300)}")
+        flags += stop_signal_flags()
     return shlex.join(flags)
 
 
 RESULTS = config["results"]
 try:
     MATRIX = {(e.name, str(e.seed)): e for e in load_matrix(config, RESULTS)}
+    # on the login node, before any job is submitted
+    if config.get("site") and workflow.is_main_process:
+        check_node_counts(
+            {e.name: e.nodes for e in MATRIX.values()}, SITE.get("partition")
+        )
 except ScaleLMError as err:
     raise WorkflowError(f"invalid config: {err}")
 

@@ -26,7 +26,8 @@ rule train:
         f"{RESULTS}/runs/{{experiment}}/seed{{seed}}/run.json",
     log:
         f"{RESULTS}/logs/train/{{experiment}}/seed{{seed}}.log",
-    retries: config["resources"].get("retries", 0)
+    # resubmitted by the main Snakemake only: in the job's own Snakemake a stopped training must end the job
+    retries: config["resources"].get("retries", 0) if workflow.is_main_process else 0
     conda:
         "../envs/scalelm.yaml"
     threads: lambda wildcards: experiment(wildcards).procs_per_node
@@ -34,9 +35,11 @@ rule train:
         **SITE_RESOURCES,
         nodes=lambda wildcards: experiment(wildcards).nodes,
         tasks=lambda wildcards: experiment(wildcards).nodes,
-        # absent on one node: Snakemake's job-step executor then runs the job in an srun step, the only place
-        # Slurm's --signal (and scancel --signal) reaches; an "mpi" job runs in the batch shell
-        mpi=lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else None,
+        # with an "mpi" key the job runs its shell in the batch shell, which Slurm's --signal does not reach; the
+        # launcher starts the training in an srun step of its own, which it does reach (scalelm.supervise). The
+        # plugin refuses mpi jobs of one task, so one node gets "": the key still counts, sbatch sees a plain job
+        mpi=lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else "",
+        tasks_per_gpu=0,  # else the plugin asks for --ntasks-per-gpu=<tasks>: tasks x GPUs tasks of cpus_per_task
         cpus_per_task=per_proc("cpus_per_proc"),
         mem_mb=per_proc("mem_mb_per_proc"),
         runtime=config["resources"]["runtime_min"],

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from scalelm.errors import DataError
+from scalelm.serialization import load_tensors
 
 SPLITS = ("train", "validation", "test")
 MANIFEST = "manifest.json"
@@ -44,5 +45,5 @@ def load_prepared(path: str | Path) -> PreparedData:
         file = path / f"{name}.pt"
         if not file.is_file():
             raise DataError(f"prepared data at {path} is incomplete: {file} is missing; run the prepare step again")
-        splits[name] = torch.load(file, mmap=True, weights_only=True)
+        splits[name] = load_tensors(file, mmap=True)
     return PreparedData(path=path, manifest=manifest, splits=splits)
