@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import drills
 import pytest
 import yaml
 from conftest import REPO
@@ -132,10 +133,10 @@ def start_workflow(project: Path, *targets: str) -> subprocess.Popen:
 
 
 def wait_for_steps(workflow: subprocess.Popen, project: Path, step: int, *experiments: str, timeout: int = 300):
-    """Until every experiment has logged `step`; returns {experiment: its running Slurm job id}."""
+    """Until every experiment has logged `step`; returns {experiment: (its running Slurm job id, its nodes)}."""
     deadline = time.monotonic() + timeout
     metrics = [project / f"results/local/runs/{e}/seed1/metrics.jsonl" for e in experiments]
-    while not all(last_step(m) >= step for m in metrics):
+    while not all(drills.last_step(m) >= step for m in metrics):
         assert workflow.poll() is None and time.monotonic() < deadline, f"no step {step} in {metrics}"
         time.sleep(0.5)
     jobs = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i %k %N"], capture_output=True, text=True).stdout
@@ -145,12 +146,6 @@ def wait_for_steps(workflow: subprocess.Popen, project: Path, step: int, *experi
         running.update({e: (job_id, nodes) for e in experiments if comment.endswith(f"wildcards_{e}_1")})
     assert set(running) == set(experiments), jobs
     return running
-
-
-def last_step(metrics: Path) -> int:
-    if not metrics.is_file():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line), default=0)
 
 
 def resumed_step(project: Path, experiment: str) -> int:

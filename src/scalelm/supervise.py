@@ -31,9 +31,9 @@ def ignore_usr1() -> None:
 def supervise(commands: list[list[str]]) -> int:
     """Run the commands concurrently; when one fails, stop the others; return the first non-zero status,
     or EXIT_PREEMPTED after a stop signal (the workers have checkpointed; rerunning resumes)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
     for command in commands:
-        threads = os.environ.get("OMP_NUM_THREADS")
-        print("+", f"OMP_NUM_THREADS={threads}" if threads else "", shlex.join(command), flush=True)
+        print("+", *([f"OMP_NUM_THREADS={threads}"] if threads else []), shlex.join(command), flush=True)
     processes = [subprocess.Popen(c, preexec_fn=ignore_usr1) for c in commands]
     stop_signals = []
 
