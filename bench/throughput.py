@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
-from scalelm.model import count_parameters, flops_per_token
+from scalelm.model import LinearCrossEntropy, count_parameters, flops_per_token
 from scalelm.parallel.env import setup, teardown
 from scalelm.train import Trainer
 
@@ -89,12 +89,13 @@ def square_rates(reps: int) -> dict[str, float]:
 def matmul_rates(reps: int) -> dict[str, Any]:
     square = square_rates(reps)
     d, n = MODELS["a"]["model"]["d_model"], MODELS["a"]["batch"] * MODELS["a"]["seq_len"]
+    k = LinearCrossEntropy.columns(d)  # the fused loss's operands carry the bias and a column of ones
     shapes = {  # model (a)'s output projection, the bulk of its FLOPs: m x n result, inner dimension k
         f"logits x.W^T {n}x{VOCAB} k={d} (autograd's layout)": gemm_rate(n, VOCAB, d, reps, b_t=True),
         f"logits W.x^T {VOCAB}x{n} k={d} (contiguous)": gemm_rate(VOCAB, n, d, reps, b_t=True),
-        f"logits W.x^T {VOCAB}x{n} k={d} (fused, ld {n + 4})": gemm_rate(VOCAB, n, d, reps, b_t=True, ld=n + 4),
-        f"input grad {n}x{d} k={VOCAB}": gemm_rate(n, d, VOCAB, reps, a_t=True),
-        f"weight grad {VOCAB}x{d} k={n}": gemm_rate(VOCAB, d, n, reps),
+        f"logits A.X^T {VOCAB}x{n} k={k} (fused, ld {n + 4})": gemm_rate(VOCAB, n, k, reps, b_t=True, ld=n + 4),
+        f"input grad e^T.A {n}x{k} k={VOCAB} (fused)": gemm_rate(n, k, VOCAB, reps, a_t=True),
+        f"weight grad e.X {VOCAB}x{k} k={n} (fused)": gemm_rate(VOCAB, k, n, reps),
     }
     return {"peak_flops": max(square.values()), "square": square, "model_shapes": shapes}
 

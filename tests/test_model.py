@@ -3,7 +3,14 @@ import torch
 import torch.nn.functional as F
 
 from scalelm.config import ModelConfig
-from scalelm.model import IGNORE_INDEX, Dropout, LinearCrossEntropy, TransformerLM, count_parameters
+from scalelm.model import (
+    IGNORE_INDEX,
+    Dropout,
+    LinearCrossEntropy,
+    TransformerLM,
+    count_parameters,
+    linear_cross_entropy,
+)
 
 
 def test_causal_future_tokens_do_not_change_the_past():
@@ -56,6 +63,44 @@ def test_training_loss_is_the_cross_entropy_of_the_logits_with_the_same_gradient
         assert torch.allclose(fused[name], p.grad, rtol=1e-4, atol=1e-8), name
     with torch.no_grad():  # evaluation keeps the plain path
         assert torch.allclose(model(tokens, targets), reference, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("case", "weight_scale", "bias_value"),
+    [
+        ("ordinary logits", 1.0, 0.0),
+        ("logits above exp's fp32 range (overflow)", 40.0, 0.0),
+        ("every logit far below zero (underflow)", 1.0, -150.0),
+        ("no bias", 1.0, None),
+    ],
+)
+def test_fused_loss_equals_f_cross_entropy_also_where_exp_leaves_fp32_range(monkeypatch, case, weight_scale, bias_value):
+    """The fused loss takes exp without the max shift; out-of-range sums must fall back to the shift, chunk by chunk."""
+    monkeypatch.setattr(LinearCrossEntropy, "CHUNK_ROWS", 16)
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 24)
+    hidden[16:32] *= weight_scale  # only the second of three chunks leaves the range
+    weight = torch.randn(97, 24) * 0.5
+    bias = None if bias_value is None else torch.full((97,), bias_value) + 0.1 * torch.randn(97)
+    targets = torch.randint(0, 97, (40,))
+    targets[::5] = IGNORE_INDEX
+    logits = F.linear(hidden, weight, bias)
+    if weight_scale > 1:
+        assert logits.max() > 89  # exp overflows in fp32
+    if bias_value is not None and bias_value < -100:
+        assert logits.max() < -100  # exp underflows for every word
+
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    leaves, plain = ([t.clone().requires_grad_() for t in inputs] for _ in range(2))
+    fused = linear_cross_entropy(*leaves, *([None] if bias is None else []), targets)
+    fused.backward()
+    reference = F.cross_entropy(F.linear(*plain), targets, ignore_index=IGNORE_INDEX)
+    reference.backward()
+
+    assert torch.isfinite(fused), case
+    assert torch.allclose(fused, reference, rtol=1e-6, atol=0), case
+    for mine, theirs in zip(leaves, plain):
+        assert torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-7), case
 
 
 def test_dropout_keeps_each_element_with_probability_1_minus_p_scaled_as_f_dropout():

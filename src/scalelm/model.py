@@ -161,75 +161,101 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     The unfused path allocates, writes and reads several (tokens x vocabulary) tensors per step: the logits, their
     log-softmax, the loss gradient (a zero-filled one-hot) and the log-softmax gradient, 93 MB each for 700 tokens
-    and 33,278 words (2.2 GB for the course's 16,384 tokens), each freshly allocated and page-faulted. Here, per
-    chunk of at most CHUNK_ROWS tokens, the logits are computed transposed, (vocab x tokens), the GEMM layout MKL
-    runs fastest for this shape, into a reused workspace; turned in place into e = exp(logit - max); and read by the
-    three products that give the gradients of the hidden states, the weight and the bias. The softmax normalisation
-    1/sum(e) and the one-hot subtraction are applied to small (tokens x d_model) operands instead of the big buffer.
-    backward() only scales the stored gradients by the incoming gradient (1 for a single micro-batch).
+    and 33,278 words (2.2 GB for the course's 16,384 tokens). Here the bias and a column of ones travel as extra
+    columns of a copy of the weight, A = [W | b | 1 | 0...], and of the hidden states, X = [x | 1 | 0 | 0...]
+    (zero-padded to a multiple of 8 columns: MKL runs k = 201 or n = 201 up to 1.5x slower than 208). Per chunk of
+    at most CHUNK_ROWS tokens:
+
+        z = A X^T                  the logits W x^T + b, transposed (vocab x tokens), into a reused workspace
+        e = exp(z)                 in place: the only pass over that buffer besides the three products
+        e^T A = [e^T W | . | s]    the hidden-state gradient's product, and s = sum(e) per token with it
+        e X / s = [dW | db | 0]    the weight and bias gradients in one product, summed over chunks
+
+    so that softmax = e / s and loss = log(s) - z[target]; the one-hot terms are subtracted from the small
+    (tokens x d_model) and (vocab x d_model) results. exp without the usual shift by the per-token maximum
+    overflows for logits above 88 and loses precision when all of a token's logits are below -69: a chunk where
+    any s falls outside [2^-100, 2^100] (inf and nan included) is recomputed with the shift. Unshifted, a token's
+    loss carries the rounding of log(s), about 1e-7 of its logits' size, instead of that of the loss itself; the
+    gradients are unaffected. backward() only scales the stored gradients by the incoming gradient (1 for a single
+    micro-batch).
     """
 
     CHUNK_ROWS = 1024  # tokens per chunk: the workspace holds (vocab x 1024) floats, 136 MB for 33,278 words
-    ALIGN = 32  # chunk widths are padded to a multiple of this: reductions over the vocabulary are 3-5x faster
-    _workspace: ClassVar[dict[tuple[torch.device, torch.dtype], torch.Tensor]] = {}
+    ALIGN = 32  # the logits' row stride is padded to a multiple of this: MKL's GEMM writes it ~1.7x faster
+    SAFE_SUM = (2.0**-100, 2.0**100)  # sums of unshifted exponentials trusted without the max shift
+    _workspace: ClassVar[dict[tuple[str, torch.device, torch.dtype], torch.Tensor]] = {}
 
     @staticmethod
-    def workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer kept between steps: reallocating ~100 MB every step costs ~25 ms of page faults alone."""
-        key = (like.device, like.dtype)
+    def workspace(name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A (rows x cols) buffer kept between steps: reallocating ~100 MB every step costs ~25 ms of page faults."""
+        key = (name, like.device, like.dtype)
         buffer = LinearCrossEntropy._workspace.get(key)
-        if buffer is None or buffer.numel() < numel:
+        if buffer is None or buffer.numel() < rows * cols:
             LinearCrossEntropy._workspace.pop(key, None)
-            buffer = LinearCrossEntropy._workspace[key] = like.new_zeros(numel)  # zeros: padding stays finite
-        return buffer[:numel]
+            buffer = LinearCrossEntropy._workspace[key] = like.new_empty(rows * cols)
+        return buffer[: rows * cols].view(rows, cols)
+
+    @staticmethod
+    def columns(d_model: int) -> int:
+        """Columns of A and X: d_model, the bias's and the sum's, zero-padded to a multiple of 8."""
+        return -(-(d_model + 2) // 8) * 8
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets):
-        n, vocab = hidden.shape[0], weight.shape[0]
+        (n, d), vocab = hidden.shape, weight.shape[0]
         valid = targets != IGNORE_INDEX
         count = valid.sum()
         safe = torch.where(valid, targets, 0)  # any in-range index: ignored rows get weight 0 below
         # d(mean loss)/d(row loss): 1/count for counted rows, 0 for ignored ones (nan if none counts, as in F)
         row_weight = valid.to(hidden.dtype) / count
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.empty_like(weight)
-        grad_bias = torch.zeros_like(bias) if bias is not None else None
-        total = hidden.new_zeros(())
+        cols = LinearCrossEntropy.columns(d)
+        table = LinearCrossEntropy.workspace("table", vocab, cols, hidden)  # A = [W | b | 1 | 0...]
+        table[:, :d] = weight
+        table[:, d] = 0 if bias is None else bias
+        table[:, d + 1] = 1
+        table[:, d + 2 :] = 0
+        inputs = hidden.new_zeros(n, cols)  # X = [x | 1 | 0 | 0...]
+        inputs[:, :d] = hidden
+        inputs[:, d] = 1
         chunks = -(-n // LinearCrossEntropy.CHUNK_ROWS)
         rows = -(-n // chunks)  # balanced chunks
-        align = LinearCrossEntropy.ALIGN
-        width = -(-rows // align) * align
+        width = -(-rows // LinearCrossEntropy.ALIGN) * LinearCrossEntropy.ALIGN
         if width % 256 == 0:  # a row stride of a multiple of 1 KiB makes the GEMMs ~10% slower (cache-set aliasing)
-            width += align
-        buffer = LinearCrossEntropy.workspace(vocab * width, hidden).view(vocab, width)
+            width += LinearCrossEntropy.ALIGN
+        logits = LinearCrossEntropy.workspace("logits", vocab, width, hidden)
+        grads = LinearCrossEntropy.workspace("grads", vocab, cols, hidden)  # [dW | db | 0...], summed over chunks
+        products = hidden.new_empty(n, cols)  # e^T A, row by row: [e^T W | e^T b | s | 0...]
+        total = hidden.new_zeros(())
+        low, high = LinearCrossEntropy.SAFE_SUM
         for first in range(0, n, rows):
-            x = hidden[first : first + rows]
+            x = inputs[first : first + rows]
             c = x.shape[0]
-            t, w = safe[first : first + c], row_weight[first : first + c]
-            padded = buffer[:, : -(-c // align) * align]  # the reductions run over the padded width
-            z = buffer[:, :c]  # logits, transposed
-            torch.mm(weight, x.t(), out=z)
-            if bias is not None:  # a separate pass: addmm's broadcast bias costs ~4x more (copy, then beta=1 GEMM)
-                z.add_(bias[:, None])
-            target_logit = z.gather(0, t[None]).squeeze(0)
-            peak = padded.amax(0)
-            padded.sub_(peak).exp_()  # e = exp(logit - max); softmax = e / sum(e)
-            s = padded.sum(0)[:c]
-            peak = peak[:c]
+            z, out = logits[:, :c], products[first : first + c]
+            target_logit = None
+            peak = 0.0
+            for shifted in (False, True):
+                torch.mm(table, x.t(), out=z)
+                if target_logit is None:
+                    target_logit = z.gather(0, safe[first : first + c][None]).squeeze(0)
+                if shifted:  # rare: the usual max shift, when an unshifted sum is out of range
+                    peak = z.amax(0)
+                    z.sub_(peak)
+                z.exp_()
+                torch.mm(z.t(), table, out=out)
+                if bool(((out[:, d + 1] >= low) & (out[:, d + 1] <= high)).all()):
+                    break
+            s = out[:, d + 1]
             total += ((peak + s.log() - target_logit) * valid[first : first + c]).sum()
             # d loss / d logits = w (softmax - onehot(t)) = e (w / s) - w onehot(t), row by row
-            scale = w / s
-            g = grad_hidden[first : first + c]
-            torch.mm(z.t(), weight, out=g)
-            g.mul_(scale[:, None]).sub_(weight[t] * w[:, None])
+            scale = (row_weight[first : first + c] / s)[:, None]
+            out.mul_(scale)
             if first == 0:
-                torch.mm(z, x * scale[:, None], out=grad_weight)
+                torch.mm(z, x * scale, out=grads)
             else:
-                grad_weight.addmm_(z, x * scale[:, None])
-            grad_weight.index_add_(0, t, x * w[:, None], alpha=-1)
-            if grad_bias is not None:
-                grad_bias.addmv_(z, scale)
-                grad_bias.index_add_(0, t, w, alpha=-1)
+                grads.addmm_(z, x * scale)
+        grad_hidden = products[:, :d].sub_(weight[safe] * row_weight[:, None]).contiguous()
+        grad_weight = grads[:, :d].contiguous().index_add_(0, safe, hidden * row_weight[:, None], alpha=-1)
+        grad_bias = None if bias is None else grads[:, d].clone().index_add_(0, safe, row_weight, alpha=-1)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         return total / count
 
