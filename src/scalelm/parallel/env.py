@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from scalelm.errors import ConfigError
+from scalelm.hostmemory import keep_freed_memory
 
 
 @dataclass
@@ -44,6 +45,8 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
 def setup(preference: str, needs_group: bool, timeout_s: int) -> DistEnv:
     """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun), pick the device and start the process group if needed.
 
+    On CPU, host memory freed by one step is kept for the next (scalelm.hostmemory).
+
     A distributed strategy started without torchrun runs as a group of one, so the same code path
     (and the same checkpoint format) serves one process too.
     """
@@ -58,6 +61,8 @@ def setup(preference: str, needs_group: bool, timeout_s: int) -> DistEnv:
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     if needs_group and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)

@@ -1,0 +1,40 @@
+import platform
+import resource
+import subprocess
+import sys
+import textwrap
+
+from scalelm.hostmemory import keep_freed_memory
+
+STEP = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from scalelm.hostmemory import keep_freed_memory
+    if sys.argv[1] == "keep":
+        assert keep_freed_memory()
+    def step():  # four 128 MB buffers, alive together, then freed, as activations are in a training step
+        buffers = [torch.empty(1 << 25).fill_(1.0) for _ in range(4)]
+        del buffers
+    for _ in range(5):  # glibc's heap settles within a few steps (then no faults at all on this machine)
+        step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        step()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3)
+    """
+)
+
+
+def faults_per_step(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", STEP, mode], capture_output=True, text=True, check=True).stdout
+    return float(out)
+
+
+def test_memory_freed_by_a_step_is_reused_by_the_next_without_page_faults():
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        assert keep_freed_memory() is False  # nothing to tune: the call changes nothing
+        return
+    pages = 4 * (128 << 20) // resource.getpagesize()
+    default, kept = faults_per_step("default"), faults_per_step("keep")
+    assert kept < 0.02 * pages, (kept, pages)
+    assert default > 10 * kept + 100, (default, kept)  # glibc's default maps the buffers afresh every step
