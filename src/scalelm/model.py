@@ -231,20 +231,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             x = inputs[first : first + rows]
             c = x.shape[0]
             z, out = logits[:, :c], products[first : first + c]
-            target_logit = None
+            torch.mm(table, x.t(), out=z)
+            target_logit = z.gather(0, safe[first : first + c][None]).squeeze(0)
             peak = 0.0
-            for shifted in (False, True):
-                torch.mm(table, x.t(), out=z)
-                if target_logit is None:
-                    target_logit = z.gather(0, safe[first : first + c][None]).squeeze(0)
-                if shifted:  # rare: the usual max shift, when an unshifted sum is out of range
-                    peak = z.amax(0)
-                    z.sub_(peak)
-                z.exp_()
-                torch.mm(z.t(), table, out=out)
-                if bool(((out[:, d + 1] >= low) & (out[:, d + 1] <= high)).all()):
-                    break
+            torch.mm(z.exp_().t(), table, out=out)
             s = out[:, d + 1]
+            if not bool(((s >= low) & (s <= high)).all()):  # rare: again, with the usual max shift
+                torch.mm(table, x.t(), out=z)
+                peak = z.amax(0)
+                torch.mm(z.sub_(peak).exp_().t(), table, out=out)
             total += ((peak + s.log() - target_logit) * valid[first : first + c]).sum()
             # d loss / d logits = w (softmax - onehot(t)) = e (w / s) - w onehot(t), row by row
             scale = (row_weight[first : first + c] / s)[:, None]
