@@ -92,7 +92,7 @@ def test_fused_loss_equals_f_cross_entropy_also_where_exp_leaves_fp32_range(monk
 
     inputs = [t for t in (hidden, weight, bias) if t is not None]
     leaves, plain = ([t.clone().requires_grad_() for t in inputs] for _ in range(2))
-    fused = linear_cross_entropy(*leaves, *([None] if bias is None else []), targets)
+    fused = linear_cross_entropy(leaves[0], leaves[1], None if bias is None else leaves[2], targets)
     fused.backward()
     reference = F.cross_entropy(F.linear(*plain), targets, ignore_index=IGNORE_INDEX)
     reference.backward()
