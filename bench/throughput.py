@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
-from scalelm.model import LinearCrossEntropy, count_parameters, flops_per_token
+from scalelm.model import count_parameters, flops_per_token
+from scalelm.model.cpu_ops import LinearCrossEntropy
 from scalelm.parallel.env import setup, teardown
-from scalelm.train import Trainer
+from scalelm.train.trainer import Trainer
 
 VOCAB = 33_278  # WikiText-2 (raw, min-freq 1) vocabulary, as prepared by scalelm.data.prepare
 TRAIN_TOKENS = 2_088_628  # the size of WikiText-2's train split

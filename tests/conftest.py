@@ -87,6 +87,6 @@ def run_dir_of(config: Path) -> Path:
 
 
 def train_losses(run_dir: Path) -> list[float]:
-    from scalelm.metrics import read_metrics
+    from scalelm.train.metrics import read_metrics
 
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]

@@ -21,9 +21,10 @@ import psutil
 import torch
 import yaml
 
-from scalelm.checkpoint import MARKER
-from scalelm.consolidate import consolidate
-from scalelm.preemption import EXIT_PREEMPTED
+from scalelm.study.consolidate import consolidate
+from scalelm.train.checkpoint import MARKER
+from scalelm.train.preemption import EXIT_PREEMPTED
+from scalelm.train.rundir import RunDir
 
 
 @dataclass
@@ -118,5 +119,5 @@ def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int 
 
 def final_weights(config: Path, out: Path) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model weights as one state dict, whatever the strategy wrote (file or DCP)."""
-    consolidate(run_dir_of(config), out)
+    consolidate(RunDir(run_dir_of(config)), out)
     return torch.load(out, weights_only=True)["model"]

@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import run_dir_of, run_train
 
-from scalelm.checkpoint import Checkpointer, TrainerState, complete_checkpoints, verify
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
 from scalelm.model import TransformerLM
-from scalelm.optim import build_optimizer, build_scheduler
 from scalelm.parallel.env import DistEnv
+from scalelm.train.checkpoint import Checkpointer, TrainerState, complete_checkpoints, verify
+from scalelm.train.optim import build_optimizer, build_scheduler
 
 
 def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tiny_config):

@@ -8,7 +8,7 @@ import drills
 import pytest
 import torch
 
-from scalelm.metrics import read_metrics
+from scalelm.train.metrics import read_metrics
 
 
 @pytest.mark.parametrize("strategy, rank", [("ddp", 1), ("fsdp", 0)])

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from scalelm.hostmemory import keep_freed_memory
+from scalelm.parallel.hostmemory import keep_freed_memory
 
 STEP = textwrap.dedent(
     """

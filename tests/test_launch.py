@@ -5,8 +5,9 @@ import socket
 
 import pytest
 
-from scalelm import launch
 from scalelm.errors import ConfigError
+from scalelm.launch import launcher as launch
+from scalelm.launch import slurm
 
 
 def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8):
@@ -14,8 +15,8 @@ def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8)
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
-    allocation = launch.Allocation(list(hosts), cpus_per_node, restarts=0)
-    monkeypatch.setattr(launch, "slurm_allocation", lambda job_id: allocation)
+    allocation = slurm.Allocation(list(hosts), cpus_per_node, restarts=0)
+    monkeypatch.setattr(slurm, "allocation", lambda job_id: allocation)
     args, train = launch.parse_args([*argv, "--", "--config", "t.yaml"])
     return launch.build_commands(args, train)
 
@@ -31,7 +32,7 @@ def test_multi_node_in_slurm_is_one_supervised_torchrun_per_node_with_a_job_deri
     [command] = commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4", "--host-suffix", "i"], env)
     srun = ["srun", "--jobid=123457", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=8"]
     assert command[:8] == [*srun, "--kill-on-bad-exit=1", launch.sys.executable]
-    assert command[8:12] == ["-m", "scalelm.supervise", "--", "torchrun"]
+    assert command[8:12] == ["-m", "scalelm.launch.supervise", "--", "torchrun"]
     assert "--rdzv-endpoint=c01i:29957" in command  # 29500 + 123457 mod 500
     assert "--rdzv-id=123457" in command and "--nnodes=2" in command
 
@@ -39,29 +40,29 @@ def test_multi_node_in_slurm_is_one_supervised_torchrun_per_node_with_a_job_deri
 def test_one_node_in_slurm_is_a_supervised_torchrun_in_an_srun_step_that_the_stop_signal_reaches(monkeypatch):
     [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"], {"SLURM_JOB_ID": "9"}, hosts=["c07"])
     assert command[:6] == ["srun", "--jobid=9", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=8"]
-    supervised = command[command.index("scalelm.supervise") + 2 :]
+    supervised = command[command.index("scalelm.launch.supervise") + 2 :]
     assert supervised[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone"]
 
 
 def test_two_jobs_sharing_a_node_get_different_ports():
-    ports = {launch.job_port(str(job), (29500, 29999)) for job in range(1000, 1500)}
+    ports = {slurm.job_port(str(job), (29500, 29999)) for job in range(1000, 1500)}
     assert len(ports) == 500
     with pytest.raises(ConfigError, match="port range 80-90"):
-        launch.job_port("1", (80, 90))
+        slurm.job_port("1", (80, 90))
 
 
 def test_a_port_in_use_on_the_rendezvous_host_is_skipped_and_an_exhausted_range_is_a_clear_error():
-    low = next(p for p in range(40000, 48000, 11) if all(launch.port_is_free(p + i) for i in range(4)))
+    low = next(p for p in range(40000, 48000, 11) if all(slurm.port_is_free(p + i) for i in range(4)))
     with contextlib.ExitStack() as held:
         for port in (low, low + 1, low + 2):  # held listening, like other jobs' rendezvous servers
             sock = held.enter_context(socket.socket())
             sock.bind(("", port))
             sock.listen()
         job = "3000"  # 0 mod 3 and 0 mod 4: the range's first port
-        assert launch.job_port(job, (low, low + 2)) == low  # without probing: the port derived from the job id
-        assert launch.job_port(job, (low, low + 3), probe=True) == low + 3  # the first free one after it
+        assert slurm.job_port(job, (low, low + 2)) == low  # without probing: the port derived from the job id
+        assert slurm.job_port(job, (low, low + 3), probe=True) == low + 3  # the first free one after it
         with pytest.raises(ConfigError, match=rf"port range {low}-{low + 2} is exhausted: all 3 ports are in use"):
-            launch.job_port(job, (low, low + 2), probe=True)
+            slurm.job_port(job, (low, low + 2), probe=True)
 
 
 def test_multi_node_without_slurm_runs_local_torchruns_meeting_on_one_port(monkeypatch):
@@ -89,7 +90,7 @@ def test_container_wraps_each_torchrun(monkeypatch):
     assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
     [command] = commands(monkeypatch, ["--container", "img.sif"], {"SLURM_JOB_ID": "3"}, cpus_per_node=6)
     inside = command[command.index("img.sif") + 1 :]  # the image's Python supervises the image's torchrun
-    assert inside[:5] == ["python", "-m", "scalelm.supervise", "--", "torchrun"]
+    assert inside[:5] == ["python", "-m", "scalelm.launch.supervise", "--", "torchrun"]
     assert "OMP_NUM_THREADS=6" in command
 
 
@@ -98,3 +99,52 @@ def test_bad_geometry_is_refused(monkeypatch):
         commands(monkeypatch, ["--nodes", "0"])
     with pytest.raises(ConfigError, match="allocation has 2 node"):
         commands(monkeypatch, ["--nodes", "3"], {"SLURM_JOB_ID": "5"})
+
+
+def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and_launch_flags(tmp_path):
+    from scalelm.launch.site import load_site
+
+    path = tmp_path / "site.yaml"
+    path.write_text(
+        "account: proj1\npartition: dc-gpu\nreservation: course\ngpus_per_node: 4\nhost_suffix: i\n"
+        "network_interface: ib0\nport_range: [30000, 30099]\nmodules: [Stages/2025, CUDA]\n"
+    )
+    site = load_site(path)
+    assert site.sbatch_resources() == {"slurm_account": "proj1", "slurm_partition": "dc-gpu"}
+    assert site.slurm_extra() == "--reservation=course"
+    assert site.slurm_extra(stop_signal_s=300) == "--reservation=course --signal=USR1@300"
+    assert site.prelude() == (
+        "module load Stages/2025 CUDA && export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && "
+    )
+    assert site.launch_flags() == ["--host-suffix", "i", "--port-range", "30000", "30099"]
+    assert site.gres(2) == "gpu:2" and load_site(None).gres(2) == ""  # no site file: CPU nodes, Slurm's defaults
+    with pytest.raises(ConfigError, match="experiment big runs 8 processes per node but the site's nodes have 4 GPUs"):
+        site.check_fits("big", 8)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("acount: proj1\n", r"site file .*site.yaml: unknown setting 'acount'; did you mean 'account'\?"),
+        ("gpus_per_node: four\n", r"gpus_per_node: expected an integer, got 'four'"),
+        ("modules: CUDA\n", r"modules: expected a list, got 'CUDA'"),
+        ("port_range: [80, 90]\n", r"port_range \[80, 90\] must be two ports within 1024-65535"),
+        ("- account\n", r"must hold a mapping of settings"),
+    ],
+)
+def test_a_bad_site_file_is_a_clear_error_naming_the_key(tmp_path, text, message):
+    from scalelm.launch.site import load_site
+
+    path = tmp_path / "site.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_site(path)
+
+
+def test_the_shipped_site_file_loads():
+    from conftest import REPO
+
+    from scalelm.launch.site import load_site
+
+    site = load_site(REPO / "profiles/slurm/site.yaml")
+    assert site.gpus_per_node == 4 and site.port_range == (29500, 29999)

@@ -43,7 +43,7 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
     model = tmp_path / "model.pt"
     torch.save({"model": {}, "extra": RunsCode(proof)}, model)
     out = tmp_path / "test.json"
-    command = [sys.executable, "-m", "scalelm.evaluate", "--model", str(model), "--data", str(prepared), "--out", str(out)]
+    command = [sys.executable, "-m", "scalelm.study.evaluate", "--model", str(model), "--data", str(prepared), "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"error: {model} holds more than tensors and plain values and was not loaded" in result.stderr

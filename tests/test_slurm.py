@@ -19,7 +19,7 @@ from conftest import REPO
 from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml
 
-from scalelm.metrics import read_metrics
+from scalelm.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 STATE_DIR = Path(os.environ.get("SCALELM_SLURM_STATE_DIR", "/tmp/scalelm-slurm-tests"))

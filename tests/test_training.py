@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,11 +11,11 @@ import pytest
 import torch
 from conftest import run_dir_of, run_train, train_command, train_losses
 
-from scalelm.checkpoint import complete_checkpoints, load_weights
 from scalelm.config import load_config
-from scalelm.metrics import read_metrics
 from scalelm.model import TransformerLM
-from scalelm.preemption import EXIT_PREEMPTED
+from scalelm.train.checkpoint import complete_checkpoints, load_weights
+from scalelm.train.metrics import read_metrics
+from scalelm.train.preemption import EXIT_PREEMPTED
 
 
 def relative_gap(a: list[float], b: list[float]) -> float:
@@ -105,8 +106,8 @@ def test_fsdp_checkpoint_loads_into_other_world_sizes_and_strategies(tiny_config
     data = load_prepared(config.data.prepared_dir)
     model = TransformerLM(config.model, data.vocab_size)
     load_weights(checkpoint, model)
-    from scalelm.evaluate import evaluate
     from scalelm.parallel.env import DistEnv
+    from scalelm.train.evaluation import evaluate
 
     env = DistEnv(0, 0, 1, torch.device("cpu"))
     plain = evaluate(model, data.splits["validation"], config.data.seq_len, 128, env)["loss"]
@@ -130,7 +131,7 @@ def test_fsdp_checkpoint_loads_into_other_world_sizes_and_strategies(tiny_config
     "overrides, nproc, message",
     [
         (["parallel.strategy=pipeline"], 1, "unknown strategy 'pipeline'"),
-        (["batch.size=15", "parallel.strategy=ddp"], 2, "not divisible by the world size 2"),
+        (["batch.size=15", "parallel.strategy=ddp"], 2, "] global batch of 15 sequences is not divisible by the world size 2"),
         (["data.prepared_dir=/nonexistent/prepared"], 1, "prepared data not found"),
         (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
         ([], 2, "strategy 'single' runs one process"),
@@ -142,5 +143,69 @@ def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, mes
     result = run_train(config, nproc, *overrides, check=False)
     assert result.returncode != 0
     assert message in result.stderr
-    assert "Traceback" not in result.stderr.split("error:")[0] if nproc == 1 else True
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    if nproc == 1:
+        assert len(errors) == 1 and errors[0].startswith("error: ") and "Traceback" not in result.stderr
+    else:  # one line per rank, each whole: the ranks share stderr
+        assert sorted(line.split("]")[0] for line in errors) == ["error: [rank 0", "error: [rank 1"], errors
+        assert all(line.count("error:") == 1 for line in errors), errors
     assert not (run_dir_of(config) / "run.json").exists()
+
+
+def train_here(config_path, *overrides: str) -> dict:
+    """One process, in this process: no interpreter or torch start-up to pay."""
+    from scalelm.train.trainer import run
+
+    return run(load_config(config_path, overrides))
+
+
+def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_afresh(tiny_config, prepared, tmp_path, capsys):
+    """Two whole epochs and no max_steps (the default): the run ends on an epoch boundary. Moving the finished run
+    directory and the prepared data elsewhere, and changing how often it logs, changes nothing that was trained."""
+    config = tiny_config("epochs", batch__size=512, train__max_steps=None, train__epochs=2, checkpoint__every=None)
+    results = train_here(config)["results"]
+    steps_per_epoch = results["steps"] // 2
+    assert steps_per_epoch > 1 and results["steps"] == 2 * steps_per_epoch
+    assert results["epochs_completed"] == 2
+    identity = json.loads((run_dir_of(config) / "identity.json").read_text())
+    assert "run_dir" not in identity["settings"] and "prepared_dir" not in identity["settings"]["data"]
+
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir_of(config), moved / "run")
+    shutil.copytree(prepared, moved / "prepared")
+    capsys.readouterr()
+    again = train_here(config, f"run_dir={moved / 'run'}", f"data.prepared_dir={moved / 'prepared'}", "train.log_every=7")
+    assert f"resumed from step {results['steps']}" in capsys.readouterr().out
+    assert not (moved / "run" / "previous").exists()
+    assert again["results"]["validation"] == results["validation"] and again["results"]["epochs_completed"] == 2
+
+    changed = train_here(config, f"run_dir={moved / 'run'}", "optim.lr=1e-3", "train.epochs=1")  # another model
+    assert (moved / "run" / "previous" / "checkpoints").is_dir() and changed["results"]["steps"] == steps_per_epoch
+
+
+def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evaluation(tiny_config, monkeypatch):
+    """The signal comes while the first validation runs (step 5): the evaluation stops between batches, the step
+    is checkpointed, Preempted (exit 75) is raised; the rerun resumes from that step and finishes."""
+    from scalelm.train.preemption import Preempted
+
+    config = tiny_config("evalstop", train__eval_every=5, train__eval_batch_size=2, checkpoint__every=None)
+    evaluated = []
+    forward = TransformerLM.forward
+
+    def forward_and_signal(model, tokens, targets=None):
+        if not model.training:
+            evaluated.append(tokens.shape[0])
+            if len(evaluated) == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        return forward(model, tokens, targets)
+
+    monkeypatch.setattr(TransformerLM, "forward", forward_and_signal)
+    with pytest.raises(Preempted, match="stopped by a signal at step 5") as stopped:
+        train_here(config)
+    assert stopped.value.exit_code == EXIT_PREEMPTED
+    assert len(evaluated) == 3  # of the validation split's hundreds of batches
+    assert [p.name for p in complete_checkpoints(run_dir_of(config) / "checkpoints")] == ["step_00000005"]
+    assert not [r for r in read_metrics(run_dir_of(config)) if r["kind"] == "eval"]
+
+    monkeypatch.setattr(TransformerLM, "forward", forward)
+    assert train_here(config)["results"]["steps"] == 20

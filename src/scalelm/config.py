@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from scalelm.errors import ConfigError
+from scalelm.files import atomic_write_text
 
 
 @dataclass
@@ -132,6 +133,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
@@ -156,7 +161,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 
-def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """An instance of the dataclass `cls` from a mapping: an unknown key is an error naming it and the closest
+    known key, a value of the wrong type an error naming the key; nested dataclasses take nested mappings."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
@@ -170,7 +177,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     for name, value in values.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+            kwargs[name] = from_mapping(hint, value or {}, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
@@ -217,7 +224,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def from_dict(values: dict[str, Any]) -> Config:
-    config = _build(Config, values)
+    config = from_mapping(Config, values)
     validate(config)
     return config
 
@@ -288,4 +295,4 @@ def validate(config: Config) -> None:
 
 
 def dump_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,6 +1,7 @@
 """Errors a user can fix. Entry points print them as one line and exit with status 2 (no traceback)."""
 
 import functools
+import os
 import sys
 
 
@@ -22,15 +23,26 @@ class CheckpointError(ScaleLMError):
     pass
 
 
+def error_line(err: Exception) -> str:
+    """`error: <message>`, naming the rank among several processes (torchrun's RANK and WORLD_SIZE)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"error: [rank {os.environ.get('RANK', '?')}] {err}\n"
+    return f"error: {err}\n"
+
+
 def friendly_errors(main):
-    """Decorate a CLI main(): a ScaleLMError becomes `error: <message>` on stderr and its exit code (2)."""
+    """Decorate a CLI main(): a ScaleLMError becomes one `error: <message>` line on stderr and its exit code (2).
+
+    The line goes out in one write: the ranks of a job share stderr, and an error raised on all of them would
+    otherwise come out interleaved."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except ScaleLMError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.stderr.write(error_line(err))
+            sys.stderr.flush()
             sys.exit(err.exit_code)
 
     return wrapper

@@ -7,8 +7,8 @@ localrules:
 
 rule aggregate:
     input:
-        runs=[f"{d}/run.json" for d in RUN_DIRS],
-        tests=[f"{d}/test.json" for d in RUN_DIRS],
+        runs=[str(run.record) for run in STUDY.runs],
+        tests=[str(run.test_result) for run in STUDY.runs],
     output:
         csv=report(
             f"{RESULTS}/summary.csv",
@@ -36,7 +36,7 @@ rule aggregate:
     conda:
         "../envs/scalelm.yaml"
     params:
-        runs=shlex.join(arg for d in RUN_DIRS for arg in ("--run", d)),
+        runs=shlex.join(arg for run in STUDY.runs for arg in ("--run", str(run.path))),
         out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
-        "python -m scalelm.aggregate {params.runs} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        "python -m scalelm.study.aggregate {params.runs} --out-dir {params.out_dir:q} > {log:q} 2>&1"

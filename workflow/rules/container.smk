@@ -10,7 +10,7 @@ if config["container"]["mode"] == "build":
         input:
             definition=config["container"].get("definition", "containers/scalelm.def"),
         output:
-            IMAGE,
+            STUDY.image,
         log:
             f"{RESULTS}/logs/build_image.log",
         conda:
@@ -22,7 +22,7 @@ if config["container"]["mode"] == "build":
                 for o in config["container"].get("build_options", [])
             ),
         shell:
-            "python -m scalelm.container build --definition {input.definition:q} --out {output:q} "
+            "python -m scalelm.launch.container build --definition {input.definition:q} --out {output:q} "
             "--base-image {params.base:q} {params.options} > {log:q} 2>&1"
 
 
@@ -33,7 +33,7 @@ if config["container"]["mode"] == "image" and "://" in config["container"]["imag
 
     rule pull_image:
         output:
-            IMAGE,
+            STUDY.image,
         log:
             f"{RESULTS}/logs/pull_image.log",
         conda:
@@ -41,4 +41,4 @@ if config["container"]["mode"] == "image" and "://" in config["container"]["imag
         params:
             uri=config["container"]["image"],
         shell:
-            "python -m scalelm.container pull --uri {params.uri:q} --out {output:q} > {log:q} 2>&1"
+            "python -m scalelm.launch.container pull --uri {params.uri:q} --out {output:q} > {log:q} 2>&1"

@@ -14,7 +14,7 @@ rule prefetch:
     conda:
         "../envs/scalelm.yaml"
     params:
-        source=prefetch_args(),
+        source=STUDY.prefetch_args(),
     shell:
         "python -m scalelm.data.prefetch --out {output:q} {params.source} > {log:q} 2>&1"
 
@@ -29,7 +29,6 @@ rule prepare:
     conda:
         "../envs/scalelm.yaml"
     params:
-        options=("--lowercase " if config["data"].get("lowercase") else "")
-        + f"--min-freq {config['data'].get('min_freq', 1)}",
+        options=STUDY.prepare_args(),
     shell:
         "python -m scalelm.data.prepare --raw {input:q} --out {output:q} {params.options} > {log:q} 2>&1"

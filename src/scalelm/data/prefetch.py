@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from scalelm.data.prepared import SPLITS
 from scalelm.errors import DataError, friendly_errors
+from scalelm.files import atomic_path
 
 SOURCE_FILE = "scalelm_source.json"
 
@@ -54,12 +54,9 @@ def fetch(out: Path, dataset: str, name: str | None, files: dict[str, str] | Non
                 "scalelm needs one line of text per row in a column named 'text'"
             )
     source["rows"] = {split: data[split].num_rows for split in SPLITS}
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    data.save_to_disk(str(partial))
-    (partial / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    with atomic_path(out) as partial:
+        data.save_to_disk(str(partial))
+        (partial / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
     return source
 
 

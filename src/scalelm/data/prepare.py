@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from scalelm.data.prefetch import SOURCE_FILE
 from scalelm.data.prepared import MANIFEST, SPLITS
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
 from scalelm.errors import DataError, friendly_errors
-from scalelm.provenance import sha256
+from scalelm.files import atomic_path, sha256
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:
@@ -64,34 +63,31 @@ def prepare(raw: Path, out: Path, lowercase: bool, min_freq: int) -> dict[str, A
         )
     ids = {word: i for i, word in enumerate(vocab)}
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    split_info = {}
-    for split, lines in tokenized.items():
-        tokens = torch.tensor([ids.get(w, UNK_ID) for line in lines for w in line], dtype=torch.int32)
-        file = partial / f"{split}.pt"
-        torch.save(tokens, file)
-        split_info[split] = {
-            "tokens": tokens.numel(),
-            "unk": int((tokens == UNK_ID).sum()),
-            "lines": len(lines),
-            "sha256": sha256(file),
+    with atomic_path(out) as partial:
+        partial.mkdir(parents=True)
+        split_info = {}
+        for split, lines in tokenized.items():
+            tokens = torch.tensor([ids.get(w, UNK_ID) for line in lines for w in line], dtype=torch.int32)
+            file = partial / f"{split}.pt"
+            torch.save(tokens, file)
+            split_info[split] = {
+                "tokens": tokens.numel(),
+                "unk": int((tokens == UNK_ID).sum()),
+                "lines": len(lines),
+                "sha256": sha256(file),
+            }
+        (partial / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+        source_file = raw / SOURCE_FILE
+        manifest = {
+            "format": 1,
+            "source": json.loads(source_file.read_text()) if source_file.is_file() else {"path": str(raw)},
+            "options": {"lowercase": lowercase, "min_freq": min_freq},
+            "vocab_size": len(vocab),
+            "specials": list(SPECIALS),
+            "vocab_sha256": sha256(partial / "vocab.txt"),
+            "splits": split_info,
         }
-    (partial / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    source_file = raw / SOURCE_FILE
-    manifest = {
-        "format": 1,
-        "source": json.loads(source_file.read_text()) if source_file.is_file() else {"path": str(raw)},
-        "options": {"lowercase": lowercase, "min_freq": min_freq},
-        "vocab_size": len(vocab),
-        "specials": list(SPECIALS),
-        "vocab_sha256": sha256(partial / "vocab.txt"),
-        "splits": split_info,
-    }
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
 
 

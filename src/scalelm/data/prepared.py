@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from scalelm.errors import DataError
-from scalelm.serialization import load_tensors
+from scalelm.files import load_tensors, sha256
 
 SPLITS = ("train", "validation", "test")
 MANIFEST = "manifest.json"
@@ -25,6 +25,14 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return int(self.manifest["vocab_size"])
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of the vocabulary and of every split: the data's identity, wherever the directory lies."""
+        splits = self.manifest.get("splits", {})
+        named = {"vocab": self.manifest.get("vocab_sha256")}
+        named |= {split: splits.get(split, {}).get("sha256") for split in SPLITS}
+        files = {"vocab": "vocab.txt", **{split: f"{split}.pt" for split in SPLITS}}
+        return {name: digest or sha256(self.path / files[name]) for name, digest in named.items()}
 
     def vocab(self) -> list[str]:
         return (self.path / "vocab.txt").read_text(encoding="utf-8").split("\n")[: self.vocab_size]

@@ -10,7 +10,12 @@ import torch
 import torch.distributed as dist
 
 from scalelm.errors import ConfigError
-from scalelm.hostmemory import keep_freed_memory
+from scalelm.parallel.hostmemory import keep_freed_memory
+
+
+def is_distributed() -> bool:
+    """Inside a started process group (torchrun's, or the group of one a distributed strategy starts alone)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -24,9 +29,6 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -45,7 +47,7 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
 def setup(preference: str, needs_group: bool, timeout_s: int) -> DistEnv:
     """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun), pick the device and start the process group if needed.
 
-    On CPU, host memory freed by one step is kept for the next (scalelm.hostmemory).
+    On CPU, host memory freed by one step is kept for the next (scalelm.parallel.hostmemory).
 
     A distributed strategy started without torchrun runs as a group of one, so the same code path
     (and the same checkpoint format) serves one process too.
@@ -74,13 +76,13 @@ def setup(preference: str, needs_group: bool, timeout_s: int) -> DistEnv:
 
 
 def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
 
 
 def all_gather_object(obj):
     """Every rank's obj, in rank order (just [obj] without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return [obj]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
@@ -88,5 +90,5 @@ def all_gather_object(obj):
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()

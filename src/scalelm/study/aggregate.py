@@ -1,6 +1,6 @@
 """Compare the runs of the experiment matrix: a summary table (CSV and Markdown) and plots (PNG).
 
-    python -m scalelm.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results
+    python -m scalelm.study.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results
 
 Each run directory holds run.json (provenance and results, from training), metrics.jsonl, and the outputs of the
 consolidate and evaluate steps (model.pt.json, test.json). Speedup and scaling efficiency compare tokens per
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
-from scalelm.metrics import read_metrics
+from scalelm.train.metrics import read_metrics
+from scalelm.train.rundir import RunDir
 
 COLUMNS = [
     "experiment", "strategy", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
@@ -26,18 +27,18 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def read_run(run_dir: Path) -> dict[str, Any]:
+def read_run(run: RunDir) -> dict[str, Any]:
     try:
-        record = json.loads((run_dir / "run.json").read_text())
-        model = json.loads((run_dir / "model.pt.json").read_text())
-        test = json.loads((run_dir / "test.json").read_text())
+        record = json.loads(run.record.read_text())
+        model = json.loads(run.model_meta.read_text())
+        test = json.loads(run.test_result.read_text())
     except FileNotFoundError as err:
-        raise DataError(f"{run_dir} is incomplete ({err.filename} is missing): run the workflow up to it") from None
-    metrics = read_metrics(run_dir)
+        raise DataError(f"{run.path} is incomplete ({err.filename} is missing): run the workflow up to it") from None
+    metrics = read_metrics(run.path)
     results, config = record["results"], record["config"]
     train = [m for m in metrics if m["kind"] == "train"]
     return {
-        "experiment": run_dir.parent.name,
+        "experiment": run.experiment,
         "strategy": results["strategy"],
         "seed": config["seed"],
         "nodes": record["launch"]["nodes"],
@@ -139,7 +140,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def aggregate(run_dirs: list[Path], out_dir: Path) -> list[dict[str, Any]]:
-    rows = [read_run(Path(d)) for d in run_dirs]
+    rows = [read_run(RunDir(Path(d))) for d in run_dirs]
     rows.sort(key=lambda r: (r["world_size"], r["experiment"], r["seed"]))
     add_scaling(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,7 @@ def aggregate(run_dirs: list[Path], out_dir: Path) -> list[dict[str, Any]]:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.aggregate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalelm.study.aggregate", description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, action="append", required=True, help="a run directory (repeatable)")
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -1,7 +1,8 @@
 """Graceful stop on SIGTERM or SIGUSR1 (Slurm's --signal, preemption, scancel --signal).
 
-The handler only sets a flag. After each optimizer step the ranks agree on it (a one-element all-reduce on a gloo
-group, so GPUs are not synchronised), save a checkpoint together and exit with EXIT_PREEMPTED; rerunning resumes.
+The handler only sets a flag. After each optimizer step, and between evaluation batches, the ranks agree on it (a
+one-element all-reduce on a gloo group, so GPUs are not synchronised), save a checkpoint together and exit with
+EXIT_PREEMPTED; rerunning resumes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from scalelm.errors import ScaleLMError
+from scalelm.parallel.env import is_distributed
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later, the run will resume
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -21,12 +23,16 @@ class Preempted(ScaleLMError):
     exit_code = EXIT_PREEMPTED
 
 
+class StopRequested(Exception):
+    """Every rank agreed to stop (StopFlag.raised): the trainer checkpoints and raises Preempted."""
+
+
 class StopFlag:
     def __init__(self) -> None:
         self.signal: int | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         self._group = None
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             # the default group is NCCL on GPUs; this flag lives on the CPU
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 

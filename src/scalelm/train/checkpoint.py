@@ -15,13 +15,11 @@ for DCP, any world size.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -33,9 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from scalelm.errors import CheckpointError
-from scalelm.parallel.env import DistEnv, all_gather_object, barrier
-from scalelm.provenance import sha256
-from scalelm.serialization import load_tensors
+from scalelm.files import load_tensors, partial_of, publish, remove, sha256
+from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
 
 STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"
@@ -53,10 +50,6 @@ class TrainerState:
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
     world_size: int = 1
     strategy: str = ""
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -83,9 +76,9 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------------- save
     def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState) -> Path:
         final = self.directory / f"{PREFIX}{state.step:08d}"
-        partial = final.with_name(final.name + ".partial")
+        partial = partial_of(final)
         if self.env.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove(partial)
             partial.mkdir(parents=True)
         barrier()
         rngs = all_gather_object(rng_state(self.env.device))
@@ -95,7 +88,7 @@ class Checkpointer:
                 checkpoint_id=partial,
             )
         else:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True) if _distributed() else None
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True) if is_distributed() else None
             model_sd = get_model_state_dict(model, options=options)
             optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
             if self.env.is_main:
@@ -107,15 +100,14 @@ class Checkpointer:
         if self.env.is_main:
             sums = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
             (partial / MARKER).write_text(json.dumps(sums, indent=1) + "\n")
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
+            publish(partial, final)
             self._prune()
         barrier()
         return final
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.directory)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove(old)
 
     # ----------------------------------------------------------------------------------------- load
     def latest(self) -> Path | None:
@@ -185,7 +177,7 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
     if (path / STATE_FILE).is_file():
         saved = load_tensors(path / STATE_FILE, map_location="cpu")
         # Every rank holds the full dict; set_*_state_dict shards it for FSDP.
-        options = StateDictOptions(full_state_dict=True) if _distributed() else None
+        options = StateDictOptions(full_state_dict=True) if is_distributed() else None
         set_model_state_dict(model, saved["model"], options=options)
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, saved["optim"], options=options)

@@ -3,9 +3,9 @@
     python -m scalelm.train --config FILE [--set key=value ...]                       # one process
     torchrun --nproc-per-node=2 -m scalelm.train --config FILE --set parallel.strategy=ddp
 
-Everything goes to `run_dir`: config.yaml (resolved), metrics.jsonl, checkpoints/, and run.json (provenance and
-results), written last so that its presence means the run finished. Rerunning the same command resumes from the
-latest complete checkpoint.
+Everything goes to `run_dir` (scalelm.train.rundir): the resolved config, metrics.jsonl, checkpoints/, and run.json
+(provenance and results), written last so that its presence means the run finished. Rerunning the same command
+resumes from the latest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -15,28 +15,26 @@ import contextlib
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from scalelm import provenance
-from scalelm.checkpoint import Checkpointer, TrainerState
 from scalelm.config import Config, dump_config, load_config
-from scalelm.data import TrainBatches, load_prepared
-from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
-from scalelm.evaluate import evaluate
-from scalelm.metrics import METRICS_FILE, MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.data import PreparedData, TrainBatches, load_prepared
+from scalelm.errors import ScaleLMError, friendly_errors
+from scalelm.files import atomic_write_text
 from scalelm.model import TransformerLM
-from scalelm.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.parallel import build_strategy, strategy_class
-from scalelm.parallel.env import DistEnv, barrier, setup, teardown
-from scalelm.preemption import Preempted, StopFlag
-
-RUN_FILE = "run.json"
-CONFIG_FILE = "config.yaml"
+from scalelm.parallel.env import DistEnv, barrier, is_distributed, setup, teardown
+from scalelm.train import provenance
+from scalelm.train.checkpoint import Checkpointer, TrainerState
+from scalelm.train.evaluation import evaluate
+from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
+from scalelm.train.preemption import Preempted, StopFlag, StopRequested
+from scalelm.train.rundir import RunDir, identity
 
 
 class TrainingError(ScaleLMError):
@@ -50,22 +48,21 @@ def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
 
 
 def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.all_reduce(values, op=op)
     return values
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv):
-        self.config, self.env = config, env
-        self.run_dir = Path(config.run_dir)
+    def __init__(self, config: Config, env: DistEnv, data: PreparedData):
+        self.config, self.env, self.data = config, env, data
+        self.run_dir = RunDir(Path(config.run_dir))
         self.strategy = build_strategy(config, env)
         precision = config.train.precision
         if precision == "auto":
             precision = "bf16" if env.device.type == "cuda" else "fp32"
         self.strategy.set_precision(torch.bfloat16 if precision == "bf16" else torch.float32)
 
-        self.data = data = load_prepared(config.data.prepared_dir)
         per_device = config.batch.mode == "per_device"
         global_batch = config.batch.size * env.world_size if per_device else config.batch.size
         self.batches = TrainBatches(
@@ -92,12 +89,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", env, self.strategy.sharded_checkpoint, config.checkpoint.keep
+            self.run_dir.checkpoints, env, self.strategy.sharded_checkpoint, config.checkpoint.keep
         )
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         self.state = resumed or TrainerState(model_shape=self.shape)
         self.state.world_size, self.state.strategy = env.world_size, self.strategy.name
-        self.metrics = MetricsLogger(self.run_dir, env.is_main, resume_step=resumed.step if resumed else None)
+        self.metrics = MetricsLogger(self.run_dir.metrics, env.is_main, resume_step=resumed.step if resumed else None)
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
         self.last_saved = resumed.step if resumed else -1
@@ -129,7 +126,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         config, env, state = self.config, self.env, self.state
         if env.is_main:
-            dump_config(config, self.run_dir / CONFIG_FILE)
+            dump_config(config, self.run_dir.config)
             print(
                 f"training {self.strategy.name} on {env.world_size} x {env.device.type}: "
                 f"{self.total_steps} steps ({self.batches.steps_per_epoch}/epoch), global batch "
@@ -139,41 +136,43 @@ class Trainer:
         record = provenance.collect(config.to_dict(), env.world_size)
         clock = Stopwatch()  # training time only: evaluation and checkpoints run with the clock paused
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
-
-        while state.step < self.total_steps:
-            for micro_batches in self.batches.epoch(state.epoch, state.step_in_epoch):
-                loss_acc += self.train_step(micro_batches)
-                steps_acc += 1
-                state.step += 1
-                state.step_in_epoch += 1
-                state.tokens_seen += self.tokens_per_step
-                done = state.step >= self.total_steps
-                if state.step % config.train.log_every == 0 or done:
-                    self.log_train(loss_acc, steps_acc, clock.lap())
-                    loss_acc.zero_()
-                    steps_acc = 0
-                with clock.paused():
-                    if config.train.eval_every and state.step % config.train.eval_every == 0:
-                        self.evaluate_split("validation")
-                    if config.checkpoint.every and state.step % config.checkpoint.every == 0:
-                        self.save(loss_acc)
-                if self.stop.raised():
+        try:
+            while state.step < self.total_steps:
+                for micro_batches in self.batches.epoch(state.epoch, state.step_in_epoch):
+                    loss_acc += self.train_step(micro_batches)
+                    steps_acc += 1
+                    state.step += 1
+                    state.step_in_epoch += 1
+                    state.tokens_seen += self.tokens_per_step
+                    done = state.step >= self.total_steps
+                    if state.step % config.train.log_every == 0 or done:
+                        self.log_train(loss_acc, steps_acc, clock.lap())
+                        loss_acc.zero_()
+                        steps_acc = 0
                     with clock.paused():
-                        path = self.save(loss_acc)
-                    raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume")
-                if done:
-                    break
-            else:  # the epoch ran to its end
-                state.epoch += 1
-                state.step_in_epoch = 0
-                with clock.paused():
-                    self.evaluate_split("validation")
-                    self.save(loss_acc)
+                        if config.train.eval_every and state.step % config.train.eval_every == 0:
+                            self.evaluate_split("validation")
+                        if config.checkpoint.every and state.step % config.checkpoint.every == 0:
+                            self.save(loss_acc)
+                    if self.stop.raised():
+                        raise StopRequested("stop signal during training")
+                    if done:
+                        break
+                if state.step_in_epoch == self.batches.steps_per_epoch:  # the epoch ran to its end
+                    state.epoch += 1
+                    state.step_in_epoch = 0
+                    with clock.paused():
+                        self.evaluate_split("validation")
+                        self.save(loss_acc)
 
-        if steps_acc:  # steps after the last log line (log_every does not divide the total)
-            self.log_train(loss_acc, steps_acc, clock.lap())
-        validation = self.evaluate_split("validation")
-        test = self.evaluate_split("test")
+            if steps_acc:  # steps after the last log line (log_every does not divide the total)
+                self.log_train(loss_acc, steps_acc, clock.lap())
+            validation = self.evaluate_split("validation")
+            test = self.evaluate_split("test")
+        except StopRequested:  # every rank agreed: between steps or between evaluation batches
+            with clock.paused():
+                path = self.save(loss_acc)
+            raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume") from None
         checkpoint = self.save(loss_acc)
         return self.finish(record, clock, validation, test, checkpoint)
 
@@ -222,6 +221,7 @@ class Trainer:
                 self.config.train.eval_batch_size,
                 self.env,
                 self.strategy.autocast,
+                should_stop=self.stop.raised,
             )
             self.evaluations[key] = result
             self.metrics.log(
@@ -273,34 +273,8 @@ class Trainer:
             },
         )
         if self.env.is_main:
-            (self.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            atomic_write_text(self.run_dir.record, json.dumps(record, indent=2) + "\n")
         return record
-
-
-def archive_if_changed(run_dir: Path, config: Config, world_size: int) -> None:
-    """A run directory holds one experiment: if its settings changed since the last attempt, the old checkpoints
-    and metrics move to previous/ (replacing an older one) and training starts afresh instead of resuming."""
-    identity = {**config.to_dict(), "world_size": world_size}
-    marker = run_dir / "identity.json"
-    if marker.is_file() and json.loads(marker.read_text()) != identity:
-        previous = run_dir / "previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        previous.mkdir()
-        for name in ("checkpoints", METRICS_FILE, CONFIG_FILE, "identity.json"):
-            if (run_dir / name).exists():
-                (run_dir / name).rename(previous / name)
-        print(f"settings changed since the last attempt in {run_dir}: its results moved to {previous}", flush=True)
-    marker.write_text(json.dumps(identity, indent=1) + "\n")
-
-
-def prepare_run_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"run_dir {path} is not writable ({err.strerror}); choose another run_dir") from None
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -309,14 +283,11 @@ def run(config: Config) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env = setup(config.device, strategy_class(config.parallel.strategy).needs_process_group, config.parallel.timeout_s)
     try:
+        data = load_prepared(config.data.prepared_dir)
         if env.is_main:
-            prepare_run_dir(Path(config.run_dir))
-            archive_if_changed(Path(config.run_dir), config, env.world_size)
+            RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
         barrier()
-        trainer = Trainer(config, env)
-        if env.is_main:  # run.json marks a finished run: a restarted run is not finished
-            (Path(config.run_dir) / RUN_FILE).unlink(missing_ok=True)
-        return trainer.fit()
+        return Trainer(config, env, data).fit()
     finally:
         teardown()
 

@@ -1,19 +1,12 @@
-"""A causal Transformer language model.
+"""CPU fast paths of the model's operations, each computing exactly the function of its plain torch counterpart.
 
-Shape of the course model (embedding, sinusoidal positions, N blocks, final LayerNorm, output projection),
-with the defect fixed: attention is causal, through scaled_dot_product_attention(is_causal=True), which also gives
-GPUs the fused flash/memory-efficient kernels. Each block is its own module so FSDP can shard block by block.
-
-Training calls `model(inputs, targets)`, which returns the mean next-token cross-entropy instead of the logits.
-On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
-its gradient, chunk by chunk, and so never materialises the (tokens x vocabulary) logits, their log-softmax and
-its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the plain
-`F.cross_entropy(head(x).float(), targets)`. Both compute the same function.
+On CPU in fp32 a training step of a small language model is dominated by the output projection with its
+cross-entropy and by dropout's random masks; GPUs, autocast and evaluation take the plain torch operations.
+Measurements behind each choice: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import numpy as np
@@ -21,18 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalelm.config import ModelConfig
-
-IGNORE_INDEX = -100  # targets to leave out of the loss, as in F.cross_entropy (and scalelm.data.windows)
-
-
-def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
-    position = torch.arange(max_len, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    table = torch.zeros(max_len, d_model)
-    table[:, 0::2] = torch.sin(position * freq)
-    table[:, 1::2] = torch.cos(position * freq[: d_model // 2])
-    return table
+from scalelm.data.windows import IGNORE_INDEX
 
 
 class Dropout(nn.Dropout):
@@ -40,9 +22,9 @@ class Dropout(nn.Dropout):
 
     The same function: every element kept independently with probability 1 - p (to within 2^-24) and scaled by
     1 / (1 - p), computed exactly as F.dropout does. torch's CPU Bernoulli sampler is serial Mersenne-Twister code
-    (its vectorised MKL path is taken on Intel CPUs only): 307 ms for one feed-forward dropout of the course model
-    (16,384 x 2,048 values) against 140 ms for this (docs/benchmarks.md). The generator is seeded from torch's default
-    generator, so torch.manual_seed and the RNG states saved in checkpoints still determine every mask.
+    (its vectorised MKL path is taken on Intel CPUs only), about twice as slow on the course model's feed-forward
+    activations. The generator is seeded from torch's default generator, so torch.manual_seed and the RNG states
+    saved in checkpoints still determine every mask.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,83 +37,6 @@ class Dropout(nn.Dropout):
         mask = torch.from_numpy(values).view(x.shape)
         return x.mul_(mask) if self.inplace else x * mask
 
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out = nn.Linear(d_model, d_model)
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
-
-
-class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.pre_norm = config.norm == "pre"
-        self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
-        self.ffn = nn.Sequential(
-            nn.Linear(config.d_model, config.d_ff),
-            nn.ReLU(),
-            Dropout(config.dropout),
-            nn.Linear(config.d_ff, config.d_model),
-        )
-        self.norm1 = nn.LayerNorm(config.d_model)
-        self.norm2 = nn.LayerNorm(config.d_model)
-        self.drop = Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pre_norm:
-            x = x + self.drop(self.attn(self.norm1(x)))
-            return x + self.drop(self.ffn(self.norm2(x)))
-        x = self.norm1(x + self.drop(self.attn(x)))
-        return self.norm2(x + self.drop(self.ffn(x)))
-
-
-class TransformerLM(nn.Module):
-    def __init__(self, config: ModelConfig, vocab_size: int):
-        super().__init__()
-        self.config = config
-        self.vocab_size = vocab_size
-        self.embed = nn.Embedding(vocab_size, config.d_model)
-        self.register_buffer("positions", sinusoidal_positions(config.max_seq_len, config.d_model), persistent=False)
-        self.drop = Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, vocab_size)
-        self.reset_parameters()
-        if config.tie_weights:
-            self.head.weight = self.embed.weight
-
-    def reset_parameters(self) -> None:
-        for name, param in self.named_parameters():
-            if param.dim() > 1:
-                nn.init.xavier_uniform_(param)
-            elif name.endswith("bias"):
-                nn.init.zeros_(param)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.
-
-        With targets (batch, seq): the mean cross-entropy of those logits against the targets (entries equal to
-        IGNORE_INDEX left out), i.e. F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).
-        """
-        seq = tokens.shape[1]
-        if seq > self.positions.shape[0]:
-            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
-        x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
-        for block in self.blocks:
-            x = block(x)
-        x = self.norm(x)
-        if targets is None:
-            return self.head(x)
-        return linear_cross_entropy(x.flatten(0, -2), self.head.weight, self.head.bias, targets.flatten())
 
 
 def linear_cross_entropy(
@@ -160,11 +65,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Output projection + mean cross-entropy, with all three gradients computed in the forward pass.
 
     The unfused path allocates, writes and reads several (tokens x vocabulary) tensors per step: the logits, their
-    log-softmax, the loss gradient (a zero-filled one-hot) and the log-softmax gradient, 93 MB each for 700 tokens
-    and 33,278 words (2.2 GB for the course's 16,384 tokens). Here the bias and a column of ones travel as extra
-    columns of a copy of the weight, A = [W | b | 1 | 0...], and of the hidden states, X = [x | 1 | 0 | 0...]
-    (zero-padded to a multiple of 8 columns: MKL runs k = 201 or n = 201 up to 1.5x slower than 208). Per chunk of
-    at most CHUNK_ROWS tokens:
+    log-softmax, the loss gradient (a zero-filled one-hot) and the log-softmax gradient. Here the bias and a column
+    of ones travel as extra columns of a copy of the weight, A = [W | b | 1 | 0...], and of the hidden states,
+    X = [x | 1 | 0 | 0...] (zero-padded to a multiple of 8 columns: MKL is much slower on odd inner and outer
+    dimensions). Per chunk of at most CHUNK_ROWS tokens:
 
         z = A X^T                  the logits W x^T + b, transposed (vocab x tokens), into a reused workspace
         e = exp(z)                 in place: the only pass over that buffer besides the three products
@@ -180,14 +84,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     micro-batch).
     """
 
-    CHUNK_ROWS = 1024  # tokens per chunk: the workspace holds (vocab x 1024) floats, 136 MB for 33,278 words
-    ALIGN = 32  # the logits' row stride is padded to a multiple of this: MKL's GEMM writes it ~1.7x faster
+    CHUNK_ROWS = 1024  # tokens per chunk: the workspace holds (vocab x 1024) floats
+    ALIGN = 32  # the logits' row stride is padded to a multiple of this: MKL's GEMM writes it much faster
     SAFE_SUM = (2.0**-100, 2.0**100)  # sums of unshifted exponentials trusted without the max shift
     _workspace: ClassVar[dict[tuple[str, torch.device, torch.dtype], torch.Tensor]] = {}
 
     @staticmethod
     def workspace(name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-        """A (rows x cols) buffer kept between steps: reallocating ~100 MB every step costs ~25 ms of page faults."""
+        """A (rows x cols) buffer kept between steps: reallocating it every step costs page faults."""
         key = (name, like.device, like.dtype)
         buffer = LinearCrossEntropy._workspace.get(key)
         if buffer is None or buffer.numel() < rows * cols:
@@ -220,7 +124,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunks = -(-n // LinearCrossEntropy.CHUNK_ROWS)
         rows = -(-n // chunks)  # balanced chunks
         width = -(-rows // LinearCrossEntropy.ALIGN) * LinearCrossEntropy.ALIGN
-        if width % 256 == 0:  # a row stride of a multiple of 1 KiB makes the GEMMs ~10% slower (cache-set aliasing)
+        if width % 256 == 0:  # a row stride of a multiple of 1 KiB slows the GEMMs (cache-set aliasing)
             width += LinearCrossEntropy.ALIGN
         logits = LinearCrossEntropy.workspace("logits", vocab, width, hidden)
         grads = LinearCrossEntropy.workspace("grads", vocab, cols, hidden)  # [dW | db | 0...], summed over chunks
@@ -266,13 +170,3 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (*(g if need else None for g, need in zip(grads, needed)), None)
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate."""
-    d, layers = config.d_model, config.n_layers
-    matmul_params = layers * (4 * d * d + 2 * d * config.d_ff) + d * vocab_size
-    attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
-    return 6 * matmul_params + attention

@@ -15,9 +15,9 @@ def keep_freed_memory(threshold: int = REUSE_BELOW) -> bool:
     """Ask glibc's malloc to serve allocations below `threshold` from its heap and to keep freed memory mapped.
 
     By default glibc maps every allocation above 32 MB afresh and unmaps it when freed, so the activations and
-    gradients a CPU training step frees are page-faulted and zeroed by the kernel again on the next step: 409,000
-    page faults per step of the course model on CPU, 11% of its step time (docs/benchmarks.md). The price is that
-    the process keeps its peak memory until it exits, a peak a training process reaches every step anyway.
+    gradients a CPU training step frees are page-faulted and zeroed by the kernel again on the next step, a tenth of
+    the course model's CPU step time (docs/benchmarks.md). The price is that the process keeps its peak memory
+    until it exits, a peak a training process reaches every step anyway.
     Returns whether the setting took effect: glibc on Linux only; elsewhere nothing changes.
     """
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":

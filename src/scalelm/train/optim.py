@@ -20,7 +20,7 @@ def scaled_lr(optim: OptimConfig, batch: BatchConfig, world_size: int) -> float:
 def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
     params = list(model.parameters())
     # On CPU torch defaults to the per-tensor loop (about ten passes over every tensor, with temporaries); the fused
-    # kernel does the same update in one pass, about 3x faster (docs/benchmarks.md). FSDP's DTensor parameters, and
+    # kernel does the same update in one pass, several times faster (docs/benchmarks.md). FSDP's DTensor parameters, and
     # GPUs, keep torch's default choice.
     fused = all(type(p) is nn.Parameter and p.device.type == "cpu" for p in params) or None
     return torch.optim.AdamW(params, lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=fused)

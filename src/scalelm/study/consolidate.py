@@ -1,8 +1,9 @@
 """Turn a run's final checkpoint (one file or a sharded DCP directory) into one plain state dict file.
 
-    python -m scalelm.consolidate --run-dir results/runs/fsdp/seed1 --out results/runs/fsdp/seed1/model.pt
+    python -m scalelm.study.consolidate --run-dir results/runs/fsdp/seed1 [--out FILE]
 
-Writes the model file and, beside it, `<out>.json` with its sha256, the checkpoint and step it came from.
+Writes the model file (default: the run's model.pt) and, beside it, `<out>.json` with its sha256, the checkpoint and
+step it came from.
 Runs in one process: DCP reshards the checkpoint of N ranks on load.
 """
 
@@ -15,20 +16,22 @@ from typing import Any
 
 import torch
 
-from scalelm.checkpoint import complete_checkpoints, load_weights, read_trainer_state
 from scalelm.config import ModelConfig, load_config
 from scalelm.errors import CheckpointError, friendly_errors
+from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
 from scalelm.model import TransformerLM
-from scalelm.provenance import sha256
-from scalelm.serialization import load_tensors
+from scalelm.train.checkpoint import complete_checkpoints, load_weights, read_trainer_state
+from scalelm.train.rundir import RunDir
 
 
-def consolidate(run_dir: Path, out: Path) -> dict[str, Any]:
-    found = complete_checkpoints(run_dir / "checkpoints")
+def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
+    """The newest complete checkpoint of `run` as one model file (default: the run's model.pt) and `<out>.json`."""
+    out = Path(out or run.model)
+    found = complete_checkpoints(run.checkpoints)
     if not found:
-        raise CheckpointError(f"no complete checkpoint in {run_dir / 'checkpoints'}: train the run first")
+        raise CheckpointError(f"no complete checkpoint in {run.checkpoints}: train the run first")
     checkpoint = found[-1]
-    config = load_config(run_dir / "config.yaml")
+    config = load_config(run.config)
     state = read_trainer_state(checkpoint)
     model = TransformerLM(config.model, state.model_shape["vocab_size"])
     load_weights(checkpoint, model)
@@ -39,11 +42,10 @@ def consolidate(run_dir: Path, out: Path) -> dict[str, Any]:
         "seq_len": config.data.seq_len,
         "step": state.step,
     }
-    partial = out.with_name(out.name + ".partial")
-    torch.save(payload, partial)
-    partial.rename(out)
+    with atomic_path(out) as partial:
+        torch.save(payload, partial)
     meta = {"model": str(out), "sha256": sha256(out), "checkpoint": str(checkpoint), "step": state.step}
-    Path(f"{out}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write_text(f"{out}.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -58,12 +60,12 @@ def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.consolidate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalelm.study.consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="model file to write (default: model.pt in the run directory)")
     args = parser.parse_args(argv)
-    meta = consolidate(args.run_dir, args.out)
-    print(f"consolidated step {meta['step']} of {meta['checkpoint']} into {args.out} (sha256 {meta['sha256'][:12]})")
+    meta = consolidate(RunDir(args.run_dir), args.out)
+    print(f"consolidated step {meta['step']} of {meta['checkpoint']} into {meta['model']} (sha256 {meta['sha256'][:12]})")
 
 
 if __name__ == "__main__":

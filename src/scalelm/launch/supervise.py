@@ -1,11 +1,11 @@
 """Run torchrun processes so that a stop signal becomes a checkpoint and exit 75, and a failure stops them all.
 
-    python -m scalelm.supervise -- torchrun ... -m scalelm.train ...
+    python -m scalelm.launch.supervise -- torchrun ... -m scalelm.train ...
 
 `scalelm.launch` supervises the torchrun(s) it starts on its own host; under Slurm it starts this module on every
 node of its `srun` step instead, because Slurm's `--signal` and `scancel --signal` reach the processes of job steps,
 not the batch shell the launcher runs in. A stop signal (SIGTERM, SIGUSR1, SIGINT) is passed to torchrun as SIGTERM,
-which torchrun turns into a graceful stop of its workers; they checkpoint (scalelm.preemption) and the supervisor
+which torchrun turns into a graceful stop of its workers; they checkpoint (scalelm.train.preemption) and the supervisor
 exits EXIT_PREEMPTED. torchrun itself ignores SIGUSR1: it has no handler for it and would die of it, leaving its
 workers behind.
 """
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from scalelm.preemption import EXIT_PREEMPTED
+from scalelm.train.preemption import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
     if not command:
-        sys.exit("usage: python -m scalelm.supervise -- COMMAND [ARGS ...]")
+        sys.exit("usage: python -m scalelm.launch.supervise -- COMMAND [ARGS ...]")
     sys.exit(supervise([command]))
 
 

@@ -1,4 +1,4 @@
-"""Metrics: one JSON object per line in <run_dir>/metrics.jsonl, and readable progress lines, on rank 0 only."""
+"""Metrics: one JSON object per line in the run's metrics.jsonl, and readable progress lines, on rank 0 only."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-METRICS_FILE = "metrics.jsonl"
+from scalelm.files import atomic_write_text
+from scalelm.train.rundir import RunDir
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -25,8 +26,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
+        self.path = Path(path)
         self.enabled = enabled
         self.start = time.time()
         if enabled and resume_step is not None:
@@ -37,7 +38,7 @@ class MetricsLogger:
         if not self.path.is_file():
             return
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -92,5 +93,5 @@ def perplexity(loss: float) -> float:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(Path(run_dir)).metrics
     return [json.loads(line) for line in path.read_text().splitlines() if line]

@@ -1,8 +1,8 @@
-"""Build or fetch the Apptainer image the training jobs run in.
+"""Build or fetch the Apptainer image the jobs run in, and the prefix that runs a command inside it.
 
-    python -m scalelm.container build --definition containers/scalelm.def --out results/image/scalelm.sif \
+    python -m scalelm.launch.container build --definition containers/scalelm.def --out results/image/scalelm.sif \
         --base-image docker://nvcr.io/nvidia/pytorch:25.01-py3
-    python -m scalelm.container pull --uri oras://registry/scalelm:0.1 --out results/image/scalelm.sif
+    python -m scalelm.launch.container pull --uri oras://registry/scalelm:0.1 --out results/image/scalelm.sif
 
 Builds go through spython, which calls an executable named `singularity`; on systems that only have `apptainer`
 a private `singularity` link to it is put first on PATH for the call.
@@ -15,12 +15,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import scalelm
 from scalelm.errors import ScaleLMError, friendly_errors
-from scalelm.provenance import git_commit
+from scalelm.files import atomic_path
+from scalelm.train.provenance import git_commit
 
 
 class ContainerError(ScaleLMError):
@@ -28,6 +30,20 @@ class ContainerError(ScaleLMError):
 
 
 RUNTIMES = ("apptainer", "singularity")
+# apptainer --cleanenv drops the host environment; these are what torchrun and NCCL/gloo need from it
+PASSED_ENV = (
+    "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+)  # fmt: skip
+
+
+def exec_prefix(
+    runtime: str, image: str, binds: Sequence[str] = (), gpu: bool = False, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """`<runtime> exec --cleanenv [--nv] [--bind B ...] [--env K=V ...] IMAGE`: what runs a command in the image."""
+    prefix = [runtime, "exec", "--cleanenv", *(["--nv"] if gpu else [])]
+    prefix += [arg for bind in binds for arg in ("--bind", bind)]
+    prefix += [arg for name, value in (env or {}).items() for arg in ("--env", f"{name}={value}")]
+    return [*prefix, image]
 
 
 def find_runtime() -> str:
@@ -89,18 +105,15 @@ def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: l
         options.append("--fakeroot")
     options += extra
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.unlink(missing_ok=True)
-    with singularity_on_path():
+    with atomic_path(out) as partial, singularity_on_path():
         # the build's own output goes straight to this process's stdout/stderr (the rule's log)
         Client.build(recipe=str(definition), image=str(partial), sudo=False, options=options, force=True)
-    if not partial.is_file():
-        raise ContainerError(
-            f"building {out} from {definition} (base {base_image}) failed; the build output above says why. "
-            "If the base image cannot be reached from here, build on a machine that can and copy the .sif "
-            "(container.mode: image), or run without a container (container.mode: none)"
-        )
-    partial.rename(out)
+        if not partial.is_file():
+            raise ContainerError(
+                f"building {out} from {definition} (base {base_image}) failed; the build output above says why. "
+                "If the base image cannot be reached from here, build on a machine that can and copy the .sif "
+                "(container.mode: image), or run without a container (container.mode: none)"
+            )
     return out
 
 
@@ -123,7 +136,7 @@ def check_image(image: str) -> None:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.container", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalelm.launch.container", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     b = commands.add_parser("build", help="build the image from the definition file")
     b.add_argument("--definition", type=Path, required=True)

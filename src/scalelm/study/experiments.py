@@ -1,6 +1,6 @@
 """The experiment matrix of the workflow config: experiments x seeds, each resolved to one training config.
 
-The workflow (workflow/rules/common.smk) calls `load_matrix` at parse time, so a bad setting in any experiment
+The workflow calls `load_matrix` at parse time (scalelm.study.workflow), so a bad setting in any experiment
 fails before a single job runs, naming the experiment and the key.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from scalelm.config import Config, from_dict
 from scalelm.errors import ConfigError
+from scalelm.train.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
             if not isinstance(spec.get(key), int) or isinstance(spec.get(key), bool) or spec[key] <= 0:
                 raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
         for seed in config.get("seeds", [1]):
-            run_dir = f"{results}/runs/{name}/seed{seed}"
+            run_dir = str(RunDir.of(results, name, seed).path)
             training = training_config(config, name, seed, run_dir).to_dict()
             matrix.append(Experiment(name, spec["strategy"], spec["nodes"], spec["procs_per_node"], seed, training))
     return matrix

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -51,14 +50,6 @@ def container() -> dict[str, Any] | None:
     if CONTAINER_LABELS.is_file():
         info["labels"] = json.loads(CONTAINER_LABELS.read_text())
     return info
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def now() -> str:

@@ -1,0 +1,3 @@
+from scalelm.launch.launcher import main
+
+main()

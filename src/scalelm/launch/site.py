@@ -1,0 +1,84 @@
+"""The site settings (profiles/slurm/site.yaml): typed, checked like the training settings, and turned into what a
+job needs from the site: its sbatch options, the shell prelude of a training job and the launcher's flags."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scalelm.config import from_mapping, read_yaml
+from scalelm.errors import ConfigError
+
+
+@dataclass
+class SiteConfig:
+    account: str | None = None  # sbatch --account
+    partition: str | None = None  # sbatch --partition (None: the cluster's default partition)
+    reservation: str | None = None  # sbatch --reservation
+    qos: str | None = None  # sbatch --qos
+    constraint: str | None = None  # sbatch --constraint
+    gpus_per_node: int = 0  # 0: CPU-only nodes; else each node's GPUs, one per process (gres gpu:<processes>)
+    host_suffix: str = ""  # appended to the first node's name for the rendezvous (JSC: "i", InfiniBand names)
+    network_interface: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    port_range: tuple[int, int] = (29500, 29999)  # rendezvous port = low + job id mod size
+    modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"gpus_per_node must be 0 (CPU nodes) or positive, got {self.gpus_per_node}")
+        low, high = self.port_range
+        if not 1024 <= low <= high <= 65535:
+            raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")
+
+    def sbatch_resources(self) -> dict[str, str]:
+        """The sbatch options of every job, under the resource names the Slurm executor plugin reads."""
+        named = {
+            "slurm_account": self.account,
+            "slurm_partition": self.partition,
+            "qos": self.qos,
+            "constraint": self.constraint,
+        }
+        return {name: value for name, value in named.items() if value}
+
+    def slurm_extra(self, stop_signal_s: int = 0) -> str:
+        """Further sbatch flags: the reservation; for training jobs, USR1 `stop_signal_s` before the time limit."""
+        flags = [f"--reservation={self.reservation}"] if self.reservation else []
+        if stop_signal_s:
+            flags.append(f"--signal=USR1@{stop_signal_s}")
+        return shlex.join(flags)
+
+    def gres(self, procs_per_node: int) -> str:
+        return f"gpu:{procs_per_node}" if self.gpus_per_node else ""
+
+    def check_fits(self, experiment: str, procs_per_node: int) -> None:
+        if self.gpus_per_node and procs_per_node > self.gpus_per_node:
+            raise ConfigError(
+                f"experiment {experiment} runs {procs_per_node} processes per node but the site's nodes have "
+                f"{self.gpus_per_node} GPUs (gpus_per_node): lower its procs_per_node"
+            )
+
+    def prelude(self) -> str:
+        """Shell run before a training job: the site's modules and the network interface for NCCL and gloo."""
+        parts = []
+        if self.modules:
+            parts.append(shlex.join(["module", "load", *self.modules]))
+        if self.network_interface:
+            nic = shlex.quote(self.network_interface)
+            parts.append(f"export NCCL_SOCKET_IFNAME={nic} GLOO_SOCKET_IFNAME={nic}")
+        return "".join(f"{part} && " for part in parts)
+
+    def launch_flags(self) -> list[str]:
+        """scalelm.launch options for the rendezvous across nodes."""
+        flags = ["--host-suffix", self.host_suffix] if self.host_suffix else []
+        return [*flags, "--port-range", str(self.port_range[0]), str(self.port_range[1])]
+
+
+def load_site(path: str | Path | None) -> SiteConfig:
+    """The site file's settings; without a file (the local default), a site of CPU nodes and Slurm's defaults."""
+    if not path:
+        return SiteConfig()
+    try:
+        return from_mapping(SiteConfig, read_yaml(path))
+    except ConfigError as err:
+        raise ConfigError(f"site file {path}: {err}") from None

@@ -1,0 +1,122 @@
+"""A causal Transformer language model.
+
+Shape of the course model (embedding, sinusoidal positions, N blocks, final LayerNorm, output projection),
+with the defect fixed: attention is causal, through scaled_dot_product_attention(is_causal=True), which also gives
+GPUs the fused flash/memory-efficient kernels. Each block is its own module so FSDP can shard block by block.
+
+Training calls `model(inputs, targets)`, which returns the mean next-token cross-entropy instead of the logits.
+On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
+its gradient, chunk by chunk, and so never materialises the (tokens x vocabulary) logits, their log-softmax and
+its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the plain
+`F.cross_entropy(head(x).float(), targets)`. Both compute the same function (scalelm.model.cpu_ops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalelm.config import ModelConfig
+from scalelm.model.cpu_ops import Dropout, linear_cross_entropy
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
+    position = torch.arange(max_len, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq[: d_model // 2])
+    return table
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.pre_norm = config.norm == "pre"
+        self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
+        self.ffn = nn.Sequential(
+            nn.Linear(config.d_model, config.d_ff),
+            nn.ReLU(),
+            Dropout(config.dropout),
+            nn.Linear(config.d_ff, config.d_model),
+        )
+        self.norm1 = nn.LayerNorm(config.d_model)
+        self.norm2 = nn.LayerNorm(config.d_model)
+        self.drop = Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.drop(self.attn(self.norm1(x)))
+            return x + self.drop(self.ffn(self.norm2(x)))
+        x = self.norm1(x + self.drop(self.attn(x)))
+        return self.norm2(x + self.drop(self.ffn(x)))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.config = config
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, config.d_model)
+        self.register_buffer("positions", sinusoidal_positions(config.max_seq_len, config.d_model), persistent=False)
+        self.drop = Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, vocab_size)
+        self.reset_parameters()
+        if config.tie_weights:
+            self.head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        for name, param in self.named_parameters():
+            if param.dim() > 1:
+                nn.init.xavier_uniform_(param)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.
+
+        With targets (batch, seq): the mean cross-entropy of those logits against the targets (entries equal to
+        IGNORE_INDEX left out), i.e. F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).
+        """
+        seq = tokens.shape[1]
+        if seq > self.positions.shape[0]:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
+        x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if targets is None:
+            return self.head(x)
+        return linear_cross_entropy(x.flatten(0, -2), self.head.weight, self.head.bias, targets.flatten())
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate."""
+    d, layers = config.d_model, config.n_layers
+    matmul_params = layers * (4 * d * d + 2 * d * config.d_ff) + d * vocab_size
+    attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
+    return 6 * matmul_params + attention

@@ -1,0 +1,137 @@
+"""The workflow's view of a study: the config resolved and checked once, at parse time, before any job, and every
+value a rule needs (its job's arguments and resources). workflow/rules/*.smk only wire these to files.
+
+    STUDY = Study(config, on_login_node=workflow.is_main_process)   # workflow/rules/common.smk
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Any
+
+from scalelm.errors import ConfigError
+from scalelm.launch.container import check_image, exec_prefix, find_runtime
+from scalelm.launch.site import load_site
+from scalelm.launch.slurm import check_node_counts
+from scalelm.study.experiments import Experiment, load_matrix
+from scalelm.train.rundir import RunDir
+
+DEFAULT_STOP_SIGNAL_S = 300
+
+
+class Study:
+    def __init__(self, config: dict[str, Any], on_login_node: bool = True):
+        self.config = config
+        self.results = config["results"]
+        self.site = load_site(config.get("site"))
+        self.resources = config["resources"]
+        self.stop_signal_s = stop_signal_seconds(self.resources)
+        self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results)}
+        for e in self.matrix.values():
+            self.site.check_fits(e.name, e.procs_per_node)
+        if config.get("site") and on_login_node:  # before any job is submitted; jobs need not ask again
+            check_node_counts({e.name: e.nodes for e in self.matrix.values()}, self.site.partition)
+        self.image = image_file(config["container"], self.results)
+        self.runtime = find_runtime() if self.image else None
+
+    # ---------------------------------------------------------------------------------------- the runs
+    def experiment(self, wildcards) -> Experiment:
+        return self.matrix[(wildcards.experiment, str(wildcards.seed))]
+
+    def run(self, wildcards) -> RunDir:
+        return RunDir.of(self.results, wildcards.experiment, wildcards.seed)
+
+    @property
+    def run_pattern(self) -> RunDir:
+        """The run directory with the rules' wildcards in it: its paths are the rules' inputs and outputs."""
+        return RunDir.of(self.results, "{experiment}", "{seed}")
+
+    @property
+    def runs(self) -> list[RunDir]:
+        return [RunDir.of(self.results, e.name, e.seed) for e in self.matrix.values()]
+
+    # ------------------------------------------------------------------------------ command arguments
+    def prefetch_args(self) -> str:
+        source = self.config["data"]["source"]
+        if "files" in source:
+            files = ",".join(f"{split}={path}" for split, path in source["files"].items())
+            return shlex.join(["--files", files, "--format", source.get("format", "text")])
+        return shlex.join(["--dataset", source["dataset"], "--name", source["name"]])
+
+    def prepare_args(self) -> str:
+        data = self.config["data"]
+        return shlex.join([*(["--lowercase"] if data.get("lowercase") else []), "--min-freq", str(data.get("min_freq", 1))])
+
+    def launch_args(self, wildcards) -> str:
+        e = self.experiment(wildcards)
+        args = ["--nodes", str(e.nodes), "--procs-per-node", str(e.procs_per_node)]
+        if self.image:
+            args += ["--container", self.image, "--container-runtime", self.runtime]
+            args += [arg for bind in self.binds() for arg in ("--bind", bind)]
+            args += ["--gpu"] if self.site.gpus_per_node else []
+        return shlex.join([*args, *self.site.launch_flags()])
+
+    def in_container(self) -> str:
+        """Prefix that runs a single-process command inside the image (empty without a container)."""
+        if not self.image:
+            return ""
+        return shlex.join(exec_prefix(self.runtime, self.image, self.binds())) + " "
+
+    def binds(self) -> list[str]:
+        return [os.path.abspath(p) for p in (self.config["data"]["prepared_dir"], self.results)]
+
+    # -------------------------------------------------------------------------------------- resources
+    def job_resources(self) -> dict[str, Any]:
+        """Every job's sbatch options from the site file."""
+        return {**self.site.sbatch_resources(), "slurm_extra": self.site.slurm_extra()}
+
+    def train_resources(self) -> dict[str, Any]:
+        """A training job: one task per node, sized from its experiment, stopped by USR1 before its time limit.
+
+        With an "mpi" key the job runs its shell in the batch shell, which Slurm's --signal does not reach; the
+        launcher starts the training in an srun step of its own, which it does reach (scalelm.launch.supervise).
+        The plugin refuses mpi jobs of one task, so one node gets "": the key still counts, sbatch sees a plain job.
+        """
+        experiment, per_proc = self.experiment, self.resources
+        return {
+            **self.site.sbatch_resources(),
+            "nodes": lambda wildcards: experiment(wildcards).nodes,
+            "tasks": lambda wildcards: experiment(wildcards).nodes,
+            "mpi": lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else "",
+            "tasks_per_gpu": 0,  # else the plugin asks for --ntasks-per-gpu=<tasks>: tasks x GPUs tasks
+            "cpus_per_task": lambda wildcards: per_proc["cpus_per_proc"] * experiment(wildcards).procs_per_node,
+            "mem_mb": lambda wildcards: per_proc["mem_mb_per_proc"] * experiment(wildcards).procs_per_node,
+            "runtime": per_proc["runtime_min"],
+            "gres": lambda wildcards: self.site.gres(experiment(wildcards).procs_per_node),
+            "slurm_extra": self.site.slurm_extra(self.stop_signal_s),
+        }
+
+
+def stop_signal_seconds(resources: dict[str, Any]) -> int:
+    """Seconds before the time limit at which Slurm sends USR1 to a training job: it checkpoints and exits 75, and
+    Snakemake resubmits it (retries), which resumes. 0 sends none (Slurm's SIGTERM at the limit still checkpoints)."""
+    ahead = resources.get("stop_signal_s")
+    ahead = DEFAULT_STOP_SIGNAL_S if ahead is None else ahead
+    runtime = resources["runtime_min"]
+    if ahead >= runtime * 60:
+        raise ConfigError(
+            f"resources.stop_signal_s ({ahead} s) must be less than resources.runtime_min ({runtime} min = "
+            f"{runtime * 60} s), or the stop signal would come at the job's start; lower stop_signal_s (0 sends "
+            "none) or raise runtime_min"
+        )
+    return ahead
+
+
+def image_file(container: dict[str, Any], results: str) -> str | None:
+    """The .sif every job runs in: built here, pulled here (a URI), or given (a path); None without a container."""
+    mode, image = container["mode"], container.get("image")
+    if mode == "none":
+        return None
+    if not image:
+        raise ConfigError(f"container.mode is {mode}: set container.image (a .sif path or an oras:// URI)")
+    if mode == "image" and "://" in image:
+        return f"{results}/image/scalelm.sif"  # rule pull_image fetches it on the login node
+    if mode == "image":
+        check_image(image)
+    return image

@@ -1,0 +1,3 @@
+from scalelm.train.trainer import main
+
+main()

@@ -1,0 +1,90 @@
+"""The study as the workflow resolves it at parse time (scalelm.study.workflow): the checks that run before any job,
+in process. tests/test_workflow.py shows once, through Snakemake, that such an error stops everything."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+from conftest import REPO
+from snakemake.utils import validate
+
+from scalelm.errors import ConfigError, ScaleLMError
+from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.workflow import Study, stop_signal_seconds
+
+SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+
+
+def local_config(change=None) -> dict:
+    """config/config.yaml with config/local.yaml over it, as a plain `snakemake` sees them."""
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config.update(yaml.safe_load((REPO / "config/local.yaml").read_text()))
+    if change:
+        change(config["local"])
+    return apply_local_overlay(config)
+
+
+def resolve(config: dict) -> Study:
+    validate(config, SCHEMA)  # what common.smk does first
+    return Study(config)
+
+
+def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
+    study = resolve(local_config())
+    geometry = {e.name: (e.nodes, e.procs_per_node, e.strategy) for e in study.matrix.values()}
+    assert geometry == {
+        "single_gpu": (1, 1, "single"), "ddp": (1, 2, "ddp"), "ddp_multinode": (2, 1, "ddp"), "fsdp": (2, 1, "fsdp")
+    }  # fmt: skip
+    assert [str(run.path) for run in study.runs][0] == "results/local/runs/single_gpu/seed1"
+    assert study.image is None and study.in_container() == ""
+    assert study.prepare_args() == "--min-freq 2"
+    assert study.stop_signal_s == 300
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"procs_per_node": 0}, r"0 is less than the minimum of 1(.|\n)*\['ddp'\]\['procs_per_node'\]"),
+        ({"nodes": "two"}, "'two' is not of type 'integer'"),
+        ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
+        ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
+        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp'\]"),
+        ({"gpus": 4}, "'gpus' was unexpected"),
+    ],
+)
+def test_a_bad_experiment_is_refused_naming_the_key(change, message):
+    config = local_config(lambda local: local["experiments"]["ddp"].update(change))
+    with pytest.raises(Exception, match=message):
+        resolve(config)
+
+
+def test_a_stop_signal_at_or_before_the_jobs_start_is_refused():
+    assert stop_signal_seconds({"runtime_min": 30}) == 300
+    assert stop_signal_seconds({"runtime_min": 30, "stop_signal_s": 0}) == 0
+    message = r"resources.stop_signal_s \(300 s\) must be less than resources.runtime_min \(5 min = 300 s\)"
+    with pytest.raises(ConfigError, match=message):
+        resolve(local_config(lambda local: local["resources"].update(runtime_min=5, stop_signal_s=300)))
+
+
+def test_container_problems_are_clear_errors(tmp_path, monkeypatch):
+    def image(path):
+        return lambda local: local.update(container={"mode": "image", "image": str(path)})
+
+    with pytest.raises(ScaleLMError, match="container image /nonexistent/scalelm.sif does not exist"):
+        resolve(local_config(image("/nonexistent/scalelm.sif")))
+    (tmp_path / "scalelm.sif").write_bytes(b"not really an image")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ScaleLMError, match="neither apptainer nor singularity is on PATH"):
+        resolve(local_config(image(tmp_path / "scalelm.sif")))
+
+    runtime = tmp_path / "apptainer"
+    runtime.write_text("#!/bin/sh\n")
+    runtime.chmod(0o755)
+    study = resolve(local_config(image(tmp_path / "scalelm.sif")))
+    prepared, results = (os.path.abspath(p) for p in ("data/local/prepared", "results/local"))
+    prefix = f"apptainer exec --cleanenv --bind {prepared} --bind {results} {tmp_path / 'scalelm.sif'} "
+    assert study.in_container() == prefix  # the same prefix as the launcher's, for one process
+    wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
+    assert f"--container {tmp_path / 'scalelm.sif'} --container-runtime apptainer" in study.launch_args(wildcards)
