@@ -148,6 +148,21 @@ def wait_for_steps(workflow: subprocess.Popen, project: Path, step: int, *experi
     return running
 
 
+def stop_each_at_step(workflow: subprocess.Popen, project: Path, step: int, *experiments: str):
+    """Send each experiment's job the stop signal as soon as it has logged `step`, not when all have: a job on one
+    node may otherwise run past the next periodic checkpoint while the other waits to start."""
+    jobs: dict[str, tuple[str, str]] = {}
+    deadline = time.monotonic() + 300
+    while len(jobs) < len(experiments):
+        assert workflow.poll() is None and time.monotonic() < deadline, f"not all of {experiments} reached {step}"
+        for e in experiments:
+            if e not in jobs and drills.last_step(project / f"results/local/runs/{e}/seed1/metrics.jsonl") >= step:
+                jobs.update(wait_for_steps(workflow, project, step, e))
+                subprocess.run(["scancel", "--signal=USR1", jobs[e][0]], check=True)
+        time.sleep(0.2)
+    return jobs
+
+
 def resumed_step(project: Path, experiment: str) -> int:
     log = (project / f"results/local/logs/train/{experiment}/seed1.log").read_text()
     assert "resumed from step " in log, log[-3000:]
@@ -168,9 +183,7 @@ def test_jobs_stopped_by_slurm_checkpoint_exit_75_and_their_resubmissions_resume
     long_runs(project, max_steps=300, checkpoint_every=250, retries=1)
     targets = [f"results/local/runs/{e}/seed1/run.json" for e in ("ddp", "ddp_multinode")]
     workflow = start_workflow(project, *targets)
-    jobs = wait_for_steps(workflow, project, 30, "ddp", "ddp_multinode")
-    for job_id, _ in jobs.values():
-        subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
+    jobs = stop_each_at_step(workflow, project, 30, "ddp", "ddp_multinode")
     output, _ = workflow.communicate(timeout=600)
 
     assert workflow.returncode == 0, output[-4000:]

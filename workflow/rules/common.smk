@@ -9,7 +9,6 @@ from scalelm.errors import ScaleLMError
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 
-
 config = apply_local_overlay(config)
 validate(config, "../schemas/config.schema.yaml")
 try:
@@ -17,7 +16,8 @@ try:
 except ScaleLMError as err:
     raise WorkflowError(f"invalid config: {err}")
 RESULTS = STUDY.results
-RUN = STUDY.run_pattern  # paths of a run directory, with the {experiment} and {seed} wildcards
+# paths of a run directory, with the {experiment} and {seed} wildcards
+RUN = STUDY.run_pattern
 
 
 wildcard_constraints:
