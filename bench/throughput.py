@@ -6,7 +6,7 @@
    matmuls (FLOP = 2mnk) over a few sizes. That rate is the MFU denominator. The rates of the model's own GEMM
    shapes (output projection forward, and both of its backward products) are reported alongside, for reference.
 2. Trains each model for W warm-up plus N timed steps through scalelm's real code path: a `Trainer` (the
-   single-device strategy, TransformerLM, AdamW + the LR scheduler, cross-entropy) built over a temporary prepared
+   single-device layout, TransformerLM, AdamW + the LR scheduler, cross-entropy) built over a temporary prepared
    data set of random token ids of the right vocabulary, fed by `scalelm.data.TrainBatches` and stepped with
    `Trainer.train_step`. Producing each batch (the data loading) is timed separately from the step.
 3. Reports tokens/s, step time, the data-loading share of step time, model FLOPs per token
@@ -37,8 +37,10 @@ from typing import Any
 import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
+from scalelm.data import load_prepared
 from scalelm.model import count_parameters, flops_per_token
 from scalelm.model.cpu_ops import LinearCrossEntropy
+from scalelm.parallel import Parallel
 from scalelm.parallel.env import setup, teardown
 from scalelm.train.trainer import Trainer
 
@@ -157,8 +159,8 @@ def build_config(spec: dict[str, Any], prepared: Path, run_dir: Path, steps: int
 def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: int, profile: Path | None) -> dict:
     spec = MODELS[name]
     config = build_config(spec, prepared, workdir / f"run-{name}", warmup + steps)
-    env = setup("cpu", needs_group=False, timeout_s=60)
-    trainer = Trainer(config, env)
+    env = setup("cpu", timeout_s=60)
+    trainer = Trainer(config, env, Parallel.start(config, env), load_prepared(prepared))
     trainer.stop.restore()
     batches = trainer.batches.epoch(0)
     data_s, step_s, losses = [], [], []

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalelm.study.consolidate import consolidate
 from scalelm.train.checkpoint import MARKER
@@ -115,6 +116,12 @@ def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int 
     detected = time.monotonic() - killed
     survivors = sum(1 for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
     return Crash(rank, at_step, job.returncode, detected, survivors, output)
+
+
+def checkpoint_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model weights of one checkpoint directory (DCP), as one state dict."""
+    dcp_to_torch_save(checkpoint, scratch)
+    return torch.load(scratch, weights_only=True)["model"]
 
 
 def final_weights(config: Path, out: Path) -> dict[str, torch.Tensor]:

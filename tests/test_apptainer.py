@@ -18,6 +18,10 @@ pytestmark = pytest.mark.apptainer
 BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 
 
+# in the image: one process and DDP on two; the other layouts run the same code (tests/test_workflow.py)
+OTHER_EXPERIMENTS = ("ddp_multinode", "fsdp", "hsdp", "tp", "fsdp_tp")
+
+
 def script(name: str, *args: str):
     return run_script("apptainer", name, *args)
 
@@ -54,11 +58,11 @@ def project(tmp_path, base_image) -> Path:
         }
         local["training"]["train"].update(max_steps=6, log_every=2, eval_every=3)
         local["training"]["checkpoint"]["every"] = 3
-        for name in ("ddp_multinode", "fsdp"):
+        for name in OTHER_EXPERIMENTS:
             config["local"]["experiments"].pop(name, None)
 
     edit_yaml(tmp_path / "config/local.yaml", in_image)
-    edit_yaml(tmp_path / "config/config.yaml", lambda c: [c["experiments"].pop(n) for n in ("ddp_multinode", "fsdp")])
+    edit_yaml(tmp_path / "config/config.yaml", lambda c: [c["experiments"].pop(n) for n in OTHER_EXPERIMENTS])
     return tmp_path
 
 

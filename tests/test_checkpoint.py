@@ -2,6 +2,7 @@
 
 import shutil
 
+import drills
 import pytest
 import torch
 from conftest import run_dir_of, run_train
@@ -14,19 +15,20 @@ from scalelm.train.checkpoint import Checkpointer, TrainerState, complete_checkp
 from scalelm.train.optim import build_optimizer, build_scheduler
 
 
-def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tiny_config):
+def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tiny_config, tmp_path):
     config = tiny_config("run", model__dropout=0.1)
     run_train(config)
     run_dir = run_dir_of(config)
     steps = complete_checkpoints(run_dir / "checkpoints")
     assert [p.name for p in steps] == ["step_00000010", "step_00000020"]
-    reference = torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
-    with (steps[-1] / "state.pt").open("r+b") as handle:  # a write cut short
+    reference = drills.final_weights(config, tmp_path / "reference.pt")
+    [shard] = steps[-1].glob("*.distcp")
+    with shard.open("r+b") as handle:  # a write cut short
         handle.truncate(1000)
     result = run_train(config)
     assert "skipping checkpoint" in result.stdout and "does not match its checksum" in result.stdout
     assert "resumed from step 10" in result.stdout
-    redone = torch.load(steps[-1] / "state.pt", weights_only=True)["model"]
+    redone = drills.final_weights(config, tmp_path / "redone.pt")
     assert all(torch.equal(reference[k], redone[k]) for k in reference)
 
     # killed between the marker and the rename: the .partial copy, marker and all, is not a checkpoint
@@ -42,14 +44,14 @@ def test_checkpoint_of_another_model_is_refused_naming_the_setting(tmp_path):
         optimizer = build_optimizer(model, OptimConfig(), 1e-3)
         return model, optimizer, build_scheduler(optimizer, OptimConfig(), 10)
 
-    checkpointer = Checkpointer(tmp_path, env, sharded=False, keep=2)
+    checkpointer = Checkpointer(tmp_path, env, keep=2)
     model, optimizer, scheduler = parts(16)
     checkpointer.save(model, optimizer, scheduler, TrainerState(step=3, model_shape={"d_model": 16, "vocab_size": 50}))
     with pytest.raises(CheckpointError, match=r"d_model: checkpoint 16, config 32"):
         checkpointer.resume(*parts(32), {"d_model": 32, "vocab_size": 50})
 
 
-def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config):
+def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config, tmp_path):
     config = tiny_config("nan", checkpoint__every=1)
     run_train(config, 1, "train.max_steps=5")
     run_dir = run_dir_of(config)
@@ -58,7 +60,7 @@ def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny
     assert result.returncode == 2, result.stderr[-2000:]
     assert "non-finite" in result.stderr and "on rank(s) [0]" in result.stderr, result.stderr[-2000:]
     for checkpoint in complete_checkpoints(run_dir / "checkpoints"):
-        weights = torch.load(checkpoint / "state.pt", weights_only=True)["model"]
+        weights = drills.checkpoint_weights(checkpoint, tmp_path / "weights.pt")
         assert all(w.isfinite().all() for w in weights.values()), checkpoint
     # the earlier run (other settings) was moved aside, not lost
     kept = complete_checkpoints(run_dir / "previous" / "checkpoints")

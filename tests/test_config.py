@@ -10,7 +10,7 @@ def test_defaults_mirror_the_course():
     assert (c.model.dropout, c.data.seq_len, c.optim.lr, c.batch.size, c.train.epochs, c.seed) == (
         0.1, 32, 2e-3, 512, 10, 1,
     )
-    assert c.batch.mode == "per_device" and c.parallel.strategy == "single"
+    assert c.batch.mode == "per_device" and c.parallel.strategy is None
 
 
 def test_file_and_overrides(tmp_path):

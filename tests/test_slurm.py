@@ -65,7 +65,13 @@ def project(tmp_path, cluster) -> Path:
             "strategy": "single", "nodes": 1, "procs_per_node": 1, "training": {"batch": {"size": 100000}}
         }  # fmt: skip
 
+    def fewer(config):  # hsdp and tp run the same code as fsdp_tp, on fewer dimensions (tests/test_workflow.py)
+        for name in ("hsdp", "tp"):
+            config.get("local", config)["experiments"].pop(name)
+
     edit_yaml(tmp_path / "config/local.yaml", tiny)
+    edit_yaml(tmp_path / "config/local.yaml", fewer)
+    edit_yaml(tmp_path / "config/config.yaml", fewer)
     return tmp_path
 
 
@@ -93,7 +99,7 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert not (project / "results/local/runs/broken/seed1/run.json").exists()
 
     runs = project / "results/local/runs"
-    for name in ("single_gpu", "ddp", "ddp_multinode", "fsdp"):
+    for name in ("single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp"):
         assert (runs / name / "seed1/test.json").is_file(), (name, output[-4000:])
     for name in ("ddp_multinode", "fsdp"):
         record = json.loads((runs / name / "seed1/run.json").read_text())
@@ -101,6 +107,12 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
         assert record["world_size"] == 2 and sorted(record["hostnames"]) == ["n1", "n2"], record["hostnames"]
         assert record["launch"] == {"nodes": 2, "procs_per_node": 1}
         assert record["environment"]["SLURM_JOB_ID"]
+    # FSDP x TP on 2 nodes of 2: each TP group on one host, each data-parallel group across both
+    record = json.loads((runs / "fsdp_tp/seed1/run.json").read_text())
+    hosts, groups = record["hostnames"], record["parallel"]["groups"]
+    assert record["results"]["layout"] == "1x2x2x1" and sorted(hosts) == ["n1", "n1", "n2", "n2"], hosts
+    assert all(len({hosts[r] for r in group}) == 1 for group in groups["tp"]), (hosts, groups)
+    assert all({hosts[r] for r in group} == {"n1", "n2"} for group in groups["dp"]), (hosts, groups)
     single = json.loads((runs / "ddp/seed1/run.json").read_text())
     assert len(set(single["hostnames"])) == 1 and single["world_size"] == 2
 
@@ -110,7 +122,7 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert final.returncode == 0, (final.stdout + final.stderr)[-4000:]
     with (project / "results/local/summary.csv").open() as handle:
         rows = {r["experiment"]: r for r in csv.DictReader(handle)}
-    assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp"}
+    assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp"}
     assert (project / "results/local/scaling.png").is_file()
     accounting = subprocess.run(["sacct", "-X", "-n", "-o", "JobName%40,State"], capture_output=True, text=True)
     assert "COMPLETED" in accounting.stdout and "FAILED" in accounting.stdout

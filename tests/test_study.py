@@ -33,9 +33,11 @@ def resolve(config: dict) -> Study:
 
 def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
     study = resolve(local_config())
-    geometry = {e.name: (e.nodes, e.procs_per_node, e.strategy) for e in study.matrix.values()}
+    geometry = {e.name: (e.nodes, e.procs_per_node, e.strategy, e.dims.layout) for e in study.matrix.values()}
     assert geometry == {
-        "single_gpu": (1, 1, "single"), "ddp": (1, 2, "ddp"), "ddp_multinode": (2, 1, "ddp"), "fsdp": (2, 1, "fsdp")
+        "single_gpu": (1, 1, "single", "1x1x1x1"), "ddp": (1, 2, "ddp", "2x1x1x1"),
+        "ddp_multinode": (2, 1, "ddp", "2x1x1x1"), "fsdp": (2, 1, "fsdp", "1x2x1x1"),
+        "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
     }  # fmt: skip
     assert [str(run.path) for run in study.runs][0] == "results/local/runs/single_gpu/seed1"
     assert study.image is None and study.in_container() == ""
@@ -50,7 +52,9 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"nodes": "two"}, "'two' is not of type 'integer'"),
         ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
         ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
-        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp'\]"),
+        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp'\]"),
+        ({"training": {"parallel": {"tp": 4}}}, r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2"),
+        ({"strategy": "tp", "nodes": 2, "procs_per_node": 1}, "parallel.tp=2 does not divide the 1 processes of a node"),
         ({"gpus": 4}, "'gpus' was unexpected"),
     ],
 )

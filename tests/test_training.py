@@ -1,4 +1,4 @@
-"""End-to-end training on CPU with gloo: parity across strategies, determinism, resume, resharding."""
+"""End-to-end training on CPU with gloo: parity across layouts, determinism, resume, checkpoints across layouts."""
 
 import json
 import os
@@ -7,13 +7,14 @@ import signal
 import subprocess
 import time
 
+import drills
 import pytest
 import torch
 from conftest import run_dir_of, run_train, train_command, train_losses
 
 from scalelm.config import load_config
 from scalelm.model import TransformerLM
-from scalelm.train.checkpoint import complete_checkpoints, load_weights
+from scalelm.train.checkpoint import complete_checkpoints
 from scalelm.train.metrics import read_metrics
 from scalelm.train.preemption import EXIT_PREEMPTED
 
@@ -23,28 +24,50 @@ def relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def test_single_ddp_fsdp_agree_step_by_step(tiny_config):
-    """Same model, same data, global batch 16: one process, DDP on 2 ranks, FSDP on 2 ranks, and 4-way accumulation."""
-    runs = {
-        "single": (tiny_config("single"), 1, []),
-        "accumulate": (tiny_config("accumulate", batch__micro_size=4), 1, []),
-        "ddp": (tiny_config("ddp", parallel__strategy="ddp"), 2, []),
-        "fsdp": (tiny_config("fsdp", parallel__strategy="fsdp"), 2, []),
-    }
-    losses = {}
-    for name, (config, nproc, sets) in runs.items():
-        run_train(config, nproc, *sets)
-        losses[name] = train_losses(run_dir_of(config))
+# name: (nproc, settings); TINY has 2 heads and an FFN of 64: tp 2 divides both
+LAYOUTS = {
+    "single": (1, {}),
+    "accumulate": (1, {"batch__micro_size": 4}),
+    "ddp": (2, {"parallel__strategy": "ddp"}),
+    "fsdp": (2, {"parallel__strategy": "fsdp"}),
+    "hsdp": (4, {"parallel__dp_replicate": 2, "parallel__dp_shard": 2}),
+    "tp": (2, {"parallel__strategy": "tp"}),
+    "tp_loss_parallel": (2, {"parallel__tp": 2, "parallel__loss_parallel": True}),
+    "fsdp_tp": (4, {"parallel__strategy": "fsdp", "parallel__tp": 2}),
+}
+
+
+def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config):
+    """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
+    without the vocabulary-parallel loss) and FSDP x TP 2x2 give the same loss at every step and the same exact
+    evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
+    configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
+    losses, evals, records = {}, {}, {}
+    for name, (nproc, _) in LAYOUTS.items():
+        run_train(configs[name], nproc)
+        losses[name] = train_losses(run_dir_of(configs[name]))
+        evals[name] = [r for r in read_metrics(run_dir_of(configs[name])) if r["kind"] == "eval"]
+        records[name] = json.loads((run_dir_of(configs[name]) / "run.json").read_text())
     assert len(losses["single"]) == 20
     assert losses["single"][-1] < losses["single"][0] - 0.5  # it learns
-    for name in ("accumulate", "ddp", "fsdp"):
+    for name in LAYOUTS:
         assert relative_gap(losses[name], losses["single"]) <= 1e-5, name
-    # evaluation is exact whatever the world size: same tokens, same loss
-    evals = {n: [r for r in read_metrics(run_dir_of(c)) if r["kind"] == "eval"] for n, (c, _, _) in runs.items()}
-    for name in ("ddp", "fsdp"):
-        for mine, ref in zip(evals[name], evals["single"]):
+        for mine, ref in zip(evals[name], evals["single"], strict=True):  # every token counted once
             assert mine["tokens"] == ref["tokens"]
-            assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5
+            assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5, name
+    assert records["hsdp"]["parallel"]["groups"] == {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]]}
+    assert records["fsdp_tp"]["results"]["layout"] == "1x2x2x1"
+    assert records["fsdp_tp"]["parallel"]["groups"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
+
+    for source, target in (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp")):
+        nproc, settings = LAYOUTS[target]
+        config = tiny_config(f"{source}_into_{target}", **settings)
+        checkpoint = complete_checkpoints(run_dir_of(configs[source]) / "checkpoints")[-1]
+        shutil.copytree(checkpoint, run_dir_of(config) / "checkpoints" / checkpoint.name)
+        assert "resumed from step 20" in run_train(config, nproc).stdout
+        loaded = json.loads((run_dir_of(config) / "run.json").read_text())["results"]["validation"]
+        written = records[source]["results"]["validation"]
+        assert loaded["tokens"] == written["tokens"] and loaded["loss"] == pytest.approx(written["loss"], rel=1e-6)
 
 
 def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
@@ -53,10 +76,6 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
         run_train(config, 1, "train.max_steps=8")
     assert train_losses(run_dir_of(a)) == train_losses(run_dir_of(b))
     assert train_losses(run_dir_of(a)) != train_losses(run_dir_of(c))
-
-
-def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(complete_checkpoints(run_dir / "checkpoints")[-1] / "state.pt", weights_only=True)["model"]
 
 
 def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, str]:
@@ -74,10 +93,12 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("nproc, strategy", [(1, "single"), (2, "ddp")])
-def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, nproc, strategy):
-    """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG."""
-    settings = dict(model__dropout=0.1, parallel__strategy=strategy, optim__schedule="cosine", optim__warmup_steps=3)
+@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp"])
+def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
+    """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
+    (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads)."""
+    nproc, layout_settings = LAYOUTS[layout]
+    settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
     run_train(straight, nproc)
     status, stderr = interrupt_after_step(train_command(broken, nproc), run_dir_of(broken), step=6)
@@ -87,54 +108,20 @@ def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, nproc
     assert not (run_dir_of(broken) / "run.json").exists()
     resumed = run_train(broken, nproc)
     assert "resumed from step" in resumed.stdout
-    a, b = final_weights(run_dir_of(straight)), final_weights(run_dir_of(broken))
+    a, b = drills.final_weights(straight, tmp_path / "a.pt"), drills.final_weights(broken, tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert train_losses(run_dir_of(broken)) == train_losses(run_dir_of(straight))
-
-
-def test_fsdp_checkpoint_loads_into_other_world_sizes_and_strategies(tiny_config, tmp_path):
-    """A DCP checkpoint from 2 FSDP ranks: 1 plain process, 2 DDP ranks and 1 FSDP rank evaluate identically."""
-    fsdp = tiny_config("fsdp", parallel__strategy="fsdp", train__max_steps=10)
-    run_train(fsdp, 2)
-    checkpoint = complete_checkpoints(run_dir_of(fsdp) / "checkpoints")[-1]
-    assert (checkpoint / ".metadata").is_file()
-    reference = json.loads((run_dir_of(fsdp) / "run.json").read_text())["results"]["validation"]["loss"]
-
-    config = load_config(fsdp)
-    from scalelm.data import load_prepared
-
-    data = load_prepared(config.data.prepared_dir)
-    model = TransformerLM(config.model, data.vocab_size)
-    load_weights(checkpoint, model)
-    from scalelm.parallel.env import DistEnv
-    from scalelm.train.evaluation import evaluate
-
-    env = DistEnv(0, 0, 1, torch.device("cpu"))
-    plain = evaluate(model, data.splits["validation"], config.data.seq_len, 128, env)["loss"]
-    assert plain == pytest.approx(reference, rel=1e-6)
-
-    # resume the same run directory with other strategies / world sizes: it continues from step 10
-    for name, nproc, strategy in (("ddp2", 2, "ddp"), ("fsdp1", 1, "fsdp")):
-        other = tiny_config(name, parallel__strategy=strategy, train__max_steps=10)
-        target = run_dir_of(other) / "checkpoints"
-        target.mkdir(parents=True)
-        import shutil
-
-        shutil.copytree(checkpoint, target / checkpoint.name)
-        result = run_train(other, nproc)
-        assert "resumed from step 10" in result.stdout
-        loss = json.loads((run_dir_of(other) / "run.json").read_text())["results"]["validation"]["loss"]
-        assert loss == pytest.approx(reference, rel=1e-6), name
 
 
 @pytest.mark.parametrize(
     "overrides, nproc, message",
     [
         (["parallel.strategy=pipeline"], 1, "unknown strategy 'pipeline'"),
-        (["batch.size=15", "parallel.strategy=ddp"], 2, "] global batch of 15 sequences is not divisible by the world size 2"),
+        (["batch.size=15", "parallel.strategy=ddp"], 2, "] global batch of 15 sequences is not divisible by the 2 data-parallel ranks"),
+        (["parallel.dp_shard=2", "parallel.tp=2"], 2, "] parallel: dp_replicate 1 x dp_shard 2 x tp 2 x pp 1 = 4 processes, but the world size is 2"),
         (["data.prepared_dir=/nonexistent/prepared"], 1, "prepared data not found"),
         (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
-        ([], 2, "strategy 'single' runs one process"),
+        ([], 2, "started with WORLD_SIZE=2, but the config sets no parallel layout"),
         (["run_dir=/proc/version/run"], 1, "run_dir /proc/version/run is not writable (Not a directory)"),
     ],
 )

@@ -51,10 +51,13 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 4
+    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 7
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
     launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
-    assert launched == {"single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4")}
+    assert launched == {
+        "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
+        "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"),
+    }  # fmt: skip
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
     found = re.findall(r"wildcards: experiment=(\w+).*\n(?:\s+threads: .*\n)?\s+resources: (.*)", result.stdout)
     resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
@@ -83,7 +86,11 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     results = project / "results/local"
     with (results / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert {r["experiment"] for r in rows} == {"single_gpu", "ddp", "ddp_multinode", "fsdp"}
+    layouts = {r["experiment"]: r["layout"] for r in rows}  # dp_replicate x dp_shard x tp x pp
+    assert layouts == {
+        "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
+        "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1",
+    }  # fmt: skip
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
             assert math.isfinite(float(row[key])), (row["experiment"], key)
@@ -95,6 +102,15 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]
+    # two local "nodes" of two: each TP group inside one node, each data-parallel group across both
+    fsdp_tp = json.loads((results / "runs/fsdp_tp/seed1/run.json").read_text())["parallel"]
+    nodes = fsdp_tp["node_of_rank"]
+    assert sorted(nodes) == [0, 0, 1, 1]
+    assert all(len({nodes[r] for r in group}) == 1 for group in fsdp_tp["groups"]["tp"])
+    assert all({nodes[r] for r in group} == {0, 1} for group in fsdp_tp["groups"]["dp"])
+    # the final losses of every layout agree: the same model on the same data (dropout differs per layout)
+    losses = [float(r["validation_loss"]) for r in rows]
+    assert max(losses) - min(losses) < 0.1 * min(losses), losses
 
     again = snakemake(project, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

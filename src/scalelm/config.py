@@ -79,8 +79,17 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "single"  # single | ddp | fsdp
-    reshard_after_forward: bool = True  # fsdp
+    # The layout: degrees whose product is the world size, one of them may be -1 (the rest); see scalelm.parallel.dims.
+    # A strategy name is a shorthand for degrees not set here: single, ddp (dp_replicate -1), fsdp (dp_shard -1),
+    # hsdp (dp_replicate = nodes, dp_shard = processes per node), tp (tp -1), fsdp_tp (tp = processes per node,
+    # dp_shard -1). Nothing set: one process.
+    strategy: str | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    pp: int | None = None  # reserved for pipeline parallelism: 1
+    loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
+    reshard_after_forward: bool = True  # fsdp: False keeps gathered weights from forward to backward (ZeRO-2)
     cpu_offload: bool = False  # fsdp, CUDA only
     timeout_s: int = 600  # collective timeout: a lost rank fails the job instead of hanging it
 
@@ -283,15 +292,13 @@ def validate(config: Config) -> None:
             "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
             "needs no scaling; set batch.lr_scaling=none"
         )
-    from scalelm.parallel import STRATEGIES  # late: parallel imports torch.distributed
+    # late: parallel imports torch.distributed
+    from scalelm.parallel.dims import DEGREES, check_degrees, check_strategy
+    from scalelm.parallel.tensor import check_tp
 
-    if config.parallel.strategy not in STRATEGIES:
-        close = difflib.get_close_matches(config.parallel.strategy, STRATEGIES, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"parallel.strategy: unknown strategy {config.parallel.strategy!r}{hint} "
-            f"(choose one of {', '.join(STRATEGIES)})"
-        )
+    check_strategy(config.parallel.strategy)
+    check_degrees({name: getattr(config.parallel, name) for name in DEGREES})
+    check_tp(max(config.parallel.tp or 1, 1), config.model, None, config.parallel.loss_parallel)
 
 
 def dump_config(config: Config, path: str | Path) -> None:

@@ -39,20 +39,20 @@ class TrainBatches:
     seq_len: int
     stride: int
     global_batch: int  # sequences per optimizer step, all ranks together
-    micro_batch: int  # sequences per forward/backward on one rank
-    rank: int
-    world_size: int
+    micro_batch: int  # sequences per forward/backward on one data-parallel rank
+    rank: int  # data-parallel rank (the ranks of a tensor-parallel group share their batches)
+    world_size: int  # data-parallel ranks
     seed: int
 
     def __post_init__(self) -> None:
         if self.global_batch % self.world_size:
             raise ConfigError(
-                f"global batch of {self.global_batch} sequences is not divisible by the world size "
-                f"{self.world_size}; choose batch.size as a multiple of {self.world_size}"
+                f"global batch of {self.global_batch} sequences is not divisible by the {self.world_size} "
+                f"data-parallel ranks; choose batch.size as a multiple of {self.world_size}"
             )
         if self.per_rank % self.micro_batch:
             raise ConfigError(
-                f"batch.micro_size {self.micro_batch} does not divide the per-device share of "
+                f"batch.micro_size {self.micro_batch} does not divide the per-rank share of "
                 f"{self.per_rank} sequences; choose a divisor of {self.per_rank}"
             )
         self.windows = num_windows(self.tokens.numel(), self.seq_len, self.stride)

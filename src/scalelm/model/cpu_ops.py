@@ -7,6 +7,8 @@ Measurements behind each choice: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import ClassVar
 
 import numpy as np
@@ -25,18 +27,39 @@ class Dropout(nn.Dropout):
     (its vectorised MKL path is taken on Intel CPUs only), about twice as slow on the course model's feed-forward
     activations. The generator is seeded from torch's default generator, so torch.manual_seed and the RNG states
     saved in checkpoints still determine every mask.
+
+    `stream` (set by tensor parallelism) is nonzero where this rank holds its own slice of the activations: the
+    ranks of a tensor-parallel group share their RNG state, and the stream makes their masks differ.
     """
 
+    stream = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and 0.0 < self.p < 1.0 and x.device.type == "cpu" and x.dtype == torch.float32):
-            return super().forward(x)
+        if not (self.training and 0.0 < self.p < 1.0):
+            return x
+        if not (x.device.type == "cpu" and x.dtype == torch.float32):
+            with own_random_stream(self.stream, x.device):
+                return super().forward(x)
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        values = np.random.Generator(np.random.PCG64(seed)).random(x.numel(), dtype=np.float32)
+        values = np.random.Generator(np.random.PCG64([seed, self.stream])).random(x.numel(), dtype=np.float32)
         keep = values >= np.float32(self.p)
         np.multiply(keep, np.float32(1.0) / np.float32(1.0 - self.p), out=values)  # F.dropout's 1/(1-p), in fp32
         mask = torch.from_numpy(values).view(x.shape)
         return x.mul_(mask) if self.inplace else x * mask
 
+
+@contextlib.contextmanager
+def own_random_stream(stream: int, device: torch.device) -> Iterator[None]:
+    """Random numbers drawn inside come from a stream of their own when `stream` is nonzero: seeded from one draw of
+    the default generator (which thus advances alike on every rank) and the stream number."""
+    if not stream:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=device))
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.manual_seed(hash((seed, stream)) & (2**63 - 1))
+        yield
 
 
 def linear_cross_entropy(

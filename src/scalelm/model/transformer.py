@@ -13,6 +13,7 @@ its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the p
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelm.config import ModelConfig
-from scalelm.model.cpu_ops import Dropout, linear_cross_entropy
+from scalelm.data.windows import IGNORE_INDEX
+from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, own_random_stream
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -33,18 +35,25 @@ def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. The qkv projection's output rows are grouped by head ([q k v] of head 0,
+    then of head 1, ...), so a column-wise split across tensor-parallel ranks gives each rank whole heads."""
+
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
-        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        self.dropout_stream = 0  # nonzero: this rank's heads are its own (tensor parallel), so are their masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)  # under tensor parallelism: this rank's heads only
+        q, k, v = qkv.view(batch, seq, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        p = self.dropout if self.training else 0.0
+        with own_random_stream(self.dropout_stream, x.device) if p else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -76,14 +85,20 @@ class TransformerLM(nn.Module):
         self.config = config
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, config.d_model)
-        self.register_buffer("positions", sinusoidal_positions(config.max_seq_len, config.d_model), persistent=False)
+        self.register_buffer("positions", torch.empty(config.max_seq_len, config.d_model), persistent=False)
         self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, vocab_size)
+        self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
+        self.init_buffers()
         self.reset_parameters()
         if config.tie_weights:
             self.head.weight = self.embed.weight
+
+    def init_buffers(self) -> None:
+        """Values that are not parameters: recomputed after a model built on the meta device is materialised."""
+        self.positions.copy_(sinusoidal_positions(self.config.max_seq_len, self.config.d_model))
 
     def reset_parameters(self) -> None:
         for name, param in self.named_parameters():
@@ -107,6 +122,8 @@ class TransformerLM(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.head(x)
+        if self.loss_parallel:  # logits split by vocabulary; the caller runs this under torch's loss_parallel()
+            return F.cross_entropy(self.head(x).flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         return linear_cross_entropy(x.flatten(0, -2), self.head.weight, self.head.bias, targets.flatten())
 
 

@@ -1,28 +1,188 @@
-"""Training strategies behind one interface (see base.Strategy); the trainer only ever sees that interface."""
+"""Parallelism as degrees on one device mesh (dims.py), applied to the model by functions (tensor.py, data.py).
+
+    parallel = Parallel.start(config, env)          # degrees resolved and checked, the mesh built
+    model = parallel.build(lambda: TransformerLM(config.model, vocab_size), seed=config.seed)
+
+`build` makes the model on the meta device, applies tensor parallelism, then FSDP/HSDP, materialises only this
+rank's part, and fills it with exactly the weights a single process would have made from the seed (rank 0 builds
+them once on the CPU and each rank receives its own shards), so no rank but the first ever holds the whole model
+and every layout starts from the same point. The trainer then sees the model and a handful of hooks of `Parallel`
+(no_sync, autocast, loss_context, clip_grad_norm, ...), and never a strategy's name.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Callable
+from typing import ContextManager
 
-STRATEGIES = ("single", "ddp", "fsdp")
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-if TYPE_CHECKING:
-    from scalelm.config import Config
-    from scalelm.parallel.base import Strategy
-    from scalelm.parallel.env import DistEnv
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    if name == "single":
-        from scalelm.parallel.single import SingleDevice as cls
-    elif name == "ddp":
-        from scalelm.parallel.ddp import DDPStrategy as cls
-    elif name == "fsdp":
-        from scalelm.parallel.fsdp import FSDPStrategy as cls
-    else:  # config validation names the choices; this guards direct callers
-        raise ValueError(f"unknown strategy {name!r}")
-    return cls
+from scalelm.config import Config
+from scalelm.errors import ConfigError
+from scalelm.parallel.data import apply_ddp, apply_fsdp
+from scalelm.parallel.dims import MESH_DIMS, ParallelDims, degrees_of, resolve_dims
+from scalelm.parallel.env import DistEnv, all_gather_object
+from scalelm.parallel.tensor import apply_tp, check_tp
 
 
-def build_strategy(config: Config, env: DistEnv) -> Strategy:
-    return strategy_class(config.parallel.strategy)(config.parallel, env)
+class Parallel:
+    """This rank's place in the layout, and the hooks through which the trainer uses it."""
+
+    def __init__(
+        self, config: Config, env: DistEnv, dims: ParallelDims, mesh: DeviceMesh | None, places: list[tuple[str, int]]
+    ):
+        self.config, self.env, self.dims, self.mesh, self.places = config, env, dims, mesh, places
+        precision = config.train.precision
+        if precision == "auto":
+            precision = "bf16" if env.device.type == "cuda" else "fp32"
+        if precision == "bf16" and env.device.type != "cuda":
+            # bf16 matmuls on CPU are emulated, about 25x slower than fp32: never worth it here
+            raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
+        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.uses_fsdp = dims.sharded
+        self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
+        self.loss_parallel = dims.tp > 1 and config.parallel.loss_parallel
+        self.dp_rank = dims.dp_rank(env.rank)
+        self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
+
+    @classmethod
+    def start(cls, config: Config, env: DistEnv) -> Parallel:
+        """Resolve the degrees for this world (a clear error if they do not fit it) and build the mesh."""
+        dims = resolve_dims(config.parallel.strategy, degrees_of(config), env.world_size, env.procs_per_node)
+        places = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
+        check_groups_within_nodes(dims, places)
+        mesh = None
+        if env.world_size > 1:
+            mesh = init_device_mesh(env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        return cls(config, env, dims, mesh, places)
+
+    @property
+    def name(self) -> str:
+        return self.dims.name
+
+    def describe(self) -> dict:
+        """The layout as run.json records it: degrees, the ranks of each tensor- and data-parallel group, and the
+        node (torchrun's node rank) of every rank."""
+        return {
+            "name": self.name,
+            "layout": self.dims.layout,
+            **self.dims.to_dict(),
+            "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp")},
+            "node_of_rank": [node for _, node in self.places],
+        }
+
+    # ------------------------------------------------------------------------------------------ the model
+    def build(self, make: Callable[[], nn.Module], seed: int, vocab_size: int) -> nn.Module:
+        """The model of `make()` with its seed's initial weights, parallelized; this rank holds only its part."""
+        check_tp(self.dims.tp, self.config.model, vocab_size, self.config.parallel.loss_parallel)
+        device = self.env.device
+        if self.mesh is None:
+            torch.manual_seed(seed)
+            return make().to(device)
+        initial = {}
+        if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
+            torch.manual_seed(seed)
+            initial = make().state_dict()
+        with torch.device("meta"):
+            model = make()
+        if self.dims.tp > 1:
+            apply_tp(model, self.mesh["tp"], self.loss_parallel)
+        if self.uses_fsdp:
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            options = self.config.parallel
+            if options.cpu_offload and device.type != "cuda":
+                raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
+            model = apply_fsdp(model, dp_mesh, self.compute_dtype, options.reshard_after_forward, options.cpu_offload)
+        model.to_empty(device=device)
+        model.init_buffers()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, initial, options=options)
+        del initial
+        if self.uses_ddp:
+            model = apply_ddp(model, self.mesh["dp_replicate"], device)
+        return model
+
+    # ----------------------------------------------------------------------------------- the step's hooks
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Context for micro-batches whose gradients are accumulated locally, without communication."""
+        if self.uses_ddp:
+            return model.no_sync()
+        if self.uses_fsdp:
+            return _fsdp_no_sync(model)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        """Around forward passes: mixed precision, unless FSDP's policy already casts."""
+        if self.compute_dtype == torch.float32 or self.uses_fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.compute_dtype)
+
+    def loss_context(self) -> ContextManager:
+        """Around forward and backward: the vocabulary-parallel cross-entropy, where the layout has one."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm (over all ranks and shards), clipping to max_norm when given.
+
+        Parameters live on different meshes (TP weights on (dp, tp), the rest on dp alone; plain tensors without
+        a mesh), so each group's norm is taken on its own and the groups are combined."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        groups: dict[object, list[torch.Tensor]] = {}
+        for p in params:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.env.device)
+        if max_norm:
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+    def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of this rank's own parameters, gradients and optimizer state: what sharding divides."""
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in map(self.local_tensor, tensors))
+
+        params = list({id(p): p for p in model.parameters()}.values())
+        states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+        return {
+            "params": size(params),
+            "grads": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(states),
+        }
+
+    @staticmethod
+    def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor (the shard of a DTensor; the whole of a replicated one)."""
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def check_groups_within_nodes(dims: ParallelDims, places: list[tuple[str, int]]) -> None:
+    """Every tensor-parallel group on one node: its ranks share the host name and torchrun's node rank."""
+    for group in dims.groups("tp"):
+        seen = {places[rank] for rank in group}
+        if len(seen) > 1:
+            where = ", ".join(f"rank {r} on {places[r][0]} (node {places[r][1]})" for r in group)
+            raise ConfigError(
+                f"tensor-parallel group {group} spans nodes ({where}); tp must stay within a node: start the "
+                "processes of a node with consecutive ranks (torchrun does) and choose tp dividing them"
+            )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -14,7 +15,7 @@ from scalelm.parallel.hostmemory import keep_freed_memory
 
 
 def is_distributed() -> bool:
-    """Inside a started process group (torchrun's, or the group of one a distributed strategy starts alone)."""
+    """Inside a started process group (torchrun's)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -24,6 +25,9 @@ class DistEnv:
     local_rank: int
     world_size: int
     device: torch.device
+    procs_per_node: int = 1  # torchrun's LOCAL_WORLD_SIZE
+    node_rank: int = 0  # torchrun's GROUP_RANK
+    hostname: str = field(default_factory=socket.gethostname)
 
     @property
     def is_main(self) -> bool:
@@ -44,35 +48,32 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(preference: str, needs_group: bool, timeout_s: int) -> DistEnv:
-    """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun), pick the device and start the process group if needed.
+def setup(preference: str, timeout_s: int) -> DistEnv:
+    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device and, for more
+    than one process, start the process group (NCCL on CUDA, gloo on CPU).
 
     On CPU, host memory freed by one step is kept for the next (scalelm.parallel.hostmemory).
-
-    A distributed strategy started without torchrun runs as a group of one, so the same code path
-    (and the same checkpoint format) serves one process too.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(preference, local_rank)
-    if world_size > 1 and not needs_group:
-        raise ConfigError(
-            f"strategy 'single' runs one process, but it was started with WORLD_SIZE={world_size}; "
-            "use parallel.strategy=ddp or fsdp, or start one process"
-        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()
-    if needs_group and not dist.is_initialized():
+    if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
-        if world_size > 1:
-            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
+        )
+    return DistEnv(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=local_rank,
+        world_size=world_size,
+        device=device,
+        procs_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
+    )
 
 
 def teardown() -> None:

@@ -20,7 +20,7 @@ from scalelm.train.metrics import read_metrics
 from scalelm.train.rundir import RunDir
 
 COLUMNS = [
-    "experiment", "strategy", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
+    "experiment", "strategy", "layout", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
     "global_batch_tokens", "steps", "wall_time_s", "train_time_s", "tokens_per_s", "tokens_per_s_per_device",
     "speedup", "scaling_efficiency", "peak_mem_mb_per_rank", "final_train_loss", "validation_loss", "test_loss",
     "test_perplexity", "checkpoint", "sha256",
@@ -40,6 +40,7 @@ def read_run(run: RunDir) -> dict[str, Any]:
     return {
         "experiment": run.experiment,
         "strategy": results["strategy"],
+        "layout": results.get("layout", ""),  # dp_replicate x dp_shard x tp x pp
         "seed": config["seed"],
         "nodes": record["launch"]["nodes"],
         "procs_per_node": record["launch"]["procs_per_node"],

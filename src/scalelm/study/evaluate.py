@@ -15,7 +15,6 @@ import torch
 from scalelm.data import load_prepared
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text
-from scalelm.parallel.env import DistEnv
 from scalelm.study.consolidate import load_consolidated
 from scalelm.train.evaluation import evaluate
 
@@ -36,8 +35,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.model} has a vocabulary of {model.vocab_size:,} but {args.data} has {data.vocab_size:,}: "
             "evaluate with the prepared data the model was trained on"
         )
-    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    result = evaluate(model, data.splits[args.split], meta["seq_len"], args.batch_size, env)
+    result = evaluate(model, data.splits[args.split], meta["seq_len"], args.batch_size, torch.device("cpu"))
     result.update(split=args.split, model=str(args.model), model_sha256=meta["sha256"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")

@@ -12,6 +12,7 @@ from typing import Any
 
 from scalelm.config import Config, from_dict
 from scalelm.errors import ConfigError
+from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
 from scalelm.train.rundir import RunDir
 
 
@@ -23,6 +24,7 @@ class Experiment:
     procs_per_node: int
     seed: int
     training: dict[str, Any] = field(compare=False, hash=False)  # resolved training settings (scalelm.config)
+    dims: ParallelDims = field(default_factory=ParallelDims, compare=False, hash=False)  # the resolved layout
 
     @property
     def world_size(self) -> int:
@@ -72,6 +74,15 @@ def training_config(config: dict[str, Any], name: str, seed: int, run_dir: str) 
         raise ConfigError(f"experiments.{name}: {err}") from None
 
 
+def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> ParallelDims:
+    """The experiment's parallel layout on its nodes: degrees that do not fit are refused before any job."""
+    parallel = training.parallel
+    try:
+        return resolve_dims(parallel.strategy, degrees_of(training), nodes * procs_per_node, procs_per_node)
+    except ConfigError as err:
+        raise ConfigError(f"experiments.{name} ({nodes} x {procs_per_node} processes): {err}") from None
+
+
 def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
     experiments = config.get("experiments") or {}
     if not experiments:
@@ -83,6 +94,8 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
                 raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
         for seed in config.get("seeds", [1]):
             run_dir = str(RunDir.of(results, name, seed).path)
-            training = training_config(config, name, seed, run_dir).to_dict()
-            matrix.append(Experiment(name, spec["strategy"], spec["nodes"], spec["procs_per_node"], seed, training))
+            training = training_config(config, name, seed, run_dir)
+            dims = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
+            geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
+            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims))
     return matrix

@@ -1,20 +1,21 @@
 """Checkpoints: save, find the latest complete one, resume, and consolidate to one state dict.
 
 Layout of one checkpoint, `<run_dir>/checkpoints/step_00000420/`:
-    state.pt      model and optimizer state dicts (single, ddp: written by rank 0), or
-    *.distcp + .metadata   the same as a sharded Distributed Checkpoint (fsdp: every rank writes its shards)
+    *.distcp + .metadata   model and optimizer state as a Distributed Checkpoint (every rank writes its shards)
     trainer.pt    step, epoch, position in the epoch, scheduler, every rank's RNG state, model shape
     COMPLETE      sha256 of every file above, written last
 
 A checkpoint is written into `step_N.partial/` and renamed when complete, so a crash mid-write never leaves
 something that looks finished. State dicts go through torch.distributed.checkpoint.state_dict, which speaks
-the same fully-qualified names for a plain, a DDP and an FSDP model: any checkpoint loads into any strategy and,
-for DCP, any world size.
+the same fully-qualified names for a plain, a DDP, an FSDP and a tensor-parallel model, and DCP stores every tensor
+whole (its shards with their offsets): any checkpoint loads into any layout and world size. Checkpoints of earlier
+versions (`state.pt`, one file from rank 0) still load.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 from scalelm.errors import CheckpointError
 from scalelm.files import load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
+
+# one process writes and reads DCP too, on purpose: no process group to warn about
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"
@@ -66,11 +70,11 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, env: DistEnv, sharded: bool, keep: int):
+    def __init__(self, directory: str | Path, env: DistEnv, keep: int, stream_rank: int = 0):
         self.directory = Path(directory)
         self.env = env
-        self.sharded = sharded
         self.keep = keep
+        self.stream_rank = stream_rank  # the rank's dropout stream: its data-parallel rank
         self.resumed_from: Path | None = None
 
     # ----------------------------------------------------------------------------------------- save
@@ -82,17 +86,11 @@ class Checkpointer:
             partial.mkdir(parents=True)
         barrier()
         rngs = all_gather_object(rng_state(self.env.device))
-        if self.sharded:
-            dcp.save(
-                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
-                checkpoint_id=partial,
-            )
-        else:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True) if is_distributed() else None
-            model_sd = get_model_state_dict(model, options=options)
-            optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
-            if self.env.is_main:
-                torch.save({"model": model_sd, "optim": optim_sd}, partial / STATE_FILE)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=partial,
+            no_dist=not is_distributed(),
+        )
         if self.env.is_main:
             trainer = {"state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs}
             torch.save(trainer, partial / TRAINER_FILE)
@@ -133,7 +131,7 @@ class Checkpointer:
         if len(rngs) == self.env.world_size:
             set_rng_state(rngs[self.env.rank], self.env.device)
         else:  # another world size: exact per-rank streams cannot be restored; derive fresh, distinct ones
-            torch.manual_seed(1_000_003 * (state.step + 1) + self.env.rank)
+            torch.manual_seed(1_000_003 * (state.step + 1) + self.stream_rank)
         return state
 
 
@@ -173,7 +171,7 @@ def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> 
 
 
 def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
-    """Load a checkpoint of either format into a model of any strategy (and its optimizer, if given)."""
+    """Load a checkpoint (DCP, or an earlier version's state.pt) into a model of any layout (and its optimizer)."""
     if (path / STATE_FILE).is_file():
         saved = load_tensors(path / STATE_FILE, map_location="cpu")
         # Every rank holds the full dict; set_*_state_dict shards it for FSDP.
@@ -187,7 +185,7 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
     target = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         target["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(target, checkpoint_id=path)  # reshards to this world size
+    dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())  # reshards to this layout
     set_model_state_dict(model, target["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, target["optim"])

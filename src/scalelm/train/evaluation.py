@@ -1,9 +1,10 @@
-"""Exact evaluation: every token of a split is predicted and counted once, whatever the world size."""
+"""Exact evaluation: every token of a split is predicted and counted once, whatever the layout."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,9 +13,11 @@ from torch import nn
 
 from scalelm.data import EvalBatches
 from scalelm.data.windows import IGNORE_INDEX
-from scalelm.parallel.env import DistEnv, is_distributed
 from scalelm.train.metrics import perplexity
 from scalelm.train.preemption import StopRequested
+
+if TYPE_CHECKING:
+    from scalelm.parallel import Parallel
 
 
 @torch.no_grad()
@@ -23,30 +26,37 @@ def evaluate(
     tokens: torch.Tensor,
     seq_len: int,
     batch_size: int,
-    env: DistEnv,
-    autocast=contextlib.nullcontext,
+    device: torch.device,
+    parallel: Parallel | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
-    """Mean loss, perplexity and token count over `tokens`. `should_stop` (a collective: every rank runs the same
-    number of batches) is asked between batches; when it says yes, StopRequested is raised on every rank."""
+    """Mean loss, perplexity and token count over `tokens`, in one process or across the data-parallel ranks of
+    `parallel` (the ranks of a tensor-parallel group score the same windows together). `should_stop` (a
+    collective: every rank runs the same number of batches) is asked between batches; when it says yes,
+    StopRequested is raised on every rank."""
+    rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
+    autocast = parallel.autocast if parallel else contextlib.nullcontext
+    loss_context = parallel.loss_context if parallel else contextlib.nullcontext
+    local = parallel.local_tensor if parallel else (lambda tensor: tensor)
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, token count
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     try:
-        for inputs, targets in EvalBatches(tokens, seq_len, batch_size, env.rank, env.world_size):
+        for inputs, targets in EvalBatches(tokens, seq_len, batch_size, rank, ranks):
             if should_stop is not None and should_stop():
                 raise StopRequested("stop signal during evaluation")
-            inputs, targets = inputs.to(env.device), targets.to(env.device)
+            inputs, targets = inputs.to(device), targets.to(device)
             with autocast():
                 logits = model(inputs)
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            totals[0] += loss.double()
+            with loss_context():  # logits split by vocabulary (loss parallel): the loss without gathering them
+                loss = F.cross_entropy(
+                    logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+            totals[0] += local(loss).double()
             totals[1] += (targets != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
-    if is_distributed():
-        dist.all_reduce(totals)
+    if parallel is not None and parallel.dp_group is not None:
+        dist.all_reduce(totals, group=parallel.dp_group)
     loss = (totals[0] / totals[1]).item()
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": int(totals[1].item())}

@@ -1,7 +1,8 @@
-"""Train the language model with the strategy the config names.
+"""Train the language model in the parallel layout the config names.
 
     python -m scalelm.train --config FILE [--set key=value ...]                       # one process
     torchrun --nproc-per-node=2 -m scalelm.train --config FILE --set parallel.strategy=ddp
+    torchrun --nproc-per-node=4 -m scalelm.train --config FILE --set parallel.dp_shard=2 --set parallel.tp=2
 
 Everything goes to `run_dir` (scalelm.train.rundir): the resolved config, metrics.jsonl, checkpoints/, and run.json
 (provenance and results), written last so that its presence means the run finished. Rerunning the same command
@@ -26,7 +27,7 @@ from scalelm.data import PreparedData, TrainBatches, load_prepared
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import atomic_write_text
 from scalelm.model import TransformerLM
-from scalelm.parallel import build_strategy, strategy_class
+from scalelm.parallel import Parallel
 from scalelm.parallel.env import DistEnv, barrier, is_distributed, setup, teardown
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
@@ -54,25 +55,22 @@ def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, data: PreparedData):
-        self.config, self.env, self.data = config, env, data
+    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData):
+        self.config, self.env, self.parallel, self.data = config, env, parallel, data
         self.run_dir = RunDir(Path(config.run_dir))
-        self.strategy = build_strategy(config, env)
-        precision = config.train.precision
-        if precision == "auto":
-            precision = "bf16" if env.device.type == "cuda" else "fp32"
-        self.strategy.set_precision(torch.bfloat16 if precision == "bf16" else torch.float32)
 
+        # Each data-parallel rank takes its share of the global batch; the ranks of a TP group share theirs.
+        dp_size = parallel.dims.dp_size
         per_device = config.batch.mode == "per_device"
-        global_batch = config.batch.size * env.world_size if per_device else config.batch.size
+        global_batch = config.batch.size * dp_size if per_device else config.batch.size
         self.batches = TrainBatches(
             tokens=data.splits["train"],
             seq_len=config.data.seq_len,
             stride=config.data.stride or config.data.seq_len,
             global_batch=global_batch,
-            micro_batch=config.batch.micro_size or global_batch // env.world_size,
-            rank=env.rank,
-            world_size=env.world_size,
+            micro_batch=config.batch.micro_size or global_batch // dp_size,
+            rank=parallel.dp_rank,
+            world_size=dp_size,
             seed=config.seed,
         )
         self.tokens_per_step = global_batch * config.data.seq_len
@@ -81,19 +79,18 @@ class Trainer:
 
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(config.seed)  # the same initial weights on every rank
         self.shape = model_shape(config, data.vocab_size)
-        self.model = self.strategy.wrap(TransformerLM(config.model, data.vocab_size))
-        torch.manual_seed(config.seed * 1000 + env.rank)  # distinct dropout masks per rank
-        self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, env.world_size))
+        # the initial weights of a single process with this seed, whatever the layout
+        self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed, data.vocab_size)
+        # dropout: distinct masks per data-parallel rank, the same within a TP group (its activations are replicated)
+        torch.manual_seed(config.seed * 1000 + parallel.dp_rank)
+        self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, dp_size))
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
-        self.checkpointer = Checkpointer(
-            self.run_dir.checkpoints, env, self.strategy.sharded_checkpoint, config.checkpoint.keep
-        )
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, parallel.dp_rank)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         self.state = resumed or TrainerState(model_shape=self.shape)
-        self.state.world_size, self.state.strategy = env.world_size, self.strategy.name
+        self.state.world_size, self.state.strategy = env.world_size, parallel.name
         self.metrics = MetricsLogger(self.run_dir.metrics, env.is_main, resume_step=resumed.step if resumed else None)
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
@@ -102,6 +99,7 @@ class Trainer:
         self.last_loss = math.nan
         self.evaluations: dict[tuple[str, int], dict[str, Any]] = {}
         self.stop = StopFlag()
+        self.state_bytes: dict[str, int] | None = None  # this rank's parameters, gradients, optimizer state
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -111,15 +109,17 @@ class Trainer:
             inputs = inputs.to(self.env.device, non_blocking=True)
             targets = targets.to(self.env.device, non_blocking=True)
             last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                with self.strategy.autocast():
+            with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
+                with self.parallel.autocast():
                     # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
                     loss = self.model(inputs, targets) / len(micro_batches)
                 loss.backward()
             loss_sum += loss.detach()
-        self.grad_norm = self.strategy.clip_grad_norm(self.model, self.config.optim.grad_clip)
+        self.grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
+        if self.state_bytes is None:  # once: every tensor of the state exists now (gradients until zero_grad)
+            self.state_bytes = self.parallel.state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum
 
@@ -128,7 +128,8 @@ class Trainer:
         if env.is_main:
             dump_config(config, self.run_dir.config)
             print(
-                f"training {self.strategy.name} on {env.world_size} x {env.device.type}: "
+                f"training {self.parallel.name} (dp_replicate x dp_shard x tp x pp = {self.parallel.dims.layout}) "
+                f"on {env.world_size} x {env.device.type}: "
                 f"{self.total_steps} steps ({self.batches.steps_per_epoch}/epoch), global batch "
                 f"{self.batches.global_batch} x {config.data.seq_len} tokens, accumulation {self.batches.accumulation}",
                 flush=True,
@@ -219,8 +220,8 @@ class Trainer:
                 self.data.splits[split],
                 self.config.data.seq_len,
                 self.config.train.eval_batch_size,
-                self.env,
-                self.strategy.autocast,
+                self.env.device,
+                self.parallel,
                 should_stop=self.stop.raised,
             )
             self.evaluations[key] = result
@@ -245,7 +246,7 @@ class Trainer:
     def check_finite(self, pending_loss: torch.Tensor) -> None:
         """Never checkpoint non-finite weights, nor weights after a non-finite loss not yet logged."""
         tensors = [pending_loss.detach().reshape(1)]
-        tensors += [(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1) for p in self.model.parameters()]
+        tensors += [self.parallel.local_tensor(p).detach().reshape(-1) for p in self.model.parameters()]
         bad = self.ranks_where(~torch.cat([t.isfinite().all().reshape(1) for t in tensors]).all())
         if bad:
             raise TrainingError(
@@ -253,12 +254,24 @@ class Trainer:
                 f"good checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
 
+    def state_mb_per_rank(self) -> dict[str, float] | None:
+        """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""
+        kinds = ("params", "grads", "optimizer")
+        mine = [float(self.state_bytes[k]) if self.state_bytes else -1.0 for k in kinds]
+        largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX).tolist()
+        if min(largest) < 0:  # no step ran in this attempt (it resumed at the end)
+            return None
+        return {k: v / 2**20 for k, v in zip(kinds, largest)} | {"total": sum(largest) / 2**20}
+
     def finish(self, record, clock, validation, test, checkpoint) -> dict[str, Any]:
         record.update(
             end_time=provenance.now(),
             wall_time_s=clock.wall(),
+            parallel=self.parallel.describe(),
             results={
-                "strategy": self.strategy.name,
+                "state_mb_per_rank": self.state_mb_per_rank(),
+                "strategy": self.parallel.name,
+                "layout": self.parallel.dims.layout,
                 "steps": self.state.step,
                 "epochs_completed": self.state.epoch,
                 "tokens_seen": self.state.tokens_seen,
@@ -281,13 +294,14 @@ def run(config: Config) -> dict[str, Any]:
     # Compute nodes have no internet: never let a library try it (and wait for its retries).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env = setup(config.device, strategy_class(config.parallel.strategy).needs_process_group, config.parallel.timeout_s)
+    env = setup(config.device, config.parallel.timeout_s)
     try:
+        parallel = Parallel.start(config, env)  # a layout that does not fit the world fails here, before any work
         data = load_prepared(config.data.prepared_dir)
         if env.is_main:
             RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
         barrier()
-        return Trainer(config, env, data).fit()
+        return Trainer(config, env, parallel, data).fit()
     finally:
         teardown()
 

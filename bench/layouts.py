@@ -1,0 +1,137 @@
+"""Throughput and per-rank memory of every parallel layout, each run alone (one torchrun after the other).
+
+    python bench/layouts.py [--models course,m59] [--steps 4] [--warmup 2] [--json layouts.json]
+
+For each model and layout (single; DDP, FSDP with and without resharding after forward, TP on 2 ranks; HSDP 2x2 and
+FSDP x TP 2x2 on 4 ranks) it trains through the real entry point (`torchrun ... -m scalelm.train`) on random token
+ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
+as the course compares), and reports from the run's own records:
+
+- tokens/s (total and per device): tokens over the timed steps' time, after `--warmup` steps;
+- per-rank state: the exact bytes of the largest rank's parameters, gradients and optimizer state;
+- per-rank peak: the largest rank's peak RSS on CPU (max allocated on CUDA).
+
+Every process has one thread (torchrun's default for several processes, set here for one). Figures and the
+machine: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
+
+from scalelm.model import count_parameters, flops_per_token  # noqa: E402
+from scalelm.model.transformer import TransformerLM  # noqa: E402
+from scalelm.config import ModelConfig  # noqa: E402
+
+VOCAB = 33_278
+MODELS: dict[str, dict[str, Any]] = {
+    "course": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048}, "seq_len": 32, "batch": 16},
+    "m59": {"model": {"d_model": 512, "n_heads": 8, "n_layers": 8, "d_ff": 2048}, "seq_len": 64, "batch": 4},
+}
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
+    "single": (1, {}),
+    "ddp": (2, {"strategy": "ddp"}),
+    "fsdp": (2, {"strategy": "fsdp"}),
+    "fsdp_no_reshard": (2, {"strategy": "fsdp", "reshard_after_forward": False}),
+    "tp": (2, {"strategy": "tp"}),
+    "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
+    "fsdp_tp_2x2": (4, {"strategy": "fsdp", "tp": 2}),
+}
+
+
+def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int) -> dict[str, Any]:
+    nproc, parallel = LAYOUTS[layout]
+    spec = MODELS[model]
+    config = {
+        "run_dir": str(workdir / f"{model}-{layout}"),
+        "device": "cpu",
+        "data": {"prepared_dir": str(prepared), "seq_len": spec["seq_len"]},
+        "model": {**spec["model"], "dropout": 0.0},
+        "batch": {"mode": "per_device", "size": spec["batch"]},
+        "train": {"epochs": 1, "max_steps": warmup + steps, "log_every": 1, "eval_every": None, "eval_batch_size": 64},
+        "checkpoint": {"every": None},
+        "parallel": parallel,
+    }
+    path = workdir / f"{model}-{layout}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    done = subprocess.run([*launch, "-m", "scalelm.train", "--config", str(path)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} {layout} failed:\n{done.stderr[-3000:]}")
+    run_dir = Path(config["run_dir"])
+    record = json.loads((run_dir / "run.json").read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [m for m in lines if m["kind"] == "train" and m["step"] > warmup]
+    seconds = sum(m["step_time_s"] for m in timed)
+    tokens = sum(m["tokens_per_step"] for m in timed)
+    state = record["results"]["state_mb_per_rank"]
+    return {
+        "model": model,
+        "layout": layout,
+        "degrees": record["results"]["layout"],
+        "processes": nproc,
+        "global_batch": record["results"]["global_batch"],
+        "step_s": seconds / len(timed),
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_device": tokens / seconds / nproc,
+        "state_mb_per_rank": state,
+        "peak_mb_per_rank": max(m["peak_mem_mb"] for m in lines if m["kind"] == "train"),
+        "final_loss": timed[-1]["loss"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank | peak MiB/rank |"
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.0f} | {r['peak_mb_per_rank']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = make_prepared(Path(tmp) / "prepared")
+        for model in args.models.split(","):
+            config = ModelConfig(**MODELS[model]["model"])
+            params = count_parameters(TransformerLM(config, VOCAB))
+            flops = flops_per_token(config, VOCAB, MODELS[model]["seq_len"])
+            print(f"{model}: {params / 1e6:.1f} M parameters, {flops / 1e6:.0f} MFLOP per token", flush=True)
+            for layout in args.layouts.split(","):
+                rows.append(run_layout(model, layout, prepared, Path(tmp), args.warmup, args.steps))
+                r = rows[-1]
+                print(
+                    f"  {layout:16} {r['tokens_per_s']:9,.0f} tok/s  state {r['state_mb_per_rank']['total']:7,.0f} MiB"
+                    f"  peak {r['peak_mb_per_rank']:7,.0f} MiB  loss {r['final_loss']:.4f}",
+                    flush=True,
+                )
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Data parallelism over the mesh's "dp_replicate" and "dp_shard" dimensions.
+
+FSDP2 (`fully_shard`) on every Transformer block, then on the root (embedding, final norm, head): sharding each
+block, not only the root as the course did, lets FSDP free one block's gathered weights before the next needs
+memory. On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node, replicas across nodes.
+Precision is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), so no autocast on top of it.
+
+DDP (a full replica per rank, gradients all-reduced during backward) serves replication alone; beside tensor
+parallelism, replication goes through FSDP's HSDP path with shards of one rank, which composes with DTensor weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+# The head's logits are a view of a matmul result; scalelm never modifies them in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reshard_after_forward: bool, cpu_offload: bool
+) -> nn.Module:
+    options = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for block in model.blocks:
+        fully_shard(block, **options)
+    return fully_shard(model, **options)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    # DDP broadcasts rank 0's weights at construction: every rank already holds them
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group())

@@ -1,0 +1,116 @@
+"""Parallel layouts as degrees (scalelm.parallel.dims): shorthands, -1, rank placement, and every bad layout refused
+with a clear message before any process group exists. Training in these layouts: tests/test_training.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scalelm.config import ModelConfig, load_config
+from scalelm.errors import ConfigError
+from scalelm.model.cpu_ops import Dropout
+from scalelm.parallel import check_groups_within_nodes
+from scalelm.parallel.dims import ParallelDims, resolve_dims
+from scalelm.parallel.tensor import check_tp
+
+NONE = {"dp_replicate": None, "dp_shard": None, "tp": None, "pp": None}
+
+
+def dims(strategy=None, world=4, per_node=2, **explicit) -> ParallelDims:
+    return resolve_dims(strategy, {**NONE, **explicit}, world, per_node)
+
+
+@pytest.mark.parametrize(
+    "strategy, explicit, world, per_node, layout, name",
+    [
+        (None, {}, 1, 1, "1x1x1x1", "single"),
+        ("single", {}, 1, 1, "1x1x1x1", "single"),
+        ("ddp", {}, 8, 4, "8x1x1x1", "ddp"),
+        ("fsdp", {}, 8, 4, "1x8x1x1", "fsdp"),
+        ("hsdp", {}, 8, 4, "2x4x1x1", "hsdp"),
+        ("tp", {}, 4, 4, "1x1x4x1", "tp"),
+        ("fsdp_tp", {}, 8, 4, "1x2x4x1", "fsdp_tp"),
+        ("fsdp_tp", {"tp": 2}, 8, 4, "1x4x2x1", "fsdp_tp"),  # the course's "try tp 1, 2, 4"
+        ("fsdp", {"tp": 2}, 4, 4, "1x2x2x1", "fsdp_tp"),  # a shorthand with an explicit degree
+        (None, {"dp_replicate": 2, "dp_shard": 2}, 4, 4, "2x2x1x1", "hsdp"),  # degrees alone
+        (None, {"dp_shard": -1, "tp": 2}, 8, 4, "1x4x2x1", "fsdp_tp"),
+        (None, {"dp_replicate": 2, "tp": 2}, 4, 2, "2x1x2x1", "ddp_tp"),
+    ],
+)
+def test_shorthands_and_degrees_resolve_to_a_layout(strategy, explicit, world, per_node, layout, name):
+    resolved = dims(strategy, world, per_node, **explicit)
+    assert (resolved.layout, resolved.name, resolved.world_size) == (layout, name, world)
+
+
+def test_ranks_are_placed_with_tp_innermost_and_hsdp_shards_inside_a_node():
+    """2 nodes of 4 (ranks 0-3 on the first): TP and shard groups stay inside a node, replicas cross nodes."""
+    fsdp_tp = ParallelDims(dp_shard=2, tp=4)
+    assert fsdp_tp.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert fsdp_tp.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=4)
+    assert hsdp.groups("dp_shard") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hsdp.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [hsdp.dp_rank(r) for r in range(8)] == list(range(8))
+    assert [fsdp_tp.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # a TP group shares its data
+
+
+@pytest.mark.parametrize(
+    "strategy, explicit, world, per_node, message",
+    [
+        (None, {"dp_replicate": 2, "dp_shard": 2}, 8, 4, "dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = 4 processes, but the world size is 8"),
+        (None, {"dp_shard": -1, "tp": -1}, 4, 4, "only one degree may be -1 (the rest of the world size), got dp_shard and tp = -1"),
+        ("ddp", {"tp": -1}, 4, 4, "dp_replicate and tp would both take the rest of the world size"),
+        (None, {"dp_shard": -1, "tp": 3}, 4, 4, "3 does not divide it"),
+        ("fsdp", {"tp": 2}, 2, 1, "parallel.tp=2 does not divide the 1 processes of a node: a tensor-parallel group would span nodes"),
+        ("zero3", {}, 2, 2, "unknown strategy 'zero3'"),
+        ("fsdp_tpp", {}, 2, 2, "did you mean 'fsdp_tp'?"),
+        ("single", {}, 2, 2, "strategy 'single' runs one process, but it was started with WORLD_SIZE=2"),
+        ("single", {"tp": 2}, 2, 2, "parallel.strategy=single runs one process but sets {'tp': 2}"),
+        (None, {}, 2, 2, "started with WORLD_SIZE=2, but the config sets no parallel layout (that is one process)"),
+        (None, {"pp": 2}, 2, 2, "pipeline parallelism is not available yet"),
+        (None, {"tp": 0}, 2, 2, "parallel.tp must be a positive integer or -1"),
+    ],
+)  # fmt: skip
+def test_a_layout_that_does_not_fit_is_a_clear_error(strategy, explicit, world, per_node, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        dims(strategy, world, per_node, **explicit)
+
+
+def test_tp_must_divide_heads_ffn_and_with_loss_parallel_the_vocabulary():
+    model = ModelConfig(d_model=96, n_heads=6, d_ff=200)
+    check_tp(2, model, 5018, loss_parallel=True)
+    with pytest.raises(ConfigError, match=r"model.n_heads=6 is not divisible by parallel.tp=4"):
+        check_tp(4, model, None, loss_parallel=False)
+    with pytest.raises(ConfigError, match=r"model.d_ff=200 is not divisible by parallel.tp=3"):
+        check_tp(3, ModelConfig(d_model=96, n_heads=3, d_ff=200), None, loss_parallel=False)
+    with pytest.raises(ConfigError, match=r"vocabulary of 5019 words across parallel.tp=2"):
+        check_tp(2, model, 5019, loss_parallel=True)
+    # the same checks when a config is loaded, before anything runs
+    with pytest.raises(ConfigError, match=r"model.n_heads=4 is not divisible by parallel.tp=3"):
+        load_config(None, ["parallel.tp=3"])
+
+
+def test_a_tp_group_on_two_hosts_is_refused_naming_its_ranks():
+    layout = ParallelDims(dp_shard=2, tp=2)
+    check_groups_within_nodes(layout, [("n1", 0), ("n1", 0), ("n2", 1), ("n2", 1)])
+    with pytest.raises(ConfigError, match=r"tensor-parallel group \[0, 1\] spans nodes \(rank 0 on n1 \(node 0\), rank 1 on n2"):
+        check_groups_within_nodes(layout, [("n1", 0), ("n2", 1), ("n1", 0), ("n2", 1)])
+
+
+def test_dropout_masks_are_shared_within_a_tp_group_and_differ_across_streams():
+    """Ranks of a TP group share their RNG state: on replicated activations (stream 0) they draw the same mask; on
+    their own slices (stream = TP rank) distinct ones; either way the shared generator advances alike."""
+    x = torch.ones(64, 256)
+
+    def mask(stream: int, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        dropout = Dropout(0.5)
+        dropout.stream = stream
+        return dropout(x) != 0, torch.get_rng_state()
+
+    (shared, after), (again, after_again) = mask(0), mask(0)
+    (own, after_own), (other_rank, _) = mask(1), mask(0, seed=8)
+    assert torch.equal(shared, again) and torch.equal(after, after_again)
+    assert not torch.equal(shared, own) and torch.equal(after, after_own)
+    assert not torch.equal(shared, other_rank)  # another data-parallel rank (another seed)
+    assert 0.45 < own.float().mean() < 0.55
