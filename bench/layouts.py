@@ -2,8 +2,8 @@
 
     python bench/layouts.py [--models course,m59] [--steps 4] [--warmup 2] [--json layouts.json]
 
-For each model and layout (single; DDP, FSDP with and without resharding after forward, TP on 2 ranks; HSDP 2x2 and
-FSDP x TP 2x2 on 4 ranks) it trains through the real entry point (`torchrun ... -m scalelm.train`) on random token
+For each model and layout (single; DDP, FSDP with and without resharding after forward, TP with and without sequence
+parallelism on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point (`torchrun ... -m scalelm.train`) on random token
 ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
 as the course compares), and reports from the run's own records:
 
@@ -37,7 +37,7 @@ from scalelm.config import ModelConfig  # noqa: E402
 
 VOCAB = 33_278
 MODELS: dict[str, dict[str, Any]] = {
-    "course": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048}, "seq_len": 32, "batch": 16},
+    "course": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048}, "seq_len": 32, "batch": 128},
     "m59": {"model": {"d_model": 512, "n_heads": 8, "n_layers": 8, "d_ff": 2048}, "seq_len": 64, "batch": 4},
 }
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
@@ -46,6 +46,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
     "fsdp": (2, {"strategy": "fsdp"}),
     "fsdp_no_reshard": (2, {"strategy": "fsdp", "reshard_after_forward": False}),
     "tp": (2, {"strategy": "tp"}),
+    "tp_sp": (2, {"strategy": "tp", "sequence_parallel": True}),
     "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "fsdp_tp_2x2": (4, {"strategy": "fsdp", "tp": 2}),
 }

@@ -76,7 +76,7 @@ def test_exact_evaluation_counts_every_token_once(world):
 
 
 def test_batch_not_divisible_by_world_size_is_a_clear_error():
-    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+    with pytest.raises(ConfigError, match="not divisible by the 3 data-parallel ranks"):
         TrainBatches(torch.arange(1000), 8, 8, 16, 5, 0, 3, seed=1)
     with pytest.raises(ConfigError, match="micro_size 3 does not divide"):
         TrainBatches(torch.arange(1000), 8, 8, 16, 3, 0, 2, seed=1)

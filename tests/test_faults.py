@@ -46,7 +46,9 @@ def test_slurm_style_signal_to_the_whole_job_checkpoints_exits_75_and_resumes_bi
 TRIALS = 10
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# Every layout writes and reads the same DCP checkpoint; FSDP's is the sharded case. One stop of DDP, TP and FSDP x TP
+# each: tests/test_training.py.
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_ten_preemptions_at_random_steps_end_bitwise_equal_to_an_uninterrupted_run(tiny_config, tmp_path, strategy):
     """One run stopped ten times, at random steps, by the signal Slurm sends; each restart resumes where it stopped.
 

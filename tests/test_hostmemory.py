@@ -11,7 +11,7 @@ STEP = textwrap.dedent(
     import resource, sys, torch
     from scalelm.parallel.env import setup
     if sys.argv[1] == "training":
-        assert setup("cpu", needs_group=False, timeout_s=60).device.type == "cpu"  # as every CPU training starts
+        assert setup("cpu", timeout_s=60).device.type == "cpu"  # as every CPU training starts
     def step():  # four 128 MB buffers, alive together, then freed, as activations are in a training step
         buffers = [torch.empty(1 << 25).fill_(1.0) for _ in range(4)]
         del buffers

@@ -85,6 +85,8 @@ def test_tp_must_divide_heads_ffn_and_with_loss_parallel_the_vocabulary():
         check_tp(3, ModelConfig(d_model=96, n_heads=3, d_ff=200), None, loss_parallel=False)
     with pytest.raises(ConfigError, match=r"vocabulary of 5019 words across parallel.tp=2"):
         check_tp(2, model, 5019, loss_parallel=True)
+    with pytest.raises(ConfigError, match=r"data.seq_len=35 tokens across parallel.tp=2 ranks"):
+        check_tp(2, model, None, loss_parallel=False, seq_len=35, sequence_parallel=True)
     # the same checks when a config is loaded, before anything runs
     with pytest.raises(ConfigError, match=r"model.n_heads=4 is not divisible by parallel.tp=3"):
         load_config(None, ["parallel.tp=3"])

@@ -19,7 +19,7 @@ def test_secrets_in_the_environment_are_never_written(tiny_config, monkeypatch):
     assert result.returncode == 0, result.stdout[-3000:]
     run_dir = drills.run_dir_of(config)
     files = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"run.json", "metrics.jsonl", "state.pt"}
+    assert {p.name for p in files} >= {"run.json", "metrics.jsonl", "trainer.pt", ".metadata"}
     for path in files:
         content = path.read_bytes()
         for value in SECRETS.values():

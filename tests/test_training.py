@@ -34,13 +34,15 @@ LAYOUTS = {
     "tp": (2, {"parallel__strategy": "tp"}),
     "tp_loss_parallel": (2, {"parallel__tp": 2, "parallel__loss_parallel": True}),
     "fsdp_tp": (4, {"parallel__strategy": "fsdp", "parallel__tp": 2}),
-}
+    "fsdp_tp_sp": (4, {"parallel__strategy": "fsdp", "parallel__tp": 2, "parallel__sequence_parallel": True,
+                       "parallel__loss_parallel": True}),
+}  # fmt: skip
 
 
 def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config):
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
-    without the vocabulary-parallel loss) and FSDP x TP 2x2 give the same loss at every step and the same exact
-    evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
+    without the vocabulary-parallel loss) and FSDP x TP 2x2 (with and without sequence and loss parallelism) give the
+    same loss at every step and the same exact evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
     for name, (nproc, _) in LAYOUTS.items():
@@ -73,7 +75,7 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
 def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
     a, b, c = tiny_config("a", model__dropout=0.1), tiny_config("b", model__dropout=0.1), tiny_config("c", seed=2)
     for config in (a, b, c):
-        run_train(config, 1, "train.max_steps=8")
+        train_here(config, "train.max_steps=8")
     assert train_losses(run_dir_of(a)) == train_losses(run_dir_of(b))
     assert train_losses(run_dir_of(a)) != train_losses(run_dir_of(c))
 
@@ -93,10 +95,11 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp_sp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
-    (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads)."""
+    (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads, FFN
+    columns and, with sequence parallelism, their part of the sequence)."""
     nproc, layout_settings = LAYOUTS[layout]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)

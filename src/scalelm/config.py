@@ -88,6 +88,7 @@ class ParallelConfig:
     dp_shard: int | None = None
     tp: int | None = None
     pp: int | None = None  # reserved for pipeline parallelism: 1
+    sequence_parallel: bool = False  # tp: norms, residual dropout and additions split along the sequence
     loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
     reshard_after_forward: bool = True  # fsdp: False keeps gathered weights from forward to backward (ZeRO-2)
     cpu_offload: bool = False  # fsdp, CUDA only
@@ -298,7 +299,8 @@ def validate(config: Config) -> None:
 
     check_strategy(config.parallel.strategy)
     check_degrees({name: getattr(config.parallel, name) for name in DEGREES})
-    check_tp(max(config.parallel.tp or 1, 1), config.model, None, config.parallel.loss_parallel)
+    parallel = config.parallel
+    check_tp(max(parallel.tp or 1, 1), config.model, None, parallel.loss_parallel, config.data.seq_len, parallel.sequence_parallel)
 
 
 def dump_config(config: Config, path: str | Path) -> None:

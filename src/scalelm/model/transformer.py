@@ -79,6 +79,16 @@ class Block(nn.Module):
         return self.norm2(x + self.drop(self.ffn(x)))
 
 
+class OutputHead(nn.Linear):
+    """The output projection; given targets, it returns the mean cross-entropy of its logits instead of them, fused
+    with the projection on CPU (scalelm.model.cpu_ops). Its own forward, so that FSDP can shard it as a unit."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x.flatten(0, -2), self.weight, self.bias, targets.flatten())
+
+
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, vocab_size: int):
         super().__init__()
@@ -89,7 +99,7 @@ class TransformerLM(nn.Module):
         self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, vocab_size)
+        self.head = OutputHead(config.d_model, vocab_size)
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
         self.init_buffers()
         self.reset_parameters()
@@ -120,11 +130,12 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        if targets is None:
-            return self.head(x)
         if self.loss_parallel:  # logits split by vocabulary; the caller runs this under torch's loss_parallel()
-            return F.cross_entropy(self.head(x).flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return linear_cross_entropy(x.flatten(0, -2), self.head.weight, self.head.bias, targets.flatten())
+            logits = self.head(x)
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return self.head(x, targets)
 
 
 def count_parameters(model: nn.Module) -> int:

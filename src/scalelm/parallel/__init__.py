@@ -80,7 +80,11 @@ class Parallel:
     # ------------------------------------------------------------------------------------------ the model
     def build(self, make: Callable[[], nn.Module], seed: int, vocab_size: int) -> nn.Module:
         """The model of `make()` with its seed's initial weights, parallelized; this rank holds only its part."""
-        check_tp(self.dims.tp, self.config.model, vocab_size, self.config.parallel.loss_parallel)
+        options = self.config.parallel
+        check_tp(
+            self.dims.tp, self.config.model, vocab_size, options.loss_parallel, self.config.data.seq_len,
+            options.sequence_parallel,
+        )  # fmt: skip
         device = self.env.device
         if self.mesh is None:
             torch.manual_seed(seed)
@@ -92,17 +96,15 @@ class Parallel:
         with torch.device("meta"):
             model = make()
         if self.dims.tp > 1:
-            apply_tp(model, self.mesh["tp"], self.loss_parallel)
+            apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
         if self.uses_fsdp:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            options = self.config.parallel
             if options.cpu_offload and device.type != "cuda":
                 raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
             model = apply_fsdp(model, dp_mesh, self.compute_dtype, options.reshard_after_forward, options.cpu_offload)
         model.to_empty(device=device)
         model.init_buffers()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, initial, options=options)
+        set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del initial
         if self.uses_ddp:
             model = apply_ddp(model, self.mesh["dp_replicate"], device)

@@ -1,8 +1,8 @@
 """Data parallelism over the mesh's "dp_replicate" and "dp_shard" dimensions.
 
-FSDP2 (`fully_shard`) on every Transformer block, then on the root (embedding, final norm, head): sharding each
-block, not only the root as the course did, lets FSDP free one block's gathered weights before the next needs
-memory. On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node, replicas across nodes.
+FSDP2 (`fully_shard`) on the embedding, every Transformer block and the output head, then on the root (final norm):
+sharding each part, not only the root as the course did, lets FSDP free one part's gathered weights and gradients
+before the next needs memory (the embedding and head hold most of a small model's parameters). On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node, replicas across nodes.
 Precision is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), so no autocast on top of it.
 
 DDP (a full replica per rank, gradients all-reduced during backward) serves replication alone; beside tensor
@@ -32,6 +32,10 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    if model.head.weight is not model.embed.weight:  # tied weights stay together, in the root
+        fully_shard(model.embed, **options)
+        # the head's backward follows its forward at once: no point in freeing its gathered weights in between
+        fully_shard(model.head, **{**options, "reshard_after_forward": False})
     for block in model.blocks:
         fully_shard(block, **options)
     return fully_shard(model, **options)

@@ -6,30 +6,49 @@ one all-reduce forward and one backward for attention and one each for the feed-
     attention   qkv: column-wise (whole heads per rank: the qkv rows are grouped by head)   out: row-wise
     FFN         in: column-wise                                                             out: row-wise
 
-`loss_parallel` also splits the output projection by vocabulary and computes the cross-entropy without gathering
-the logits (torch's loss_parallel). Embedding, norms and (without loss_parallel) the head are replicated: every rank
-of a TP group computes them on the same activations and so gets the same gradients; the residual dropout, on those
-replicated activations, draws the same masks on every rank of the group.
+Options:
+- `sequence_parallel`: between those pairs (norms, residual dropout and additions) each rank holds only its part of
+  the sequence: every all-reduce becomes a reduce-scatter after the row-wise matrix and an all-gather before the
+  column-wise one, and those activations take 1/tp of the memory.
+- `loss_parallel`: the output projection is split by vocabulary and the cross-entropy computed without gathering
+  the logits (torch's loss_parallel).
+
+Embedding, norms (without SP) and the head (without loss_parallel) are replicated: every rank of a TP group computes
+them on the same activations and so gets the same gradients. A dropout on activations every rank of the group holds
+draws the same masks on all of them (their RNG states are equal); one on a rank's own slice (its heads, its FFN
+columns, its part of the sequence) gets a stream of its own (scalelm.model.cpu_ops).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from scalelm.config import ModelConfig
 from scalelm.errors import ConfigError
 
 
-def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel: bool) -> None:
+def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel: bool, seq_len: int | None = None,
+             sequence_parallel: bool = False) -> None:  # fmt: skip
     """The sizes a TP degree must divide, checked before any model is built."""
     if tp == 1:
         return
     for name, value in (("model.n_heads", model.n_heads), ("model.d_ff", model.d_ff)):
         if value % tp:
             raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; each TP rank needs an equal share")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits sequences of data.seq_len={seq_len} tokens across parallel.tp={tp} "
+            "ranks, which does not divide it; choose a multiple of tp or switch sequence_parallel off"
+        )
     if loss_parallel and vocab_size is not None and vocab_size % tp:
         raise ConfigError(
             f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
@@ -37,23 +56,46 @@ def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel:
         )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """Parallelize `model` (on the meta device or materialised) over `tp_mesh`, in place."""
+    # the residual stream between the pairs: replicated, or (SP) this rank's part of the sequence as a plain tensor
+    between = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attn.qkv": ColwiseParallel(),
-        "attn.out": RowwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=between),
         "ffn.0": ColwiseParallel(),  # FFN in
-        "ffn.3": RowwiseParallel(),  # FFN out
+        "ffn.3": RowwiseParallel(output_layouts=between),  # FFN out
     }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        plan |= {"attn": gather, "ffn": gather}
+        plan |= {"norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True)}
     stream = tp_mesh.get_local_rank() + 1  # 0 is the stream the TP group shares
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
-        # these dropouts act on activations split across the TP group (heads, FFN features): each rank its own masks
+        # these dropouts act on activations split across the TP group (heads, FFN columns): each rank its own masks
         block.attn.dropout_stream = stream
         block.ffn[2].stream = stream
+        if sequence_parallel:
+            block.drop.stream = stream
+
+    top = {}
+    if sequence_parallel:
+        # the embedding's sum is replicated: each rank keeps its part of the sequence (a slice, no communication)
+        top["drop"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        top["norm"] = SequenceParallel(use_local_output=True)
+        model.drop.stream = stream
     if loss_parallel:
-        parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        top["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
         model.register_forward_hook(_replicated_as_local)
+    elif sequence_parallel:  # the head takes (hidden states, targets): gather the sequence of the first
+        top["head"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
     model.loss_parallel = loss_parallel
 
 

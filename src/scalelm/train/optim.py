@@ -20,9 +20,9 @@ def scaled_lr(optim: OptimConfig, batch: BatchConfig, world_size: int) -> float:
 def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
     params = list(model.parameters())
     # On CPU torch defaults to the per-tensor loop (about ten passes over every tensor, with temporaries); the fused
-    # kernel does the same update in one pass, several times faster (docs/benchmarks.md). FSDP's DTensor parameters, and
-    # GPUs, keep torch's default choice.
-    fused = all(type(p) is nn.Parameter and p.device.type == "cpu" for p in params) or None
+    # kernel does the same update in one pass, several times faster (docs/benchmarks.md), for plain and for DTensor
+    # parameters (FSDP), but not for a mix of both (TP without FSDP). GPUs keep torch's default choice.
+    fused = (all(p.device.type == "cpu" for p in params) and len({type(p) for p in params}) == 1) or None
     return torch.optim.AdamW(params, lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=fused)
 
 
