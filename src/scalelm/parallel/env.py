@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,26 @@ def setup(preference: str, timeout_s: int) -> DistEnv:
         procs_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         node_rank=int(os.environ.get("GROUP_RANK", "0")),
     )
+
+
+def exit_after(main: Callable[[], object]) -> NoReturn:
+    """Run a command's `main`, then end the process at once with its exit status, skipping Python's finalization.
+
+    torch keeps process groups alive in global state (device meshes, their sub-groups); when the interpreter is torn
+    down with them, gloo's worker threads meet a half-destroyed runtime and, now and then, abort the process
+    (SIGABRT, "terminate called without an active exception") after it has done all its work, which fails the job.
+    An exception still ends the process the usual way, with its traceback.
+    """
+    try:
+        main()
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def teardown() -> None:

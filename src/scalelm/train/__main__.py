@@ -1,3 +1,4 @@
+from scalelm.parallel.env import exit_after
 from scalelm.train.trainer import main
 
-main()
+exit_after(main)

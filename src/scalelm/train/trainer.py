@@ -301,7 +301,9 @@ def run(config: Config) -> dict[str, Any]:
         if env.is_main:
             RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
         barrier()
-        return Trainer(config, env, parallel, data).fit()
+        record = Trainer(config, env, parallel, data).fit()
+        barrier()  # every rank done with every collective before any shuts its process groups down
+        return record
     finally:
         teardown()
 
