@@ -113,6 +113,10 @@ def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and
     assert site.sbatch_resources() == {"slurm_account": "proj1", "slurm_partition": "dc-gpu"}
     assert site.slurm_extra() == "--reservation=course"
     assert site.slurm_extra(stop_signal_s=300) == "--reservation=course --signal=USR1@300"
+    assert site.slurm_extra(300, training=True) == "--reservation=course --exclusive --signal=USR1@300"
+    path.write_text(path.read_text() + "exclusive: false\npeak_tflops: 400\n")
+    assert load_site(path).slurm_extra(300, training=True) == "--reservation=course --signal=USR1@300"
+    assert load_site(path).peak_tflops == 400.0
     assert site.prelude() == (
         "module load Stages/2025 CUDA && export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && "
     )

@@ -53,6 +53,7 @@ def project(tmp_path, cluster) -> Path:
         "gpus_per_node": int(cluster["SCALELM_SLURM_GPUS_PER_NODE"]),
         "port_range": [29500, 29999],
         "modules": [],
+        "exclusive": False,  # the two test nodes run several small jobs at once (the stop drill signals two)
     }
     (tmp_path / "test-site.yaml").write_text(yaml.safe_dump(site))
 

@@ -8,6 +8,7 @@ import math
 import re
 import shutil
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,9 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert "nodes=1, tasks=1, mpi=, tasks_per_gpu=0, gres=gpu:4" in resources["ddp"]
     assert "gres=gpu:1" in resources["single_gpu"]
     for line in resources.values():
-        assert "slurm_extra=--reservation=course --signal=USR1@300" in line, line
+        # whole nodes for timed jobs; no local one-training-at-a-time limit on a cluster
+        assert "slurm_extra=--reservation=course --exclusive --signal=USR1@300" in line, line
+        assert "training_run=0" in line, line
         assert "slurm_account=proj1, slurm_partition=dc-gpu" in line, line
     assert "export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && python -m scalelm.launch" in result.stdout
     assert "--host-suffix i" in result.stdout
@@ -95,6 +98,17 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert row["steps"] == "12" and len(row["sha256"]) == 64
+        # steady-state speed, MFU against this host's measured peak, state and host load for every run
+        for key in ("step_time_s", "mfu", "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores"):
+            assert math.isfinite(float(row[key])), (row["experiment"], key)
+        assert float(row["step_time_s_min"]) <= float(row["step_time_s"]) <= float(row["step_time_s_max"])
+        assert 0 < float(row["mfu"]) < 1 and row["overlapped_by"] == "", row
+    # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
+    spans = sorted(
+        (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
+        for r in (json.loads(p.read_text()) for p in results.glob("runs/*/seed1/run.json"))
+    )
+    assert len(spans) == 7 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     by_name = {r["experiment"]: r for r in rows}
     assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
     assert by_name["single_gpu"]["speedup"] == "1.0"

@@ -68,6 +68,8 @@ class TrainConfig:
     eval_every: int | None = None  # steps between validation runs; validation also runs after every epoch
     eval_batch_size: int = 256
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.train.peak)
+    peak_tflops: float | None = None
     deterministic: bool = False
 
 

@@ -36,7 +36,7 @@ rule aggregate:
     conda:
         "../envs/scalelm.yaml"
     params:
-        runs=shlex.join(arg for run in STUDY.runs for arg in ("--run", str(run.path))),
+        args=STUDY.aggregate_args(),
         out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
-        "python -m scalelm.study.aggregate {params.runs} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        "python -m scalelm.study.aggregate {params.args} --out-dir {params.out_dir:q} > {log:q} 2>&1"

@@ -23,6 +23,8 @@ class SiteConfig:
     network_interface: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
     port_range: tuple[int, int] = (29500, 29999)  # rendezvous port = low + job id mod size
     modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
+    peak_tflops: float | None = None  # one GPU's dense TFLOP/s for MFU, where scalelm's table lacks the GPU
+    exclusive: bool = True  # training jobs get whole nodes (sbatch --exclusive): nothing shares a timed job's nodes
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
@@ -41,9 +43,12 @@ class SiteConfig:
         }
         return {name: value for name, value in named.items() if value}
 
-    def slurm_extra(self, stop_signal_s: int = 0) -> str:
-        """Further sbatch flags: the reservation; for training jobs, USR1 `stop_signal_s` before the time limit."""
+    def slurm_extra(self, stop_signal_s: int = 0, training: bool = False) -> str:
+        """Further sbatch flags: the reservation; for training jobs, USR1 `stop_signal_s` before the time limit and,
+        with `exclusive`, whole nodes."""
         flags = [f"--reservation={self.reservation}"] if self.reservation else []
+        if training and self.exclusive:
+            flags.append("--exclusive")
         if stop_signal_s:
             flags.append(f"--signal=USR1@{stop_signal_s}")
         return shlex.join(flags)

@@ -43,5 +43,8 @@ def apply_fsdp(
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
-    # DDP broadcasts rank 0's weights at construction: every rank already holds them
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group())
+    # DDP broadcasts rank 0's weights at construction: every rank already holds them. Gradients are views into
+    # DDP's all-reduce buckets instead of copies beside them: one model's worth of memory less per rank.
+    return DistributedDataParallel(
+        model, device_ids=device_ids, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True
+    )

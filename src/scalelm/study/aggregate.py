@@ -3,8 +3,11 @@
     python -m scalelm.study.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results
 
 Each run directory holds run.json (provenance and results, from training), metrics.jsonl, and the outputs of the
-consolidate and evaluate steps (model.pt.json, test.json). Speedup and scaling efficiency compare tokens per
-second with the single-device experiment of the same seed.
+consolidate and evaluate steps (model.pt.json, test.json). Speed is the steady state after warm-up (median step
+time, its spread, tokens/s and MFU of the median: scalelm.study.timing); speedup and scaling efficiency compare
+tokens per second with the single-device experiment of the same seed. A run that trained while another did on one
+of its hosts is named in `overlapped_by`, and `other_cpu_cores` says how busy its hosts were with other work: no
+contaminated figure goes unmarked.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
+from scalelm.study.timing import overlapping_runs, steady_state
 from scalelm.train.metrics import read_metrics
 from scalelm.train.rundir import RunDir
 
 COLUMNS = [
     "experiment", "strategy", "layout", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
-    "global_batch_tokens", "steps", "wall_time_s", "train_time_s", "tokens_per_s", "tokens_per_s_per_device",
-    "speedup", "scaling_efficiency", "peak_mem_mb_per_rank", "final_train_loss", "validation_loss", "test_loss",
-    "test_perplexity", "checkpoint", "sha256",
+    "global_batch_tokens", "steps", "wall_time_s", "train_time_s", "warmup_steps", "step_time_s", "step_time_s_min",
+    "step_time_s_max", "tokens_per_s", "tokens_per_s_per_device", "speedup", "scaling_efficiency", "mfu",
+    "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores", "overlapped_by", "final_train_loss",
+    "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
 ]  # fmt: skip
 
 
-def read_run(run: RunDir) -> dict[str, Any]:
+def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     try:
         record = json.loads(run.record.read_text())
         model = json.loads(run.model_meta.read_text())
@@ -37,6 +42,12 @@ def read_run(run: RunDir) -> dict[str, Any]:
     metrics = read_metrics(run.path)
     results, config = record["results"], record["config"]
     train = [m for m in metrics if m["kind"] == "train"]
+    steady = steady_state(train, warmup_steps)
+    peak = results.get("peak_flops_per_device")
+    state = results.get("state_mb_per_rank") or {}
+    mfu = None
+    if peak and steady:
+        mfu = results["flops_per_token"] * steady["tokens_per_s"] / (record["world_size"] * peak)
     return {
         "experiment": run.experiment,
         "strategy": results["strategy"],
@@ -50,9 +61,12 @@ def read_run(run: RunDir) -> dict[str, Any]:
         "steps": results["steps"],
         "wall_time_s": record["wall_time_s"],
         "train_time_s": results["train_time_s"],
-        "tokens_per_s": results["tokens_per_s"],
-        "tokens_per_s_per_device": results["tokens_per_s"] / record["world_size"],
+        **steady,
+        "mfu": mfu,
+        "state_mb_per_rank": state.get("total"),
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in train), default=None),
+        "other_cpu_cores": max((h["other_cores"] for h in (record.get("host_load") or {}).values()), default=None),
+        "overlapped_by": "",
         "final_train_loss": results["final_train_loss"],
         "validation_loss": results["validation"]["loss"],
         "test_loss": test["loss"],
@@ -60,6 +74,7 @@ def read_run(run: RunDir) -> dict[str, Any]:
         "checkpoint": model["model"],
         "sha256": model["sha256"],
         "_metrics": metrics,
+        "_record": record,
     }
 
 
@@ -87,7 +102,11 @@ def write_tables(rows: list[dict[str, Any]], out_dir: Path) -> None:
         writer.writerows(rows)
     shown = [c for c in COLUMNS if c not in ("checkpoint", "sha256")]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in shown) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in shown) + " |" for r in rows]
+    shared = [f"`{r['experiment']}` seed {r['seed']} (with {r['overlapped_by']})" for r in rows if r["overlapped_by"]]
+    if shared:
+        lines += ["", "**Not isolated**: trained while another run trained on the same host, so their speed figures "
+                  "measure both: " + ", ".join(shared) + "."]  # fmt: skip
     files = [f"- `{r['experiment']}` seed {r['seed']}: `{r['checkpoint']}` (sha256 `{r['sha256']}`)" for r in rows]
     text = "# scalelm summary\n\n" + "\n".join(lines) + "\n\n## Consolidated models\n\n" + "\n".join(files) + "\n"
     (out_dir / "summary.md").write_text(text)
@@ -140,8 +159,15 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
-def aggregate(run_dirs: list[Path], out_dir: Path) -> list[dict[str, Any]]:
-    rows = [read_run(RunDir(Path(d))) for d in run_dirs]
+def mark_overlaps(rows: list[dict[str, Any]]) -> None:
+    names = {f"{r['experiment']}/seed{r['seed']}": r for r in rows}
+    for name, others in overlapping_runs({name: r["_record"] for name, r in names.items()}).items():
+        names[name]["overlapped_by"] = " ".join(sorted(others))
+
+
+def aggregate(run_dirs: list[Path], out_dir: Path, warmup_steps: int | None = None) -> list[dict[str, Any]]:
+    rows = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
+    mark_overlaps(rows)
     rows.sort(key=lambda r: (r["world_size"], r["experiment"], r["seed"]))
     add_scaling(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,8 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m scalelm.study.aggregate", description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, action="append", required=True, help="a run directory (repeatable)")
     parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument(
+        "--warmup-steps", type=int, help="steps left out of the speed figures (default: 10%% of the run, at least 5)"
+    )
     args = parser.parse_args(argv)
-    rows = aggregate(args.run, args.out_dir)
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    rows = aggregate(args.run, args.out_dir, args.warmup_steps)
     print((args.out_dir / "summary.md").read_text())
     print(f"{len(rows)} runs summarised in {args.out_dir}/summary.csv, summary.md and *.png")
 

@@ -30,6 +30,8 @@ class Study:
         self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results)}
         for e in self.matrix.values():
             self.site.check_fits(e.name, e.procs_per_node)
+            if self.site.peak_tflops and not e.training["train"].get("peak_tflops"):
+                e.training["train"]["peak_tflops"] = self.site.peak_tflops
         if config.get("site") and on_login_node:  # before any job is submitted; jobs need not ask again
             check_node_counts({e.name: e.nodes for e in self.matrix.values()}, self.site.partition)
         self.image = image_file(config["container"], self.results)
@@ -72,6 +74,12 @@ class Study:
             args += ["--gpu"] if self.site.gpus_per_node else []
         return shlex.join([*args, *self.site.launch_flags()])
 
+    def aggregate_args(self) -> str:
+        args = [arg for run in self.runs for arg in ("--run", str(run.path))]
+        if self.config.get("warmup_steps") is not None:
+            args += ["--warmup-steps", str(self.config["warmup_steps"])]
+        return shlex.join(args)
+
     def in_container(self) -> str:
         """Prefix that runs a single-process command inside the image (empty without a container)."""
         if not self.image:
@@ -104,7 +112,10 @@ class Study:
             "mem_mb": lambda wildcards: per_proc["mem_mb_per_proc"] * experiment(wildcards).procs_per_node,
             "runtime": per_proc["runtime_min"],
             "gres": lambda wildcards: self.site.gres(experiment(wildcards).procs_per_node),
-            "slurm_extra": self.site.slurm_extra(self.stop_signal_s),
+            "slurm_extra": self.site.slurm_extra(self.stop_signal_s, training=True),
+            # Without a site (this machine, not a cluster) one training at a time (profiles/default: training_run=1):
+            # timings that shared cores with another training mean nothing. On a cluster, whole nodes (exclusive).
+            "training_run": 0 if self.config.get("site") else 1,
         }
 
 

@@ -31,6 +31,7 @@ NOT_IDENTITY = (
     "train.log_every",
     "train.eval_every",
     "train.eval_batch_size",
+    "train.peak_tflops",
     "checkpoint.every",
     "checkpoint.keep",
     "parallel.timeout_s",

@@ -26,14 +26,16 @@ from scalelm.config import Config, dump_config, load_config
 from scalelm.data import PreparedData, TrainBatches, load_prepared
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import atomic_write_text
-from scalelm.model import TransformerLM
+from scalelm.model import TransformerLM, flops_per_token
 from scalelm.parallel import Parallel
-from scalelm.parallel.env import DistEnv, barrier, is_distributed, setup, teardown
+from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
 from scalelm.train.evaluation import evaluate
+from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
+from scalelm.train.peak import peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.rundir import RunDir, identity
 
@@ -98,8 +100,23 @@ class Trainer:
         self.last_path = self.checkpointer.resumed_from
         self.last_loss = math.nan
         self.evaluations: dict[tuple[str, int], dict[str, Any]] = {}
+        self.flops_per_token = flops_per_token(config.model, data.vocab_size, config.data.seq_len)
+        self.peak_flops, self.peak_source = self.device_peak_flops()
         self.stop = StopFlag()
         self.state_bytes: dict[str, int] | None = None  # this rank's parameters, gradients, optimizer state
+
+    def device_peak_flops(self) -> tuple[float | None, str]:
+        """One device's peak FLOP/s, from rank 0: on CPU its calibration runs while the other ranks wait, so
+        nothing shares its cores."""
+        precision = "bf16" if self.parallel.compute_dtype == torch.bfloat16 else "fp32"
+        mine = peak_flops(self.env.device, precision, self.config.train.peak_tflops) if self.env.is_main else None
+        return all_gather_object(mine)[0] if is_distributed() else mine
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation: the model's training FLOPs per second over the peak of every device."""
+        if not self.peak_flops:
+            return None
+        return self.flops_per_token * tokens_per_s / (self.env.world_size * self.peak_flops)
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -136,6 +153,7 @@ class Trainer:
             )
         record = provenance.collect(config.to_dict(), env.world_size)
         clock = Stopwatch()  # training time only: evaluation and checkpoints run with the clock paused
+        host_load = HostLoad()
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
         try:
             while state.step < self.total_steps:
@@ -175,7 +193,7 @@ class Trainer:
                 path = self.save(loss_acc)
             raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume") from None
         checkpoint = self.save(loss_acc)
-        return self.finish(record, clock, validation, test, checkpoint)
+        return self.finish(record, clock, host_load, validation, test, checkpoint)
 
     # --------------------------------------------------------------------------------- bookkeeping
     def log_train(self, loss_acc: torch.Tensor, steps: int, elapsed: float) -> None:
@@ -205,6 +223,7 @@ class Trainer:
                 "step_time_s": step_time,
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
+                "mfu": self.mfu(self.tokens_per_step / step_time),
                 "peak_mem_mb": memory.item(),
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
@@ -263,10 +282,11 @@ class Trainer:
             return None
         return {k: v / 2**20 for k, v in zip(kinds, largest)} | {"total": sum(largest) / 2**20}
 
-    def finish(self, record, clock, validation, test, checkpoint) -> dict[str, Any]:
+    def finish(self, record, clock, host_load, validation, test, checkpoint) -> dict[str, Any]:
         record.update(
             end_time=provenance.now(),
             wall_time_s=clock.wall(),
+            host_load=host_load.finish(),
             parallel=self.parallel.describe(),
             results={
                 "state_mb_per_rank": self.state_mb_per_rank(),
@@ -279,6 +299,10 @@ class Trainer:
                 "tokens_per_step": self.tokens_per_step,
                 "train_time_s": self.state.train_seconds,
                 "tokens_per_s": self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else None,
+                "mfu": self.mfu(self.state.tokens_seen / self.state.train_seconds) if self.state.train_seconds else None,
+                "flops_per_token": self.flops_per_token,
+                "peak_flops_per_device": self.peak_flops,
+                "peak_flops_source": self.peak_source,
                 "final_train_loss": self.last_loss,
                 "validation": validation,
                 "test": test,

@@ -1,0 +1,47 @@
+"""How busy a run's hosts were with other work while it trained: the host's CPU time (psutil) against the CPU time
+of the run's own processes on it. A timed run beside other work on its cores measures both; the summary marks it."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import psutil
+
+from scalelm.parallel.env import all_gather_object, is_distributed
+
+
+def _busy_seconds() -> float:
+    times = psutil.cpu_times()  # Linux counts guest time inside user and nice already
+    return sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _own_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system  # every thread of this process
+
+
+class HostLoad:
+    """Started when training starts; `finish` (on every rank) gives each host's CPU use in cores, over the run."""
+
+    def __init__(self) -> None:
+        self.start = (time.monotonic(), _busy_seconds(), _own_seconds())
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        wall, busy, own = (now - then for now, then in zip((time.monotonic(), _busy_seconds(), _own_seconds()), self.start))
+        mine = (socket.gethostname(), wall, busy, own)
+        ranks = all_gather_object(mine) if is_distributed() else [mine]
+        hosts: dict[str, dict[str, Any]] = {}
+        for host, wall, busy, own in ranks:
+            entry = hosts.setdefault(host, {"cpus": psutil.cpu_count(), "wall": wall, "busy": busy, "run": 0.0})
+            entry["run"] += own
+        return {
+            host: {
+                "cpus": h["cpus"],
+                "busy_cores": h["busy"] / h["wall"],
+                "run_cores": h["run"] / h["wall"],
+                "other_cores": max(0.0, h["busy"] - h["run"]) / h["wall"],  # what else the host's CPUs did
+            }
+            for host, h in hosts.items()
+        }

@@ -1,0 +1,108 @@
+"""What the speed figures rest on: steady state after warm-up, isolation of timed runs, peak FLOP/s and MFU."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import run_dir_of, run_train
+
+from scalelm.config import ModelConfig
+from scalelm.data import load_prepared
+from scalelm.model import flops_per_token
+from scalelm.study.timing import default_warmup, overlapping_runs, steady_state
+from scalelm.train import peak
+from scalelm.train.hostload import HostLoad
+from scalelm.train.metrics import read_metrics
+
+
+def intervals(times: list[float], every: int = 3) -> list[dict]:
+    return [
+        {"step": every * (i + 1), "step_time_s": t, "tokens_per_step": 1000, "world_size": 2}
+        for i, t in enumerate(times)
+    ]
+
+
+def test_steady_state_leaves_out_the_warmup_and_reports_the_median_and_its_spread():
+    assert default_warmup(12) == 5 and default_warmup(200) == 20
+    # steps 1-3 and 4-6 begin before step 5: left out; 7-9, 10-12, 13-15 count
+    figures = steady_state(intervals([9.0, 5.0, 1.0, 1.2, 0.8]))
+    assert figures["warmup_steps"] == 5 and figures["steady_intervals"] == 3
+    assert (figures["step_time_s"], figures["step_time_s_min"], figures["step_time_s_max"]) == (1.0, 0.8, 1.2)
+    assert figures["tokens_per_s"] == 1000.0 and figures["tokens_per_s_per_device"] == 500.0
+    assert steady_state(intervals([9.0, 5.0, 1.0]), warmup_steps=0)["step_time_s"] == 5.0
+    # a run that ends inside its warm-up is measured on its last interval, and says so
+    short = steady_state(intervals([9.0, 5.0]))
+    assert short["steady_intervals"] == 0 and short["step_time_s"] == 5.0
+
+
+def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():
+    def run(start, end, *hosts):
+        return {"start_time": f"2026-11-25T10:{start:02d}:00+0000", "end_time": f"2026-11-25T10:{end:02d}:00+0000",
+                "nodes": list(hosts)}  # fmt: skip
+
+    records = {
+        "a": run(0, 10, "n1"),
+        "b": run(5, 15, "n1", "n2"),  # overlaps a on n1
+        "c": run(15, 20, "n2"),  # starts when b ends: not an overlap
+        "d": run(0, 30, "n3"),  # at the same time as all, on a host of its own
+    }
+    assert overlapping_runs(records) == {"a": ["b"], "b": ["a"], "c": [], "d": []}
+
+
+def test_gpu_peaks_come_from_the_table_and_an_unknown_gpu_leaves_mfu_empty(capsys):
+    assert peak.cuda_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert peak.cuda_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak.cuda_peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 156e12
+    assert peak.cuda_peak_flops("NVIDIA GH200 480GB", "bf16") == 989e12
+    assert peak.cuda_peak_flops("Some Future GPU", "bf16") is None
+    message = capsys.readouterr().out
+    assert "'Some Future GPU'" in message and "train.peak_tflops" in message
+    assert peak.peak_flops(torch.device("cpu"), "fp32", 2.5) == (2.5e12, "configured (train.peak_tflops)")
+
+
+def test_cpu_peak_is_measured_once_per_host_and_leaves_training_random_streams_alone(tmp_path, monkeypatch):
+    cache = tmp_path / "cpu_peak.json"
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    measured = peak.cpu_peak_flops(cache)
+    assert torch.equal(torch.rand(3), expected)  # the calibration drew from its own generator
+    assert 1e8 < measured < 1e13
+    assert json.loads(cache.read_text()) == {peak.cpu_cache_key(): measured}
+    monkeypatch.setattr(peak, "measure_cpu_matmul_flops", lambda: pytest.fail("measured again despite the cache"))
+    assert peak.cpu_peak_flops(cache) == measured
+
+
+def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
+    load = HostLoad()
+    other = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    deadline = time.time() + 1.5
+    while time.time() < deadline:  # this process works too
+        sum(range(10_000))
+    other.wait()
+    (host, figures), *more = load.finish().items()
+    assert not more and figures["cpus"] >= 1
+    assert figures["run_cores"] > 0.6, figures  # this process, busy most of the time
+    assert figures["other_cores"] > 0.6, figures  # the other process, on the other core
+    assert figures["busy_cores"] >= figures["run_cores"]
+
+
+def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(tiny_config):
+    config = tiny_config(train__max_steps=6, train__log_every=2, train__peak_tflops=0.001)
+    run_train(config)
+    run_dir = run_dir_of(config)
+    record = json.loads((run_dir / "run.json").read_text())
+    results = record["results"]
+    assert results["peak_flops_per_device"] == 1e9 and results["peak_flops_source"] == "configured (train.peak_tflops)"
+    settings = record["config"]
+    vocab = load_prepared(settings["data"]["prepared_dir"]).vocab_size
+    per_token = flops_per_token(ModelConfig(**settings["model"]), vocab, settings["data"]["seq_len"])
+    assert results["flops_per_token"] == per_token
+    for line in (m for m in read_metrics(run_dir) if m["kind"] == "train"):
+        assert line["mfu"] == pytest.approx(per_token * line["tokens_per_s"] / 1e9)
+    assert results["mfu"] == pytest.approx(per_token * results["tokens_per_s"] / 1e9)
+    (host, load), *_ = record["host_load"].items()
+    assert host == record["nodes"][0] and load["run_cores"] > 0 and load["other_cores"] >= 0
