@@ -1,18 +1,22 @@
 """What the speed figures rest on: steady state after warm-up, isolation of timed runs, peak FLOP/s and MFU."""
 
 import json
+import resource
+import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
-from conftest import run_dir_of, run_train
+from conftest import board_scalars, run_dir_of, run_train
 
 from scalelm.config import ModelConfig
 from scalelm.data import load_prepared
 from scalelm.model import flops_per_token
 from scalelm.study.timing import default_warmup, overlapping_runs, steady_state
+from scalelm.study.utilisation import summarise
 from scalelm.train import peak
 from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import read_metrics
@@ -77,6 +81,8 @@ def test_cpu_peak_is_measured_once_per_host_and_leaves_training_random_streams_a
 
 
 def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
+    own_before, children_before = time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.monotonic()
     load = HostLoad()
     other = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     deadline = time.time() + 1.5
@@ -84,10 +90,15 @@ def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
         sum(range(10_000))
     other.wait()
     (host, figures), *more = load.finish().items()
-    assert not more and figures["cpus"] >= 1
-    assert figures["run_cores"] > 0.6, figures  # this process, busy most of the time
-    assert figures["other_cores"] > 0.6, figures  # the other process, on the other core
-    assert figures["busy_cores"] >= figures["run_cores"]
+    wall = time.monotonic() - began
+    own = time.process_time() - own_before
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = children.ru_utime + children.ru_stime - children_before.ru_utime - children_before.ru_stime
+    assert not more and host == socket.gethostname() and figures["cpus"] >= 1
+    # this process's CPU time is the run's; the other process's (and whatever else ran) is other work
+    assert figures["run_cores"] * wall == pytest.approx(own, rel=0.1, abs=0.05), (figures, own, wall)
+    assert figures["other_cores"] * wall >= 0.9 * child - 0.05, (figures, child, wall)
+    assert child > 0.1 and figures["busy_cores"] >= figures["run_cores"]
 
 
 def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(tiny_config):
@@ -104,5 +115,28 @@ def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(ti
     for line in (m for m in read_metrics(run_dir) if m["kind"] == "train"):
         assert line["mfu"] == pytest.approx(per_token * line["tokens_per_s"] / 1e9)
     assert results["mfu"] == pytest.approx(per_token * results["tokens_per_s"] / 1e9)
+    assert [step for step, _ in board_scalars(run_dir, "train/mfu")] == [2, 4, 6]
+    assert [step for step, _ in board_scalars(run_dir, "validation/loss")]  # evaluations too
     (host, load), *_ = record["host_load"].items()
     assert host == record["nodes"][0] and load["run_cores"] > 0 and load["other_cores"] >= 0
+
+
+def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_training(tiny_config):
+    config = tiny_config(train__max_steps=40, train__monitor_interval_s=0.1, parallel__strategy="ddp")
+    run_train(config, 2)
+    run_dir = run_dir_of(config)
+    assert [p.name for p in (run_dir / "monitor").iterdir()] == ["node0.jsonl"]  # one node: one sampler
+    records = [json.loads(line) for line in (run_dir / "monitor/node0.jsonl").read_text().splitlines()]
+    samples, end = records[:-1], records[-1]
+    assert len(samples) >= 3 and all(r["kind"] == "sample" for r in samples)
+    assert all(sorted(p["rank"] for p in r["procs"]) == [0, 1] for r in samples[:-1])
+    assert all(p["rss_mb"] > 50 and p["cpu_percent"] >= 0 for r in samples for p in r["procs"])
+    assert max(p["cpu_percent"] for r in samples for p in r["procs"]) > 20  # training keeps its ranks busy
+    assert end["kind"] == "end" and end["wall_s"] > 0 and end["cpu_s"] >= 0
+    times = [r["time"] for r in samples]
+    assert all(0.05 < b - a < 1.0 for a, b in zip(times, times[1:]))
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert not leftover  # the sampler ended with the training
+    summary = summarise(run_dir / "monitor")
+    assert set(summary["_util_series"]) == {"rank 0", "rank 1"} and summary["util_mean_percent"] > 0
+    assert 0 <= summary["monitor_cpu_percent"] < 100

@@ -10,7 +10,7 @@ import time
 import drills
 import pytest
 import torch
-from conftest import run_dir_of, run_train, train_command, train_losses
+from conftest import board_scalars, run_dir_of, run_train, train_command, train_losses
 
 from scalelm.config import load_config
 from scalelm.model import TransformerLM
@@ -114,6 +114,11 @@ def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_p
     a, b = drills.final_weights(straight, tmp_path / "a.pt"), drills.final_weights(broken, tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert train_losses(run_dir_of(broken)) == train_losses(run_dir_of(straight))
+    # TensorBoard holds every logged step once, across the interruption (fp32 events: 1e-6 of the loss)
+    logged = [(r["step"], r["loss"]) for r in read_metrics(run_dir_of(broken)) if r["kind"] == "train"]
+    board = board_scalars(run_dir_of(broken), "train/loss")
+    assert [step for step, _ in board] == [step for step, _ in logged]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for (_, a), (_, b) in zip(board, logged))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, board_scalars
+
+from scalelm.train.metrics import read_metrics
 
 WORKFLOW_PARTS = ("workflow", "config", "profiles", "resources")
 
@@ -99,7 +101,8 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert row["steps"] == "12" and len(row["sha256"]) == 64
         # steady-state speed, MFU against this host's measured peak, state and host load for every run
-        for key in ("step_time_s", "mfu", "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores"):
+        for key in ("step_time_s", "mfu", "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores",
+                    "util_mean_percent", "util_min_percent", "monitor_cpu_percent"):  # fmt: skip
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert float(row["step_time_s_min"]) <= float(row["step_time_s"]) <= float(row["step_time_s_max"])
         assert 0 < float(row["mfu"]) < 1 and row["overlapped_by"] == "", row
@@ -109,10 +112,16 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         for r in (json.loads(p.read_text()) for p in results.glob("runs/*/seed1/run.json"))
     )
     assert len(spans) == 7 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
+    for run in results.glob("runs/*/seed1"):
+        logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
+        board = board_scalars(run, "train/loss")
+        assert [s for s, _ in board] == [s for s, _ in logged] == [3, 6, 9, 12], run
+        assert all(abs(a - b) <= 1e-6 * abs(b) for (_, a), (_, b) in zip(board, logged)), run
     by_name = {r["experiment"]: r for r in rows}
     assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
     assert by_name["single_gpu"]["speedup"] == "1.0"
-    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png"):
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png"):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]

@@ -70,6 +70,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.train.peak)
     peak_tflops: float | None = None
+    # seconds between samples of CPU, RSS and GPU utilisation (scalelm.train.monitor, one sampler per node); 0: none
+    monitor_interval_s: float = 1.0
     deterministic: bool = False
 
 

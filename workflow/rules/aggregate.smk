@@ -31,6 +31,11 @@ rule aggregate:
             category="Scaling",
             caption="../report/scaling.rst",
         ),
+        utilisation=report(
+            f"{RESULTS}/utilisation.png",
+            category="Utilisation",
+            caption="../report/utilisation.rst",
+        ),
     log:
         f"{RESULTS}/logs/aggregate.log",
     conda:

@@ -7,7 +7,8 @@ consolidate and evaluate steps (model.pt.json, test.json). Speed is the steady s
 time, its spread, tokens/s and MFU of the median: scalelm.study.timing); speedup and scaling efficiency compare
 tokens per second with the single-device experiment of the same seed. A run that trained while another did on one
 of its hosts is named in `overlapped_by`, and `other_cpu_cores` says how busy its hosts were with other work: no
-contaminated figure goes unmarked.
+contaminated figure goes unmarked. Utilisation per device (mean, and the least busy device) comes from the run's
+monitor files (scalelm.study.utilisation), and `utilisation.png` shows it over time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.study.timing import overlapping_runs, steady_state
+from scalelm.study.utilisation import plot_utilisation, summarise
 from scalelm.train.metrics import read_metrics
 from scalelm.train.rundir import RunDir
 
@@ -27,7 +29,8 @@ COLUMNS = [
     "experiment", "strategy", "layout", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
     "global_batch_tokens", "steps", "wall_time_s", "train_time_s", "warmup_steps", "step_time_s", "step_time_s_min",
     "step_time_s_max", "tokens_per_s", "tokens_per_s_per_device", "speedup", "scaling_efficiency", "mfu",
-    "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores", "overlapped_by", "final_train_loss",
+    "state_mb_per_rank", "peak_mem_mb_per_rank", "util_mean_percent", "util_min_percent", "monitor_cpu_percent",
+    "other_cpu_cores", "overlapped_by", "final_train_loss",
     "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
 ]  # fmt: skip
 
@@ -67,6 +70,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in train), default=None),
         "other_cpu_cores": max((h["other_cores"] for h in (record.get("host_load") or {}).values()), default=None),
         "overlapped_by": "",
+        **summarise(run.monitor),
         "final_train_loss": results["final_train_loss"],
         "validation_loss": results["validation"]["loss"],
         "test_loss": test["loss"],
@@ -156,6 +160,8 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     fig.savefig(out_dir / "scaling.png", dpi=110)
     plt.close(fig)
     paths.append(out_dir / "scaling.png")
+    plot_utilisation(rows, out_dir / "utilisation.png")
+    paths.append(out_dir / "utilisation.png")
     return paths
 
 

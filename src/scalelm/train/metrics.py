@@ -26,12 +26,20 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
+    """metrics.jsonl, the progress line, and TensorBoard event files (`tensorboard --logdir results/runs`)."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None, board_dir: Path | None = None):
         self.path = Path(path)
         self.enabled = enabled
         self.start = time.time()
+        self.board = None
         if enabled and resume_step is not None:
             self._truncate_after(resume_step)
+        if enabled and board_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it writes
+
+            # a resumed run redoes the steps after its checkpoint: TensorBoard drops their old events
+            self.board = SummaryWriter(str(board_dir), purge_step=None if resume_step is None else resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop records of steps the restored checkpoint has not seen (they will be redone)."""
@@ -46,6 +54,12 @@ class MetricsLogger:
         record = {"time": round(time.time() - self.start, 3), **record}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            group = record["kind"] if record["kind"] == "train" else record.get("split", record["kind"])
+            for key, value in record.items():
+                if key not in ("time", "step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.board.add_scalar(f"{group}/{key}", value, record["step"])
+            self.board.flush()  # readable while training runs, and complete if the job is killed
         print(progress_line(record), flush=True, file=sys.stdout)
 
 

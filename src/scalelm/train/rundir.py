@@ -5,6 +5,8 @@
       config.yaml      the resolved settings the training ran with
       identity.json    what determines the trained model (see `identity`)
       metrics.jsonl    one JSON line per logging interval and per evaluation
+      tensorboard/     the same as TensorBoard event files
+      monitor/         node<k>.jsonl: CPU, RSS and GPU utilisation of node k's training processes, every second
       checkpoints/     step_<N>/ (scalelm.train.checkpoint)
       run.json         provenance and results, written last: its presence means the training finished
       model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.study.consolidate)
@@ -32,6 +34,7 @@ NOT_IDENTITY = (
     "train.eval_every",
     "train.eval_batch_size",
     "train.peak_tflops",
+    "train.monitor_interval_s",
     "checkpoint.every",
     "checkpoint.keep",
     "parallel.timeout_s",
@@ -62,6 +65,8 @@ class RunDir:
     config = _entry("config.yaml")
     identity = _entry("identity.json")
     metrics = _entry("metrics.jsonl")
+    tensorboard = _entry("tensorboard")
+    monitor = _entry("monitor")
     checkpoints = _entry("checkpoints")
     record = _entry("run.json")
     model = _entry("model.pt")
@@ -92,7 +97,7 @@ class RunDir:
         if self.identity.is_file() and json.loads(self.identity.read_text()) != run_identity:
             remove(self.previous)
             self.previous.mkdir()
-            for path in (self.checkpoints, self.metrics, self.config, self.identity):
+            for path in (self.checkpoints, self.metrics, self.tensorboard, self.monitor, self.config, self.identity):
                 if path.exists():
                     path.rename(self.previous / path.name)
             print(f"settings changed since the last attempt in {self.path}: its results moved to {self.previous}")

@@ -34,6 +34,7 @@ from scalelm.train.checkpoint import Checkpointer, TrainerState
 from scalelm.train.evaluation import evaluate
 from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.peak import peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
@@ -93,7 +94,9 @@ class Trainer:
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         self.state = resumed or TrainerState(model_shape=self.shape)
         self.state.world_size, self.state.strategy = env.world_size, parallel.name
-        self.metrics = MetricsLogger(self.run_dir.metrics, env.is_main, resume_step=resumed.step if resumed else None)
+        self.metrics = MetricsLogger(
+            self.run_dir.metrics, env.is_main, resumed.step if resumed else None, self.run_dir.tensorboard
+        )
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
         self.last_saved = resumed.step if resumed else -1
@@ -325,7 +328,9 @@ def run(config: Config) -> dict[str, Any]:
         if env.is_main:
             RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
         barrier()
-        record = Trainer(config, env, parallel, data).fit()
+        trainer = Trainer(config, env, parallel, data)
+        with Monitor(trainer.run_dir.monitor, env, config.train.monitor_interval_s):
+            record = trainer.fit()
         barrier()  # every rank done with every collective before any shuts its process groups down
         return record
     finally:

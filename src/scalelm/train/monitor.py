@@ -1,0 +1,158 @@
+"""Live utilisation, the course's monitoring page built in: one sampler process per node beside the training.
+
+Every `interval` seconds it appends one JSON line to `<run_dir>/monitor/node<k>.jsonl`: for each training process
+of the node its CPU use (percent of one core) and RSS (psutil), and for each of the node's GPUs its utilisation,
+memory used and power (NVML, through nvidia-ml-py). It runs as its own process, so the training's ranks do no
+sampling work; its last line records its own CPU time, which is what it cost the node. It stops when its standard
+input closes: the training closes it when it ends, and the system does when the training dies. The sampler imports
+neither torch nor the rest of scalelm, so it starts in a fraction of a second.
+
+    python -m scalelm.train.monitor --out FILE --interval 1 --proc RANK:PID ... [--gpu INDEX_OR_UUID ...] < pipe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+if TYPE_CHECKING:
+    from scalelm.parallel.env import DistEnv
+
+
+class GpuSampler:
+    """NVML readings of the node's GPUs, by index or UUID (what CUDA_VISIBLE_DEVICES names)."""
+
+    def __init__(self, devices: list[str]):
+        import pynvml  # nvidia-ml-py; imported only where there are GPUs
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handles = [
+            pynvml.nvmlDeviceGetHandleByIndex(int(d)) if d.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(d)
+            for d in devices
+        ]
+        self.devices = devices
+
+    def sample(self) -> list[dict[str, Any]]:
+        readings = []
+        for device, handle in zip(self.devices, self.handles):
+            util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+            memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            readings.append(
+                {
+                    "gpu": device,
+                    "util_percent": float(util.gpu),
+                    "memory_used_mb": memory.used / 2**20,
+                    "power_w": self.nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+                }
+            )
+        return readings
+
+
+def sample_processes(processes: dict[int, psutil.Process]) -> list[dict[str, Any]]:
+    readings = []
+    for rank, process in processes.items():
+        try:
+            with process.oneshot():
+                readings.append(
+                    {"rank": rank, "cpu_percent": process.cpu_percent(None), "rss_mb": process.memory_info().rss / 2**20}
+                )
+        except psutil.Error:  # the process has ended
+            continue
+    return readings
+
+
+def stop_requested(timeout: float) -> bool:
+    """Wait up to `timeout` seconds for the end of standard input (the training closed it, or is gone)."""
+    ready, _, _ = select.select([sys.stdin], [], [], max(0.0, timeout))
+    return bool(ready) and not os.read(sys.stdin.fileno(), 4096)
+
+
+def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> None:
+    processes = {rank: psutil.Process(pid) for rank, pid in ranks.items()}
+    for process in processes.values():
+        process.cpu_percent(None)  # the first call only starts the measurement
+    gpu = GpuSampler(gpus) if gpus else None
+    me, began = psutil.Process(), time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as handle:
+        tick = time.monotonic()
+        while True:
+            tick += interval
+            if stop_requested(tick - time.monotonic()):
+                break
+            record = {"kind": "sample", "time": time.time(), "procs": sample_processes(processes)}
+            if gpu:
+                record["gpus"] = gpu.sample()
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+        cost = me.cpu_times()
+        wall = time.monotonic() - began
+        handle.write(json.dumps({"kind": "end", "time": time.time(), "wall_s": wall, "cpu_s": cost.user + cost.system}) + "\n")
+
+
+class Monitor:
+    """Started by every rank at the start of training: local rank 0 of each node starts the node's sampler."""
+
+    def __init__(self, directory: Path, env: DistEnv, interval_s: float):
+        from scalelm.parallel.env import all_gather_object, is_distributed
+
+        self.process: subprocess.Popen | None = None
+        if not interval_s:
+            return
+        mine = (env.hostname, env.node_rank, env.local_rank, env.rank, os.getpid(), env.device)
+        everyone = all_gather_object(mine) if is_distributed() else [mine]
+        if env.local_rank != 0:
+            return
+        node = [entry for entry in everyone if entry[:2] == (env.hostname, env.node_rank)]
+        command = [sys.executable, "-m", "scalelm.train.monitor", "--out", str(directory / f"node{env.node_rank}.jsonl")]
+        command += ["--interval", str(interval_s)]
+        command += [arg for *_, rank, pid, _ in node for arg in ("--proc", f"{rank}:{pid}")]
+        command += [arg for device in gpu_ids([d for *_, d in node]) for arg in ("--gpu", device)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.stdin.close()  # the sampler writes its last line and ends
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def gpu_ids(devices: list) -> list[str]:
+    """NVML's names for the node's CUDA devices: CUDA_VISIBLE_DEVICES renumbers them, NVML does not."""
+    indices = sorted({d.index for d in devices if getattr(d, "type", None) == "cuda"})
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return [visible[i] if i < len(visible) else str(i) for i in indices]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.train.monitor", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--proc", action="append", default=[], help="RANK:PID of a training process (repeatable)")
+    parser.add_argument("--gpu", action="append", default=[], help="NVML index or UUID of a GPU (repeatable)")
+    args = parser.parse_args(argv)
+    ranks = {int(rank): int(pid) for rank, pid in (p.split(":") for p in args.proc)}
+    run(args.out, args.interval, ranks, args.gpu)
+
+
+if __name__ == "__main__":
+    main()
