@@ -11,7 +11,7 @@ from scalelm.launch import slurm
 
 
 def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8):
-    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", *launch.THREAD_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -73,8 +73,10 @@ def test_multi_node_without_slurm_runs_local_torchruns_meeting_on_one_port(monke
 
 def test_each_process_gets_its_share_of_the_cpus(monkeypatch):
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
-    commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"], {"OMP_NUM_THREADS": "4"})  # Snakemake's value
-    assert launch.os.environ["OMP_NUM_THREADS"] == "2"
+    snakemake = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4"}  # the rule's threads
+    commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"], snakemake)
+    assert [launch.os.environ[name] for name in snakemake] == ["2", "2", "2"]  # MKL's too: torch's matmuls use it
+    assert "NUMEXPR_NUM_THREADS" not in launch.os.environ  # not set before: left unset
     commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4"])  # two local "nodes" share this machine
     assert launch.os.environ["OMP_NUM_THREADS"] == "1"
     commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "2"], {"SLURM_JOB_ID": "7"})  # the job's CPUs per node

@@ -39,11 +39,25 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
 
 
+# What Snakemake exports to every job as <rule threads>; MKL (torch's CPU matrix products) and OpenBLAS read theirs.
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)  # fmt: skip
+
+
 def threads_per_process(cpus: int, processes: int) -> int:
-    """CPU threads for each training process on a node: the node's CPUs for this job, shared out.
-    Snakemake exports OMP_NUM_THREADS=<rule threads> to every job; kept, each of several workers would start that
-    many threads and oversubscribe the cores (docs/benchmarks.md)."""
+    """CPU threads for each training process on a node: the node's CPUs for this job, shared out."""
     return max(1, cpus // processes)
+
+
+def limit_threads(threads: int) -> None:
+    """OMP_NUM_THREADS for every training process, and every other thread count already set (by Snakemake, to the
+    rule's threads): kept, each of several workers would start that many threads and oversubscribe the cores. An
+    inherited MKL_NUM_THREADS=2 made 2 ranks on 2 cores 10x slower (docs/benchmarks.md)."""
+    for name in THREAD_VARIABLES:
+        if name == "OMP_NUM_THREADS" or name in os.environ:
+            os.environ[name] = str(threads)
 
 
 def in_image(args: argparse.Namespace) -> list[str]:
@@ -58,7 +72,7 @@ def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list
     if "SLURM_JOB_ID" in os.environ:
         return [slurm_command(args, train_args, os.environ["SLURM_JOB_ID"])]
     processes_here = args.procs_per_node * args.nodes  # without a scheduler every "node" runs here
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(len(os.sched_getaffinity(0)), processes_here))
+    limit_threads(threads_per_process(len(os.sched_getaffinity(0)), processes_here))
     inside = in_image(args)
     tail = [*TRAIN, *train_args]
     if args.nodes == 1:
@@ -79,7 +93,7 @@ def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) 
         raise ConfigError(f"the allocation has {len(allocation.hosts)} node(s) but the experiment needs {args.nodes}")
     if allocation.restarts:
         print(f"Slurm requeued job {job_id} ({allocation.restarts} time(s)): the training resumes", flush=True)
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_process(allocation.cpus_per_node, args.procs_per_node))
+    limit_threads(threads_per_process(allocation.cpus_per_node, args.procs_per_node))
     if args.nodes == 1:
         rendezvous = ["--standalone"]
     else:
