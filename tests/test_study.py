@@ -4,6 +4,7 @@ in process. tests/test_workflow.py shows once, through Snakemake, that such an e
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -43,6 +44,11 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
     assert study.image is None and study.in_container() == ""
     assert study.prepare_args() == "--min-freq 2"
     assert study.stop_signal_s == 300
+    # on this machine a training takes every core and the one training_run slot: nothing runs beside a timed run
+    single = SimpleNamespace(experiment="single_gpu", seed=1)
+    assert study.train_threads(single, cores=2) == 2
+    assert study.train_resources()["training_run"] == 1
+    assert "--exclusive" in study.train_resources()["slurm_extra"]  # ignored without Slurm, whole nodes with it
 
 
 @pytest.mark.parametrize(

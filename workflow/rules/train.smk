@@ -30,7 +30,7 @@ rule train:
     retries: config["resources"].get("retries", 0) if workflow.is_main_process else 0
     conda:
         "../envs/scalelm.yaml"
-    threads: lambda wildcards: experiment(wildcards).procs_per_node
+    threads: lambda wildcards: STUDY.train_threads(wildcards, workflow.cores)
     resources:
         **STUDY.train_resources(),
     params:

@@ -94,6 +94,11 @@ class Study:
         """Every job's sbatch options from the site file."""
         return {**self.site.sbatch_resources(), "slurm_extra": self.site.slurm_extra()}
 
+    def train_threads(self, wildcards, cores: int) -> int:
+        """A training job's Snakemake threads: its processes per node on a cluster; without a site, all of this
+        machine's cores, so that no consolidation or evaluation runs beside a timed training either."""
+        return self.experiment(wildcards).procs_per_node if self.config.get("site") else max(1, cores)
+
     def train_resources(self) -> dict[str, Any]:
         """A training job: one task per node, sized from its experiment, stopped by USR1 before its time limit.
 
