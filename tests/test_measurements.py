@@ -1,6 +1,7 @@
 """What the speed figures rest on: steady state after warm-up, isolation of timed runs, peak FLOP/s and MFU."""
 
 import json
+import os
 import resource
 import socket
 import subprocess
@@ -140,3 +141,18 @@ def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_t
     summary = summarise(run_dir / "monitor")
     assert set(summary["_util_series"]) == {"rank 0", "rank 1"} and summary["util_mean_percent"] > 0
     assert 0 <= summary["monitor_cpu_percent"] < 100
+
+
+def test_the_monitor_without_nvml_samples_cpu_and_memory_and_says_why(tmp_path):
+    out = tmp_path / "node0.jsonl"
+    command = [sys.executable, "-m", "scalelm.train.monitor", "--out", str(out), "--interval", "0.05"]
+    sampler = subprocess.Popen(
+        [*command, "--proc", f"0:{os.getpid()}", "--gpu", "0"], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1.0)
+    sampler.stdin.close()  # what the training does when it ends
+    assert sampler.wait(timeout=10) == 0
+    assert "no GPU readings" in sampler.stderr.read()  # this machine has no NVIDIA driver
+    *samples, end = [json.loads(line) for line in out.read_text().splitlines()]
+    assert samples and all(r["procs"][0]["rank"] == 0 and "gpus" not in r for r in samples)
+    assert end["kind"] == "end"

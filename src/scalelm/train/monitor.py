@@ -81,7 +81,13 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> N
     processes = {rank: psutil.Process(pid) for rank, pid in ranks.items()}
     for process in processes.values():
         process.cpu_percent(None)  # the first call only starts the measurement
-    gpu = GpuSampler(gpus) if gpus else None
+    gpu = None
+    if gpus:
+        try:
+            gpu = GpuSampler(gpus)
+        except Exception as err:  # no NVML here (a container without --nv, a driver without it): CPU samples only
+            print(f"scalelm monitor: no GPU readings ({type(err).__name__}: {err}); sampling CPU and memory only",
+                  file=sys.stderr, flush=True)  # fmt: skip
     me, began = psutil.Process(), time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as handle:
