@@ -35,6 +35,8 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("parallel.strategy=dpp", r"unknown strategy 'dpp'; did you mean 'ddp'"),
         ("data.seq_len=2048", r"data.seq_len \(2048\) exceeds model.max_seq_len \(1024\)"),
         ("batch.size=0", r"batch.size must be positive, got 0"),
+        ("train.peak_tflops=-5", r"train.peak_tflops must be positive or null, got -5"),
+        ("train.monitor_interval_s=-1", r"train.monitor_interval_s must be 0 \(no monitor\) or a number of seconds, got -1"),
         ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
     ],
 )

@@ -119,6 +119,9 @@ def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and
     path.write_text(path.read_text() + "exclusive: false\npeak_tflops: 400\n")
     assert load_site(path).slurm_extra(300, training=True) == "--reservation=course --signal=USR1@300"
     assert load_site(path).peak_tflops == 400.0
+    path.write_text(path.read_text().replace("peak_tflops: 400", "peak_tflops: 0"))
+    with pytest.raises(ConfigError, match="site file .*: peak_tflops must be one GPU's positive dense TFLOP/s or null, got 0"):
+        load_site(path)
     assert site.prelude() == (
         "module load Stages/2025 CUDA && export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && "
     )

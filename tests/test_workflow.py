@@ -105,6 +105,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
                     "util_mean_percent", "util_min_percent", "monitor_cpu_percent"):  # fmt: skip
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert float(row["step_time_s_min"]) <= float(row["step_time_s"]) <= float(row["step_time_s_max"])
+        assert row["warmup_steps"] == "5" and row["steady_intervals"] == "2"  # steps 7-9 and 10-12
         assert 0 < float(row["mfu"]) < 1 and row["overlapped_by"] == "", row
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
     spans = sorted(

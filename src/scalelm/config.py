@@ -272,6 +272,7 @@ def validate(config: Config) -> None:
         "train.max_steps": config.train.max_steps,
         "train.eval_every": config.train.eval_every,
         "checkpoint.every": config.checkpoint.every,
+        "train.peak_tflops": config.train.peak_tflops,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -288,6 +289,9 @@ def validate(config: Config) -> None:
             f"data.seq_len ({config.data.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
         )
+    if config.train.monitor_interval_s < 0:
+        interval = config.train.monitor_interval_s
+        raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")
     if not 0.0 <= config.model.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {config.model.dropout}")
     if config.optim.lr <= 0:

@@ -53,8 +53,8 @@ def threads_per_process(cpus: int, processes: int) -> int:
 
 def limit_threads(threads: int) -> None:
     """OMP_NUM_THREADS for every training process, and every other thread count already set (by Snakemake, to the
-    rule's threads): kept, each of several workers would start that many threads and oversubscribe the cores. An
-    inherited MKL_NUM_THREADS=2 made 2 ranks on 2 cores 10x slower (docs/benchmarks.md)."""
+    rule's threads): kept, each of several workers would start that many threads and oversubscribe the cores
+    (docs/benchmarks.md, "Threads per process")."""
     for name in THREAD_VARIABLES:
         if name == "OMP_NUM_THREADS" or name in os.environ:
             os.environ[name] = str(threads)

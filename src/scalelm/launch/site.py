@@ -29,6 +29,8 @@ class SiteConfig:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
             raise ConfigError(f"gpus_per_node must be 0 (CPU nodes) or positive, got {self.gpus_per_node}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"peak_tflops must be one GPU's positive dense TFLOP/s or null, got {self.peak_tflops}")
         low, high = self.port_range
         if not 1024 <= low <= high <= 65535:
             raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")

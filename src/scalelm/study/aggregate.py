@@ -23,15 +23,19 @@ from scalelm.errors import DataError, friendly_errors
 from scalelm.study.timing import overlapping_runs, steady_state
 from scalelm.study.utilisation import plot_utilisation, summarise
 from scalelm.train.metrics import read_metrics
+from scalelm.train.peak import mfu
 from scalelm.train.rundir import RunDir
 
 COLUMNS = [
     "experiment", "strategy", "layout", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
-    "global_batch_tokens", "steps", "wall_time_s", "train_time_s", "warmup_steps", "step_time_s", "step_time_s_min",
-    "step_time_s_max", "tokens_per_s", "tokens_per_s_per_device", "speedup", "scaling_efficiency", "mfu",
+    "global_batch_tokens", "steps", "wall_time_s", "train_time_s",
+    # steady state after warm-up (scalelm.study.timing)
+    "warmup_steps", "steady_intervals", "step_time_s", "step_time_s_min", "step_time_s_max", "tokens_per_s",
+    "tokens_per_s_per_device", "speedup", "scaling_efficiency", "mfu",
+    # memory, utilisation and isolation
     "state_mb_per_rank", "peak_mem_mb_per_rank", "util_mean_percent", "util_min_percent", "monitor_cpu_percent",
-    "other_cpu_cores", "overlapped_by", "final_train_loss",
-    "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
+    "other_cpu_cores", "overlapped_by",
+    "final_train_loss", "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
 ]  # fmt: skip
 
 
@@ -46,11 +50,11 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     results, config = record["results"], record["config"]
     train = [m for m in metrics if m["kind"] == "train"]
     steady = steady_state(train, warmup_steps)
-    peak = results.get("peak_flops_per_device")
     state = results.get("state_mb_per_rank") or {}
-    mfu = None
+    peak = results.get("peak_flops_per_device")  # absent in runs from before MFU was recorded
+    steady_mfu = None
     if peak and steady:
-        mfu = results["flops_per_token"] * steady["tokens_per_s"] / (record["world_size"] * peak)
+        steady_mfu = mfu(results["flops_per_token"], steady["tokens_per_s"], record["world_size"], peak)
     return {
         "experiment": run.experiment,
         "strategy": results["strategy"],
@@ -65,7 +69,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "wall_time_s": record["wall_time_s"],
         "train_time_s": results["train_time_s"],
         **steady,
-        "mfu": mfu,
+        "mfu": steady_mfu,
         "state_mb_per_rank": state.get("total"),
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in train), default=None),
         "other_cpu_cores": max((h["other_cores"] for h in (record.get("host_load") or {}).values()), default=None),

@@ -90,6 +90,13 @@ def cpu_peak_flops(cache: Path | None = None) -> float:
     return known[key]
 
 
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_per_device: float | None) -> float | None:
+    """Model FLOPs utilisation: the model's training FLOPs per second over the peak of all its devices."""
+    if not peak_per_device:
+        return None
+    return flops_per_token * tokens_per_s / (devices * peak_per_device)
+
+
 def peak_flops(device: torch.device, precision: str, configured_tflops: float | None) -> tuple[float | None, str]:
     """One device's peak FLOP/s and where it came from (recorded in run.json beside the MFU it divides)."""
     if configured_tflops:

@@ -36,7 +36,7 @@ from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
 from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
-from scalelm.train.peak import peak_flops
+from scalelm.train.peak import mfu, peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.rundir import RunDir, identity
 
@@ -116,10 +116,7 @@ class Trainer:
         return all_gather_object(mine)[0] if is_distributed() else mine
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        """Model FLOPs utilisation: the model's training FLOPs per second over the peak of every device."""
-        if not self.peak_flops:
-            return None
-        return self.flops_per_token * tokens_per_s / (self.env.world_size * self.peak_flops)
+        return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
