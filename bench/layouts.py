@@ -1,18 +1,22 @@
 """Throughput and per-rank memory of every parallel layout, each run alone (one torchrun after the other).
 
-    python bench/layouts.py [--models course,m59] [--steps 4] [--warmup 2] [--json layouts.json]
+    python bench/layouts.py [--models course,m59,m136,m270] [--layouts ddp,fsdp] [--steps 4] [--warmup 2] [--json FILE]
 
 For each model and layout (single; DDP, FSDP with and without resharding after forward, TP with and without sequence
-parallelism on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point (`torchrun ... -m scalelm.train`) on random token
-ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
+parallelism on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point
+(`torchrun ... -m scalelm.train`) on random token ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
 as the course compares), and reports from the run's own records:
 
 - tokens/s (total and per device): tokens over the timed steps' time, after `--warmup` steps;
 - per-rank state: the exact bytes of the largest rank's parameters, gradients and optimizer state;
-- per-rank peak: the largest rank's peak RSS on CPU (max allocated on CUDA).
+- per-rank peak: the largest rank's peak RSS on CPU (max allocated on CUDA);
+- communication share: the share of two more steps, run under the profiler after the timed ones, during which a
+  collective ran (scalelm.train.comm).
 
-Every process has one thread (torchrun's default for several processes, set here for one). Figures and the
-machine: docs/benchmarks.md.
+Every process has one thread (torchrun's default for several processes, set here for one) and starts as
+`scalelm.launch` starts it (GLIBC_TUNABLES: huge pages for what malloc maps). The models are named by their
+parameters; m136 has GPT-2 small's shape with WikiText-2's vocabulary, m270 more and wider blocks, so that the
+state outgrows what every layout holds regardless. Figures and the machine: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ from throughput import make_prepared  # noqa: E402  (the same random prepared da
 from scalelm.model import count_parameters, flops_per_token  # noqa: E402
 from scalelm.model.transformer import TransformerLM  # noqa: E402
 from scalelm.config import ModelConfig  # noqa: E402
+from scalelm.parallel.hostmemory import with_huge_pages  # noqa: E402
 
 VOCAB = 33_278
 MODELS: dict[str, dict[str, Any]] = {
     "course": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048}, "seq_len": 32, "batch": 128},
     "m59": {"model": {"d_model": 512, "n_heads": 8, "n_layers": 8, "d_ff": 2048}, "seq_len": 64, "batch": 4},
+    "m136": {"model": {"d_model": 768, "n_heads": 12, "n_layers": 12, "d_ff": 3072}, "seq_len": 64, "batch": 4},
+    "m270": {"model": {"d_model": 1024, "n_heads": 16, "n_layers": 16, "d_ff": 4096}, "seq_len": 64, "batch": 4},
 }
+PROFILED = 2  # the last steps, under the profiler for the communication share
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
     "single": (1, {}),
     "ddp": (2, {"strategy": "ddp"}),
@@ -61,13 +69,15 @@ def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: i
         "data": {"prepared_dir": str(prepared), "seq_len": spec["seq_len"]},
         "model": {**spec["model"], "dropout": 0.0},
         "batch": {"mode": "per_device", "size": spec["batch"]},
-        "train": {"epochs": 1, "max_steps": warmup + steps, "log_every": 1, "eval_every": None, "eval_batch_size": 64},
+        "train": {"epochs": 1, "max_steps": warmup + steps + PROFILED, "log_every": 1, "eval_every": None,
+                  "eval_batch_size": 64, "comm_profile_steps": PROFILED},
         "checkpoint": {"every": None},
         "parallel": parallel,
     }
     path = workdir / f"{model}-{layout}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # as scalelm.launch starts training processes: one thread each, huge pages for what malloc maps
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": with_huge_pages(os.environ.get("GLIBC_TUNABLES"))}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     done = subprocess.run([*launch, "-m", "scalelm.train", "--config", str(path)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -75,7 +85,7 @@ def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: i
     run_dir = Path(config["run_dir"])
     record = json.loads((run_dir / "run.json").read_text())
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [m for m in lines if m["kind"] == "train" and m["step"] > warmup]
+    timed = [m for m in lines if m["kind"] == "train" and m["step"] > warmup and not m["profiled"]]
     seconds = sum(m["step_time_s"] for m in timed)
     tokens = sum(m["tokens_per_step"] for m in timed)
     state = record["results"]["state_mb_per_rank"]
@@ -89,25 +99,31 @@ def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: i
         "tokens_per_s": tokens / seconds,
         "tokens_per_s_per_device": tokens / seconds / nproc,
         "state_mb_per_rank": state,
-        "peak_mb_per_rank": max(m["peak_mem_mb"] for m in lines if m["kind"] == "train"),
+        "peak_mb_per_rank": max(m["peak_mem_mb"] for m in lines if m["kind"] == "train" and not m["profiled"]),
+        "comm_share": (record["results"]["comm"] or {}).get("share"),
         "final_loss": timed[-1]["loss"],
     }
 
 
+def percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.0%}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank | peak MiB/rank |"
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank | peak MiB/rank "
+    lines = [head + "| comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.0f} | {r['peak_mb_per_rank']:,.0f} |"
+            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.0f} | "
+            f"{r['peak_mb_per_rank']:,.0f} | {percent(r['comm_share'])} |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="course,m59")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
@@ -126,7 +142,8 @@ def main() -> None:
                 r = rows[-1]
                 print(
                     f"  {layout:16} {r['tokens_per_s']:9,.0f} tok/s  state {r['state_mb_per_rank']['total']:7,.0f} MiB"
-                    f"  peak {r['peak_mb_per_rank']:7,.0f} MiB  loss {r['final_loss']:.4f}",
+                    f"  peak {r['peak_mb_per_rank']:7,.0f} MiB  comm {percent(r['comm_share']):>4}"
+                    f"  loss {r['final_loss']:.4f}",
                     flush=True,
                 )
     print(table(rows))

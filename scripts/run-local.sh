@@ -9,6 +9,6 @@ cd "$repo"
 snakemake "$@"
 snakemake --report results/local/report.html
 echo
-echo "summary: results/local/summary.md (and summary.csv)"
+echo "summary: results/local/summary.md (and summary.csv, summary_by_experiment.csv, expectations.csv)"
 echo "plots:   results/local/loss_vs_tokens.png, loss_vs_time.png, scaling.png"
 echo "report:  results/local/report.html"

@@ -92,10 +92,10 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
-def board_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of one scalar in the run's TensorBoard event files, read by tensorboard's own reader."""
+def board_scalars(run_dir: Path, tag: str, board: str = "tensorboard") -> list[tuple[int, float]]:
+    """(step, value) of one scalar in the run's TensorBoard event files (in `board`), read by tensorboard's reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(Path(run_dir) / "tensorboard"))
+    events = EventAccumulator(str(Path(run_dir) / board))
     events.Reload()
     return [(e.step, e.value) for e in events.Scalars(tag)]

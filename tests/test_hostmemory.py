@@ -4,7 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from scalelm.parallel.hostmemory import keep_freed_memory
+from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold, with_huge_pages
 
 STEP = textwrap.dedent(
     """
@@ -38,3 +38,10 @@ def test_cpu_training_reuses_the_memory_a_step_freed_without_page_faults():
     default, kept = faults_per_step("default"), faults_per_step("training")
     assert kept < 0.02 * pages, (kept, pages)
     assert default > 10 * kept + 100, (default, kept)  # glibc's default maps the buffers afresh every step
+
+
+def test_fsdp_keeps_only_small_allocations_and_a_setting_overrides_the_layouts_default():
+    assert reuse_threshold(None, sharded=False) == 1 << 30  # activations of large batches stay in the heap
+    assert reuse_threshold(None, sharded=True) == 4 << 20  # FSDP's gather and scatter buffers go back
+    assert reuse_threshold(64, sharded=True) == 64 << 20
+    assert with_huge_pages(None) == "glibc.malloc.hugetlb=1"

@@ -11,7 +11,8 @@ from scalelm.launch import slurm
 
 
 def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8):
-    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", *launch.THREAD_VARIABLES):
+    unset = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "GLIBC_TUNABLES")
+    for name in (*unset, *launch.THREAD_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -81,6 +82,12 @@ def test_each_process_gets_its_share_of_the_cpus(monkeypatch):
     assert launch.os.environ["OMP_NUM_THREADS"] == "1"
     commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "2"], {"SLURM_JOB_ID": "7"})  # the job's CPUs per node
     assert launch.os.environ["OMP_NUM_THREADS"] == "4"
+    # malloc maps large buffers with huge pages (scalelm.parallel.hostmemory); a site's own tunables stay
+    assert launch.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    commands(monkeypatch, [], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert launch.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    commands(monkeypatch, [], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert launch.os.environ["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
 
 
 def test_container_wraps_each_torchrun(monkeypatch):
@@ -88,7 +95,8 @@ def test_container_wraps_each_torchrun(monkeypatch):
     env = {"NCCL_SOCKET_IFNAME": "ib0"}
     [command] = commands(monkeypatch, ["--container", "img.sif", "--bind", "/data", "--gpu"], env)
     prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data"]
-    prefix += ["--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "OMP_NUM_THREADS=2", "img.sif"]  # --cleanenv drops them
+    prefix += ["--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "OMP_NUM_THREADS=2"]  # --cleanenv drops them
+    prefix += ["--env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "img.sif"]
     assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
     [command] = commands(monkeypatch, ["--container", "img.sif"], {"SLURM_JOB_ID": "3"}, cpus_per_node=6)
     inside = command[command.index("img.sif") + 1 :]  # the image's Python supervises the image's torchrun

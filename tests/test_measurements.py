@@ -123,6 +123,7 @@ def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(ti
 
 
 def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_training(tiny_config):
+    """Also: the monitor's readings in TensorBoard, and the collectives timed on the steps after the warm-up."""
     config = tiny_config(train__max_steps=40, train__monitor_interval_s=0.1, parallel__strategy="ddp")
     run_train(config, 2)
     run_dir = run_dir_of(config)
@@ -141,6 +142,19 @@ def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_t
     summary = summarise(run_dir / "monitor")
     assert set(summary["_util_series"]) == {"rank 0", "rank 1"} and summary["util_mean_percent"] > 0
     assert 0 <= summary["monitor_cpu_percent"] < 100
+    cpu = board_scalars(run_dir, "utilisation/rank1_cpu_percent", "tensorboard/node0")
+    assert [step for step, _ in cpu] == list(range(len(samples)))
+    assert [value for _, value in cpu] == pytest.approx([r["procs"][1]["cpu_percent"] for r in samples])
+    assert board_scalars(run_dir, "memory/rank0_rss_mb", "tensorboard/node0")[0][1] > 50
+
+    # the last two steps ran under the profiler: DDP's all-reduces took part of them
+    comm = json.loads((run_dir / "run.json").read_text())["results"]["comm"]
+    assert comm["steps"] == [39, 40] and 0 < comm["share"] <= comm["share_max"] <= 1
+    assert 0 < comm["comm_s_per_step"] < comm["step_s"]
+    assert set(comm["ops_s_per_step_rank0"]) == {"gloo:all_reduce"}
+    train = [m for m in read_metrics(run_dir) if m["kind"] == "train"]
+    assert [m["step"] for m in train if m["profiled"]] == [39, 40] and all(m["peak_reserved_mb"] is None for m in train)
+    assert steady_state(train)["steady_intervals"] == len(train) - 7  # warm-up and profiled steps left out
 
 
 def test_the_monitor_without_nvml_samples_cpu_and_memory_and_says_why(tmp_path):

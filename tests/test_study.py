@@ -12,6 +12,7 @@ from conftest import REPO
 from snakemake.utils import validate
 
 from scalelm.errors import ConfigError, ScaleLMError
+from scalelm.study.expectations import LIMITS
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study, stop_signal_seconds
 
@@ -62,12 +63,56 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"training": {"parallel": {"tp": 4}}}, r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2"),
         ({"strategy": "tp", "nodes": 2, "procs_per_node": 1}, "parallel.tp=2 does not divide the 1 processes of a node"),
         ({"gpus": 4}, "'gpus' was unexpected"),
+        ({"expect": {"min_tokens_per_sec": 9000}}, r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you "
+                                                   r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it"),  # fmt: skip
+        ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
+        ({"expect": {"min_mfu": 0.3, "tolerance": 1}}, "1 is greater than or equal to the maximum of 1"),
     ],
 )
 def test_a_bad_experiment_is_refused_naming_the_key(change, message):
     config = local_config(lambda local: local["experiments"]["ddp"].update(change))
     with pytest.raises(Exception, match=message):
         resolve(config)
+
+
+def test_baseline_and_expectations_reach_the_aggregation():
+    study = resolve(local_config())
+    assert study.baseline == "single_gpu" and not study.expect_strict  # the single-device experiment by default
+    args = study.aggregate_args()
+    assert args.endswith("--baseline single_gpu --expect single_gpu.max_test_perplexity=5000.0 --expect "
+                         "single_gpu.tolerance=0.05")  # fmt: skip
+
+    def strict(local):
+        local.update(baseline="ddp", expect_strict=True)
+        local["experiments"]["ddp"]["expect"] = {"min_scaling_efficiency": 0.5, "tolerance": 0.2}
+
+    study = resolve(local_config(strict))
+    assert study.baseline == "ddp" and study.expect_strict
+    assert [(e.experiment, e.key, e.limit, e.tolerance) for e in study.expectations] == [
+        ("single_gpu", "max_test_perplexity", 5000.0, 0.05), ("ddp", "min_scaling_efficiency", 0.5, 0.2),
+    ]  # fmt: skip
+    assert "--baseline ddp" in study.aggregate_args() and "--expect ddp.tolerance=0.2" in study.aggregate_args()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"baseline": "single"}, r"baseline: 'single' names no experiment; did you mean 'single_gpu'\? \(experiments: "
+                                 r"single_gpu, ddp, .*\); set it to one of them, or leave it out to compare with the "
+                                 "experiment with the fewest devices"),  # fmt: skip
+        ({"baseline": 1}, "1 is not of type 'string'"),
+        ({"expect_strict": "yes"}, "'yes' is not of type 'boolean'"),
+    ],
+)
+def test_a_bad_baseline_or_strictness_is_refused(change, message):
+    with pytest.raises(Exception, match=message):
+        resolve(local_config(lambda local: local.update(change)))
+
+
+def test_the_schema_knows_the_same_expectations_as_the_package():
+    schema = yaml.safe_load(open(SCHEMA))
+    expect = schema["properties"]["experiments"]["additionalProperties"]["properties"]["expect"]
+    assert sorted(expect["properties"]) == sorted([*LIMITS, "tolerance"])
 
 
 def test_a_stop_signal_at_or_before_the_jobs_start_is_refused():

@@ -60,6 +60,13 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     assert records["hsdp"]["parallel"]["groups"] == {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]]}
     assert records["fsdp_tp"]["results"]["layout"] == "1x2x2x1"
     assert records["fsdp_tp"]["parallel"]["groups"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
+    # the collectives each layout is made of, timed on two steps after the warm-up
+    comm = {name: record["results"]["comm"] for name, record in records.items()}
+    assert comm["single"]["share"] == 0.0 and comm["accumulate"]["share"] == 0.0
+    assert set(comm["ddp"]["ops_s_per_step_rank0"]) == {"gloo:all_reduce"}
+    assert {"gloo:all_gather", "gloo:all_reduce"} <= set(comm["fsdp"]["ops_s_per_step_rank0"])
+    assert "gloo:all_reduce" in comm["tp"]["ops_s_per_step_rank0"]
+    assert all(0 < c["share"] <= 1 for name, c in comm.items() if LAYOUTS[name][0] > 1)
 
     for source, target in (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp")):
         nproc, settings = LAYOUTS[target]

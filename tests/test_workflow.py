@@ -50,11 +50,19 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     """What a user runs on a login node: the real matrix, jobs sized from each experiment and the site file."""
     site = dict(account="proj1", partition="dc-gpu", reservation="course", host_suffix="i", network_interface="ib0")
     edit_yaml(project / "profiles/slurm/site.yaml", lambda c: c.update(site))
+
+    def strict(config):  # reference values that fail the workflow when missed: one more (local) job, the check
+        config.update(expect_strict=True)
+        config["experiments"]["ddp"]["expect"] = {"min_scaling_efficiency": 0.8}
+
+    edit_yaml(project / "config/config.yaml", strict)
     result = snakemake(project, "-n", "--profile", "profiles/slurm")
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 7
+    assert jobs["aggregate"] == jobs["check_expectations"] == 1
+    assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
     launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
     assert launched == {
@@ -102,11 +110,14 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert row["steps"] == "12" and len(row["sha256"]) == 64
         # steady-state speed, MFU against this host's measured peak, state and host load for every run
         for key in ("step_time_s", "mfu", "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores",
-                    "util_mean_percent", "util_min_percent", "monitor_cpu_percent"):  # fmt: skip
+                    "util_mean_percent", "util_min_percent", "monitor_cpu_percent", "comm_share"):  # fmt: skip
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert float(row["step_time_s_min"]) <= float(row["step_time_s"]) <= float(row["step_time_s_max"])
-        assert row["warmup_steps"] == "5" and row["steady_intervals"] == "2"  # steps 7-9 and 10-12
+        # steps 7-9; step 12 ran under the profiler for the communication share
+        assert row["warmup_steps"] == "5" and row["steady_intervals"] == "1"
         assert 0 < float(row["mfu"]) < 1 and row["overlapped_by"] == "", row
+        assert (float(row["comm_share"]) == 0) == (row["world_size"] == "1"), row  # collectives in every layout
+        assert row["peak_reserved_mb_per_rank"] == ""  # CUDA's caching allocator only
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
     spans = sorted(
         (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
@@ -154,6 +165,18 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     report = snakemake(project, "--report", "report.html")
     assert report.returncode == 0, report.stderr[-3000:]
     assert (project / "report.html").stat().st_size > 10_000
+
+    # the local default's one expectation was met; one that cannot be met fails a strict study, and keeps the summary
+    (check,) = csv.DictReader((results / "expectations.csv").open())
+    assert (check["experiment"], check["expectation"], check["status"]) == ("single_gpu", "max_test_perplexity", "met")
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"].update(expect_strict=True, experiments={
+        **c["local"]["experiments"], "single_gpu": {"expect": {"max_test_perplexity": 1.0}}}))  # fmt: skip
+    strict = snakemake(project)
+    assert strict.returncode != 0
+    assert "error: 1 of 1 expectations missed (expect_strict): single_gpu: test_perplexity " in strict.stdout + strict.stderr
+    assert "above the maximum 1 (1.05 with the 5% tolerance): missed" in strict.stdout + strict.stderr
+    assert "**missed**" in (results / "summary.md").read_text() and (results / "scaling.png").is_file()
+    assert not (results / "expectations.met").exists()
 
 
 def test_two_workflow_runs_with_their_own_result_directories_run_side_by_side(project):

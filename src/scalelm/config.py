@@ -72,6 +72,8 @@ class TrainConfig:
     peak_tflops: float | None = None
     # seconds between samples of CPU, RSS and GPU utilisation (scalelm.train.monitor, one sampler per node); 0: none
     monitor_interval_s: float = 1.0
+    # the last steps run under torch's profiler to time the collectives (scalelm.train.comm); 0: none
+    comm_profile_steps: int = 2
     deterministic: bool = False
 
 
@@ -96,6 +98,9 @@ class ParallelConfig:
     loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
     reshard_after_forward: bool = True  # fsdp: False keeps gathered weights from forward to backward (ZeRO-2)
     cpu_offload: bool = False  # fsdp, CUDA only
+    # CPU: freed allocations below this many MiB stay in malloc's heap for the next step (fewer page faults), larger
+    # ones go back to the system; None: 1024, with FSDP 4 (its buffers would fragment the heap: parallel/hostmemory.py)
+    host_reuse_below_mb: float | None = None
     timeout_s: int = 600  # collective timeout: a lost rank fails the job instead of hanging it
 
 
@@ -273,6 +278,7 @@ def validate(config: Config) -> None:
         "train.eval_every": config.train.eval_every,
         "checkpoint.every": config.checkpoint.every,
         "train.peak_tflops": config.train.peak_tflops,
+        "parallel.host_reuse_below_mb": config.parallel.host_reuse_below_mb,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -288,6 +294,10 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"data.seq_len ({config.data.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
+        )
+    if config.train.comm_profile_steps < 0:
+        raise ConfigError(
+            f"train.comm_profile_steps must be 0 (no profile) or a number of steps, got {config.train.comm_profile_steps}"
         )
     if config.train.monitor_interval_s < 0:
         interval = config.train.monitor_interval_s

@@ -1,8 +1,10 @@
-# The comparison: summary table and plots, also the content of `snakemake --report`.
+# The comparison: summary tables and plots, also the content of `snakemake --report`; with expect_strict, the check
+# that fails the workflow on a missed expectation, in a rule of its own so that a miss deletes none of them.
 
 
 localrules:
     aggregate,
+    check_expectations,
 
 
 rule aggregate:
@@ -14,6 +16,16 @@ rule aggregate:
             f"{RESULTS}/summary.csv",
             category="Summary",
             caption="../report/summary.rst",
+        ),
+        by_experiment=report(
+            f"{RESULTS}/summary_by_experiment.csv",
+            category="Summary",
+            caption="../report/summary_by_experiment.rst",
+        ),
+        expectations=report(
+            f"{RESULTS}/expectations.csv",
+            category="Summary",
+            caption="../report/expectations.rst",
         ),
         md=f"{RESULTS}/summary.md",
         loss_tokens=report(
@@ -45,3 +57,16 @@ rule aggregate:
         out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
         "python -m scalelm.study.aggregate {params.args} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+
+
+rule check_expectations:
+    input:
+        rules.aggregate.output.expectations,
+    output:
+        touch(f"{RESULTS}/expectations.met"),
+    log:
+        f"{RESULTS}/logs/check_expectations.log",
+    conda:
+        "../envs/scalelm.yaml"
+    shell:
+        "python -m scalelm.study.expectations {input:q} 2>&1 | tee {log:q}"

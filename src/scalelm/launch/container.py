@@ -33,7 +33,7 @@ RUNTIMES = ("apptainer", "singularity")
 # apptainer --cleanenv drops the host environment; these are what torchrun and NCCL/gloo need from it
 PASSED_ENV = (
     "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-    "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "GLIBC_TUNABLES",
 )  # fmt: skip
 
 

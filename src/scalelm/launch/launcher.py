@@ -25,6 +25,7 @@ from scalelm.errors import ConfigError, friendly_errors
 from scalelm.launch import slurm
 from scalelm.launch.container import PASSED_ENV, exec_prefix
 from scalelm.launch.supervise import supervise
+from scalelm.parallel.hostmemory import with_huge_pages
 
 TRAIN = ["-m", "scalelm.train"]
 
@@ -69,6 +70,7 @@ def in_image(args: argparse.Namespace) -> list[str]:
 
 
 def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list[str]]:
+    os.environ["GLIBC_TUNABLES"] = with_huge_pages(os.environ.get("GLIBC_TUNABLES"))
     if "SLURM_JOB_ID" in os.environ:
         return [slurm_command(args, train_args, os.environ["SLURM_JOB_ID"])]
     processes_here = args.procs_per_node * args.nodes  # without a scheduler every "node" runs here

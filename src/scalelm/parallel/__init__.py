@@ -28,6 +28,7 @@ from scalelm.errors import ConfigError
 from scalelm.parallel.data import apply_ddp, apply_fsdp
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims, degrees_of, resolve_dims
 from scalelm.parallel.env import DistEnv, all_gather_object
+from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.tensor import apply_tp, check_tp
 
 
@@ -86,6 +87,8 @@ class Parallel:
             options.sequence_parallel,
         )  # fmt: skip
         device = self.env.device
+        if device.type == "cpu":
+            keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
         if self.mesh is None:
             torch.manual_seed(seed)
             return make().to(device)

@@ -9,6 +9,31 @@ import sys
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 REUSE_BELOW = 1 << 30  # allocations up to 1 GiB come from (and go back to) malloc's heap
+# With FSDP, larger allocations are mapped afresh and unmapped when freed: FSDP's per-unit gather and scatter buffers
+# (tens of MB each, freed every layer) would otherwise be split up by the small activations allocated after them,
+# which live until backward, and the heap would grow every step by about the unsharded model (docs/benchmarks.md).
+REUSE_BELOW_SHARDED = 4 << 20
+
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(tunables: str | None) -> str:
+    """GLIBC_TUNABLES for a training process: malloc asks for transparent huge pages (madvise) on what it maps, so a
+    buffer mapped afresh costs one page fault per 2 MiB instead of per 4 KiB (glibc >= 2.35; older ones ignore it).
+    Read when a process starts, so the launcher sets it for the processes it starts. A choice already made stays."""
+    if not tunables:
+        return HUGE_PAGES
+    if "glibc.malloc.hugetlb=" in tunables:
+        return tunables
+    return f"{tunables}:{HUGE_PAGES}"
+
+
+def reuse_threshold(setting_mb: float | None, sharded: bool) -> int:
+    """Bytes below which freed host memory is kept for reuse: the setting, or the default for the layout."""
+    if setting_mb is not None:
+        return int(setting_mb * 2**20)
+    return REUSE_BELOW_SHARDED if sharded else REUSE_BELOW
 
 
 def keep_freed_memory(threshold: int = REUSE_BELOW) -> bool:

@@ -2,9 +2,10 @@
 run shared its host with another training or with other work.
 
 Steady state: the logging intervals that start after the warm-up steps (default the first 10 percent of the run or
-5 steps, whichever is more: allocator growth, caches, first collectives); their median step time, its spread
-(min and max over the intervals), and the tokens/s of the median. A run too short to have an interval after its
-warm-up is measured on its last interval, and says so.
+5 steps, whichever is more: allocator growth, caches, first collectives) and ran without the profiler (the last
+steps, which time the collectives: scalelm.train.comm); their median step time, its spread (min and max over the
+intervals), and the tokens/s of the median. A run too short to have such an interval is measured on its last
+interval, and says so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def steady_state(train: list[dict[str, Any]], warmup_steps: int | None = None) -
     warmup = default_warmup(steps) if warmup_steps is None else warmup_steps
     intervals, previous = [], 0
     for record in train:
-        if previous >= warmup:
+        if previous >= warmup and not record.get("profiled"):
             intervals.append(record)
         previous = record["step"]
     after_warmup = bool(intervals)

@@ -54,7 +54,7 @@ def plot_utilisation(rows: list[dict[str, Any]], path: Path) -> None:
         for device, samples in sorted(row["_util_series"].items()):
             start = samples[0][0]
             ax.plot([t - start for t, _ in samples], [u for _, u in samples], label=device, linewidth=1)
-        ax.set_title(f"{row['experiment']} (seed {row['seed']})", fontsize=9)
+        ax.set_title(f"{row['experiment']} {row['layout']} (seed {row['seed']})", fontsize=9)
         ax.set_xlabel("time (s)")
         ax.grid(alpha=0.3)
         if row["_util_series"]:

@@ -14,7 +14,9 @@ from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime
 from scalelm.launch.site import load_site
 from scalelm.launch.slurm import check_node_counts
+from scalelm.study.expectations import parse_expectations, to_arguments
 from scalelm.study.experiments import Experiment, load_matrix
+from scalelm.study.scaling import choose_baseline
 from scalelm.train.rundir import RunDir
 
 DEFAULT_STOP_SIGNAL_S = 300
@@ -32,6 +34,13 @@ class Study:
             self.site.check_fits(e.name, e.procs_per_node)
             if self.site.peak_tflops and not e.training["train"].get("peak_tflops"):
                 e.training["train"]["peak_tflops"] = self.site.peak_tflops
+        # what the aggregation compares with and checks, refused now rather than after the training
+        self.baseline = choose_baseline({e.name: e.world_size for e in self.matrix.values()}, config.get("baseline"))
+        self.expectations = parse_expectations(config["experiments"])
+        self.expect_strict = config.get("expect_strict", False)
+        if not isinstance(self.expect_strict, bool):
+            raise ConfigError(f"expect_strict must be true (a missed expectation fails the workflow) or false, got "
+                              f"{self.expect_strict!r}")  # fmt: skip
         if config.get("site") and on_login_node:  # before any job is submitted; jobs need not ask again
             check_node_counts({e.name: e.nodes for e in self.matrix.values()}, self.site.partition)
         self.image = image_file(config["container"], self.results)
@@ -78,6 +87,8 @@ class Study:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
         if self.config.get("warmup_steps") is not None:
             args += ["--warmup-steps", str(self.config["warmup_steps"])]
+        args += ["--baseline", self.baseline]
+        args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
         return shlex.join(args)
 
     def in_container(self) -> str:

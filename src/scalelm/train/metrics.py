@@ -18,11 +18,12 @@ from scalelm.files import atomic_write_text
 from scalelm.train.rundir import RunDir
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: peak memory allocated by tensors. CPU: peak resident set size of this process."""
+def peak_memory_mb(device: torch.device) -> tuple[float, float | None]:
+    """(peak, reserved) in MiB. CUDA: the peak memory allocated by tensors, and the peak the caching allocator
+    held (what the device had to have). CPU: the peak resident set size of this process, and None."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, None  # Linux reports KiB
 
 
 class MetricsLogger:

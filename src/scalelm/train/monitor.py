@@ -7,7 +7,12 @@ sampling work; its last line records its own CPU time, which is what it cost the
 input closes: the training closes it when it ends, and the system does when the training dies. The sampler imports
 neither torch nor the rest of scalelm, so it starts in a fraction of a second.
 
-    python -m scalelm.train.monitor --out FILE --interval 1 --proc RANK:PID ... [--gpu INDEX_OR_UUID ...] < pipe
+With `--board DIR` the same readings go to TensorBoard event files in DIR (tensorboard's own event writer, the one
+torch's SummaryWriter uses), numbered by sample across the attempts of a run: `utilisation/rank<r>_cpu_percent`,
+`memory/rank<r>_rss_mb`, `gpu<id>/util_percent`, `gpu<id>/memory_used_mb`, `gpu<id>/power_w`.
+
+    python -m scalelm.train.monitor --out FILE --interval 1 --proc RANK:PID ... [--gpu INDEX_OR_UUID ...]
+        [--board DIR] < pipe
 """
 
 from __future__ import annotations
@@ -77,7 +82,36 @@ def stop_requested(timeout: float) -> bool:
     return bool(ready) and not os.read(sys.stdin.fileno(), 4096)
 
 
-def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> None:
+class Board:
+    """A sample's readings as TensorBoard scalars, numbered on from the samples earlier attempts wrote to `out`."""
+
+    def __init__(self, directory: Path, out: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.event, self.summary = Event, Summary
+        self.writer = EventFileWriter(str(directory))
+        earlier = out.read_text().splitlines() if out.is_file() else []
+        self.step = sum(1 for line in earlier if line and json.loads(line)["kind"] == "sample")
+
+    def add(self, record: dict[str, Any]) -> None:
+        values = {}
+        for proc in record["procs"]:
+            values[f"utilisation/rank{proc['rank']}_cpu_percent"] = proc["cpu_percent"]
+            values[f"memory/rank{proc['rank']}_rss_mb"] = proc["rss_mb"]
+        for gpu in record.get("gpus", []):
+            values |= {f"gpu{gpu['gpu']}/{key}": value for key, value in gpu.items() if key != "gpu"}
+        summary = self.summary(value=[self.summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
+        self.writer.add_event(self.event(wall_time=record["time"], step=self.step, summary=summary))
+        self.writer.flush()
+        self.step += 1
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str], board_dir: Path | None = None) -> None:
     processes = {rank: psutil.Process(pid) for rank, pid in ranks.items()}
     for process in processes.values():
         process.cpu_percent(None)  # the first call only starts the measurement
@@ -90,6 +124,7 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> N
                   file=sys.stderr, flush=True)  # fmt: skip
     me, began = psutil.Process(), time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
+    board = Board(board_dir, out) if board_dir else None
     with out.open("a") as handle:
         tick = time.monotonic()
         while True:
@@ -101,6 +136,10 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> N
                 record["gpus"] = gpu.sample()
             handle.write(json.dumps(record) + "\n")
             handle.flush()
+            if board:
+                board.add(record)
+        if board:
+            board.close()
         cost = me.cpu_times()
         wall = time.monotonic() - began
         handle.write(json.dumps({"kind": "end", "time": time.time(), "wall_s": wall, "cpu_s": cost.user + cost.system}) + "\n")
@@ -109,7 +148,7 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str]) -> N
 class Monitor:
     """Started by every rank at the start of training: local rank 0 of each node starts the node's sampler."""
 
-    def __init__(self, directory: Path, env: DistEnv, interval_s: float):
+    def __init__(self, directory: Path, env: DistEnv, interval_s: float, board: Path | None = None):
         from scalelm.parallel.env import all_gather_object, is_distributed
 
         self.process: subprocess.Popen | None = None
@@ -122,6 +161,7 @@ class Monitor:
         node = [entry for entry in everyone if entry[:2] == (env.hostname, env.node_rank)]
         command = [sys.executable, "-m", "scalelm.train.monitor", "--out", str(directory / f"node{env.node_rank}.jsonl")]
         command += ["--interval", str(interval_s)]
+        command += ["--board", str(board / f"node{env.node_rank}")] if board else []
         command += [arg for *_, rank, pid, _ in node for arg in ("--proc", f"{rank}:{pid}")]
         command += [arg for device in gpu_ids([d for *_, d in node]) for arg in ("--gpu", device)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
@@ -155,9 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--proc", action="append", default=[], help="RANK:PID of a training process (repeatable)")
     parser.add_argument("--gpu", action="append", default=[], help="NVML index or UUID of a GPU (repeatable)")
+    parser.add_argument("--board", type=Path, help="also write the readings as TensorBoard event files here")
     args = parser.parse_args(argv)
     ranks = {int(rank): int(pid) for rank, pid in (p.split(":") for p in args.proc)}
-    run(args.out, args.interval, ranks, args.gpu)
+    run(args.out, args.interval, ranks, args.gpu, args.board)
 
 
 if __name__ == "__main__":

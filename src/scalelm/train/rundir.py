@@ -5,7 +5,7 @@
       config.yaml      the resolved settings the training ran with
       identity.json    what determines the trained model (see `identity`)
       metrics.jsonl    one JSON line per logging interval and per evaluation
-      tensorboard/     the same as TensorBoard event files
+      tensorboard/     the same as TensorBoard event files; node<k>/ the monitor's readings of node k
       monitor/         node<k>.jsonl: CPU, RSS and GPU utilisation of node k's training processes, every second
       checkpoints/     step_<N>/ (scalelm.train.checkpoint)
       run.json         provenance and results, written last: its presence means the training finished
@@ -35,9 +35,11 @@ NOT_IDENTITY = (
     "train.eval_batch_size",
     "train.peak_tflops",
     "train.monitor_interval_s",
+    "train.comm_profile_steps",
     "checkpoint.every",
     "checkpoint.keep",
     "parallel.timeout_s",
+    "parallel.host_reuse_below_mb",
 )
 
 

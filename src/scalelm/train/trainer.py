@@ -31,6 +31,7 @@ from scalelm.parallel import Parallel
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
+from scalelm.train.comm import CommProfile
 from scalelm.train.evaluation import evaluate
 from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
@@ -107,6 +108,11 @@ class Trainer:
         self.peak_flops, self.peak_source = self.device_peak_flops()
         self.stop = StopFlag()
         self.state_bytes: dict[str, int] | None = None  # this rank's parameters, gradients, optimizer state
+        # the collectives timed on the last steps (the profiler's records would distort every figure after them)
+        self.comm = CommProfile(
+            config.train.comm_profile_steps, self.total_steps, resumed.step if resumed else 0, env.device,
+            env.world_size > 1,
+        )  # fmt: skip
 
     def device_peak_flops(self) -> tuple[float | None, str]:
         """One device's peak FLOP/s, from rank 0: on CPU its calibration runs while the other ranks wait, so
@@ -158,7 +164,8 @@ class Trainer:
         try:
             while state.step < self.total_steps:
                 for micro_batches in self.batches.epoch(state.epoch, state.step_in_epoch):
-                    loss_acc += self.train_step(micro_batches)
+                    with self.comm.step(state.step + 1):
+                        loss_acc += self.train_step(micro_batches)
                     steps_acc += 1
                     state.step += 1
                     state.step_in_epoch += 1
@@ -200,7 +207,9 @@ class Trainer:
         """Average the interval's loss over steps and ranks; the only host-device sync of the hot loop."""
         values = torch.stack([loss_acc / steps, self.grad_norm.detach().float().to(loss_acc.device)])
         values = global_reduce(values) / torch.tensor([self.env.world_size, self.env.world_size], device=values.device)
-        memory = global_reduce(torch.tensor([peak_memory_mb(self.env.device)], device=self.env.device), dist.ReduceOp.MAX)
+        peak, reserved = peak_memory_mb(self.env.device)
+        memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
+        peak, reserved = global_reduce(memory, dist.ReduceOp.MAX).tolist()
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
             bad = self.ranks_where(~loss_acc.isfinite())
@@ -224,7 +233,10 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
                 "mfu": self.mfu(self.tokens_per_step / step_time),
-                "peak_mem_mb": memory.item(),
+                "peak_mem_mb": peak,
+                "peak_reserved_mb": reserved if reserved >= 0 else None,  # CUDA's caching allocator; None on CPU
+                # the profiler ran in this interval (scalelm.train.comm): its time is not a steady-state figure
+                "profiled": any(self.comm.covers(s) for s in range(self.state.step - steps + 1, self.state.step + 1)),
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
                 "world_size": self.env.world_size,
@@ -282,6 +294,24 @@ class Trainer:
             return None
         return {k: v / 2**20 for k, v in zip(kinds, largest)} | {"total": sum(largest) / 2**20}
 
+    def comm_summary(self) -> dict[str, Any] | None:
+        """The share of the profiled steps during which a collective ran: mean and largest over the ranks, with
+        rank 0's time per collective. None if this attempt ended before its profiled steps."""
+        if self.env.world_size == 1:
+            return {"share": 0.0, "comm_s_per_step": 0.0, "note": "one process: no communication"}
+        results = all_gather_object(self.comm.result)
+        if any(r is None for r in results):
+            return None
+        shares = [r["share"] for r in results]
+        return {
+            "steps": results[0]["steps"],
+            "share": sum(shares) / len(shares),
+            "share_max": max(shares),
+            "comm_s_per_step": sum(r["comm_s_per_step"] for r in results) / len(results),
+            "step_s": results[0]["step_s"],
+            "ops_s_per_step_rank0": results[0]["ops_s_per_step"],
+        }
+
     def finish(self, record, clock, host_load, validation, test, checkpoint) -> dict[str, Any]:
         record.update(
             end_time=provenance.now(),
@@ -290,6 +320,7 @@ class Trainer:
             parallel=self.parallel.describe(),
             results={
                 "state_mb_per_rank": self.state_mb_per_rank(),
+                "comm": self.comm_summary(),
                 "strategy": self.parallel.name,
                 "layout": self.parallel.dims.layout,
                 "steps": self.state.step,
@@ -326,7 +357,7 @@ def run(config: Config) -> dict[str, Any]:
             RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
         barrier()
         trainer = Trainer(config, env, parallel, data)
-        with Monitor(trainer.run_dir.monitor, env, config.train.monitor_interval_s):
+        with Monitor(trainer.run_dir.monitor, env, config.train.monitor_interval_s, trainer.run_dir.tensorboard):
             record = trainer.fit()
         barrier()  # every rank done with every collective before any shuts its process groups down
         return record

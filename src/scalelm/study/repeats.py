@@ -1,0 +1,55 @@
+"""The seeds of an experiment as one: mean, sample standard deviation, min and max of each figure.
+
+summary.csv keeps one row per experiment x seed; summary_by_experiment.csv has one row per experiment with these
+statistics, and expectations (scalelm.study.expectations) are checked against their means. The standard deviation
+is empty for a single seed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+STATISTICS = (
+    "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "speedup", "scaling_efficiency", "mfu", "comm_share",
+    "test_loss", "test_perplexity", "peak_mem_mb_per_rank", "state_mb_per_rank",
+)  # fmt: skip
+# the same in every seed of an experiment
+SHARED = (
+    "experiment", "strategy", "layout", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
+    "global_batch_tokens", "scaling", "baseline",
+)  # fmt: skip
+SPREAD = ("mean", "std", "min", "max")
+COLUMNS = [*SHARED, "seeds", *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]
+
+
+def spread(values: list[float | None]) -> dict[str, float | None]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return dict.fromkeys(SPREAD)
+    return {
+        "mean": statistics.fmean(known),
+        "std": statistics.stdev(known) if len(known) > 1 else None,
+        "min": min(known),
+        "max": max(known),
+    }
+
+
+def group_by_experiment(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each experiment's runs, experiments in the order of their first run."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row["experiment"], []).append(row)
+    return groups
+
+
+def by_experiment(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One summary per experiment: the shared columns, the number of seeds, and the spread of each figure."""
+    summaries = []
+    for runs in group_by_experiment(rows).values():
+        summary = {key: runs[0].get(key) for key in SHARED} | {"seeds": len(runs)}
+        for figure in STATISTICS:
+            for stat, value in spread([r.get(figure) for r in runs]).items():
+                summary[f"{figure}_{stat}"] = value
+        summaries.append(summary)
+    return summaries

@@ -1,0 +1,99 @@
+"""Communication share: the last few training steps run under torch's profiler, which times every collective where
+it executes (gloo's worker threads on CPU, NCCL's kernels on the GPU).
+
+    share = (time during which at least one collective ran) / (wall time of the profiled steps)
+
+The union of the collectives' intervals counts overlapping collectives once. The share includes time spent waiting
+for the slowest rank inside a collective, and counts communication that overlaps computation (DDP's bucketed
+all-reduce during backward, FSDP's prefetched all-gathers) as well as communication the step waits for: it is the
+share of a step with the network busy, not the time overlap would save. The profiler slows the profiled steps down
+and its records take host memory (every operator is recorded), so they come last, when no other figure is left to
+measure, and their logging interval is marked `profiled`: left out of the steady-state speed
+(scalelm.study.timing) and of the peak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# Where a collective's execution shows in the profile: gloo's record functions on its worker threads, NCCL's kernels.
+CPU_COLLECTIVE_PREFIXES = ("gloo:",)
+DEVICE_COLLECTIVE_MARK = "nccl"
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def collective_intervals(events, device: torch.device) -> dict[str, list[tuple[float, float]]]:
+    """Each collective's (start, end) in seconds, by name, from a profiler's events."""
+    found: dict[str, list[tuple[float, float]]] = {}
+    for event in events:
+        name = event.name
+        if device.type == "cuda":
+            found_here = event.device_type.name == "CUDA" and DEVICE_COLLECTIVE_MARK in name.lower()
+        else:
+            found_here = name.startswith(CPU_COLLECTIVE_PREFIXES)
+        if found_here:
+            found.setdefault(name, []).append((event.time_range.start / 1e6, event.time_range.end / 1e6))
+    return found
+
+
+class CommProfile:
+    """Profiles the last `steps` of the run's `total` steps (1-based), or as many of them as are after the step this
+    attempt resumed from."""
+
+    def __init__(self, steps: int, total: int, resumed: int, device: torch.device, enabled: bool):
+        self.first, self.last = max(total - steps, resumed) + 1, total
+        self.device, self.enabled = device, enabled and steps > 0 and self.first <= self.last
+        self.profiler: profile | None = None
+        self.began = 0.0
+        self.result: dict[str, Any] | None = None
+
+    def covers(self, step: int) -> bool:
+        return self.enabled and self.first <= step <= self.last
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around training step `step`: starts the profiler before the first profiled step, stops it after the last."""
+        if not self.covers(step):
+            yield
+            return
+        if step == self.first:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+            self.began = time.perf_counter()
+        yield
+        if step == self.last and self.profiler is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            wall = time.perf_counter() - self.began
+            self.profiler.__exit__(None, None, None)
+            self.result = self.summarise(self.profiler.events(), wall)
+            self.profiler = None
+
+    def summarise(self, events, wall: float) -> dict[str, Any]:
+        by_name = collective_intervals(events, self.device)
+        steps = self.last - self.first + 1
+        busy = union_seconds([interval for intervals in by_name.values() for interval in intervals])
+        return {
+            "steps": [self.first, self.last],
+            "step_s": wall / steps,
+            "comm_s_per_step": busy / steps,
+            "share": busy / wall if wall > 0 else None,
+            "ops_s_per_step": {name: sum(e - s for s, e in v) / steps for name, v in sorted(by_name.items())},
+        }

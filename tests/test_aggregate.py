@@ -1,0 +1,214 @@
+"""The aggregation on hand-made run directories: repeats (mean, std, min, max over seeds), scaling against the
+baseline, and expectations met or missed (with expect_strict, the check command fails)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+
+import pytest
+
+from scalelm.errors import ConfigError
+from scalelm.study import expectations
+from scalelm.study.aggregate import aggregate
+from scalelm.study.aggregate import main as aggregate_main
+from scalelm.study.expectations import Expectation, from_arguments, parse_expectations, to_arguments
+from scalelm.study.plots import across_seeds
+from scalelm.study.scaling import choose_baseline
+from scalelm.train.rundir import RunDir
+
+
+def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_time=0.1, tokens_per_step=512,
+             test_loss=5.0, peak_mem_mb=100.0):  # fmt: skip
+    """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
+    `step_time` long, validation at steps 10 and 20."""
+    run = RunDir.of(results, experiment, seed)
+    run.path.mkdir(parents=True)
+    lines = []
+    for step in range(2, 21, 2):
+        lines.append({
+            "kind": "train", "step": step, "tokens": step * tokens_per_step, "time": step * step_time,
+            "loss": 8.0 - 0.1 * step - 0.01 * seed, "step_time_s": step_time, "tokens_per_step": tokens_per_step,
+            "world_size": world_size, "peak_mem_mb": peak_mem_mb,
+        })  # fmt: skip
+        if step % 10 == 0:
+            lines.append({"kind": "eval", "split": "validation", "step": step, "time": step * step_time, "loss": 7.0 - 0.1 * step})
+    run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    record = {
+        "config": {"seed": seed, "batch": {"mode": mode}},
+        "world_size": world_size,
+        "launch": {"nodes": 1, "procs_per_node": world_size},
+        "nodes": [f"{experiment}-{seed}"],  # a host of its own: no overlaps
+        "start_time": "2026-11-25T10:00:00+0000",
+        "end_time": "2026-11-25T10:01:00+0000",
+        "wall_time_s": 60.0,
+        "results": {
+            "strategy": "single" if world_size == 1 else "ddp", "layout": f"{world_size}x1x1x1", "global_batch": 16,
+            "tokens_per_step": tokens_per_step, "steps": 20, "train_time_s": 20 * step_time,
+            "state_mb_per_rank": {"total": 12.5}, "final_train_loss": 6.0, "validation": {"loss": 5.5},
+        },
+    }  # fmt: skip
+    run.record.write_text(json.dumps(record))
+    run.model_meta.write_text(json.dumps({"model": str(run.model), "sha256": "0" * 64}))
+    run.test_result.write_text(json.dumps({"loss": test_loss, "perplexity": math.exp(test_loss)}))
+    return run.path
+
+
+def read_csv(path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture
+def two_seeds(tmp_path):
+    """`single` (1 device, global batch: strong) and `ddp` (2 devices, batch per device: weak), seeds 1 and 2."""
+    return [
+        fake_run(tmp_path, "single", 1, step_time=0.1, test_loss=5.0),  # 5120 tokens/s
+        fake_run(tmp_path, "single", 2, step_time=0.125, test_loss=5.2),  # 4096 tokens/s
+        fake_run(tmp_path, "ddp", 1, world_size=2, mode="per_device", tokens_per_step=1024, peak_mem_mb=90.0),
+        fake_run(tmp_path, "ddp", 2, world_size=2, mode="per_device", tokens_per_step=1024, peak_mem_mb=110.0),
+    ]  # ddp: 10240 tokens/s, both seeds
+
+
+def test_two_seeds_give_one_row_per_run_and_mean_std_min_max_per_experiment(tmp_path, two_seeds):
+    out = tmp_path / "summary"
+    aggregate(two_seeds, out)
+    runs = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
+    assert sorted(runs) == [("ddp", "1"), ("ddp", "2"), ("single", "1"), ("single", "2")]
+    assert {r["experiment"]: (r["scaling"], r["baseline"]) for r in runs.values()} == {
+        "single": ("strong", "single"),
+        "ddp": ("weak", "single"),
+    }
+    # speedup against the baseline run of the same seed; efficiency = speedup / (2 devices / 1)
+    assert float(runs["ddp", "1"]["speedup"]) == pytest.approx(10240 / 5120)
+    assert float(runs["ddp", "2"]["speedup"]) == pytest.approx(10240 / 4096)
+    assert float(runs["ddp", "2"]["scaling_efficiency"]) == pytest.approx(1.25)
+
+    by_name = {r["experiment"]: r for r in read_csv(out / "summary_by_experiment.csv")}
+    single, ddp = by_name["single"], by_name["ddp"]
+    assert single["seeds"] == ddp["seeds"] == "2"
+    assert float(single["tokens_per_s_mean"]) == pytest.approx(4608.0)
+    assert float(single["tokens_per_s_std"]) == pytest.approx(1024 / math.sqrt(2))  # sample std of 5120, 4096
+    assert (float(single["tokens_per_s_min"]), float(single["tokens_per_s_max"])) == (4096.0, 5120.0)
+    assert float(single["test_loss_mean"]) == pytest.approx(5.1)
+    assert float(single["test_loss_std"]) == pytest.approx(statistics.stdev([5.0, 5.2]))
+    assert float(single["test_perplexity_mean"]) == pytest.approx((math.exp(5.0) + math.exp(5.2)) / 2)
+    assert float(ddp["speedup_mean"]) == pytest.approx(2.25)
+    assert float(ddp["speedup_std"]) == pytest.approx(0.5 / math.sqrt(2))
+    assert float(ddp["scaling_efficiency_mean"]) == pytest.approx(1.125)
+    assert float(ddp["tokens_per_s_per_device_mean"]) == 5120.0 and float(ddp["tokens_per_s_std"]) == 0.0
+    assert float(ddp["peak_mem_mb_per_rank_mean"]) == 100.0 and float(ddp["peak_mem_mb_per_rank_std"]) > 0
+    summary = (out / "summary.md").read_text()
+    assert "## Per experiment" in summary and "against `single` (1 device(s))" in summary
+    assert "| single | strong | 1 | 2 | 4608 ± 724.1 (4096–5120) |" in summary
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):
+    out = tmp_path / "summary"
+    aggregate([fake_run(tmp_path, "single", 1)], out)
+    (row,) = read_csv(out / "summary_by_experiment.csv")
+    assert row["seeds"] == "1" and row["tokens_per_s_mean"] == row["tokens_per_s_min"] == "5120.0"
+    assert row["tokens_per_s_std"] == "" and row["speedup_mean"] == "1.0"
+
+
+def test_loss_curves_of_several_seeds_are_their_mean_and_range(tmp_path, two_seeds):
+    runs = [{"_metrics": [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines()],
+             "global_batch_tokens": 512} for p in two_seeds[:2]]  # fmt: skip
+    x, mean, low, high = across_seeds(runs, "tokens", "train")
+    assert x[:2] == [1024, 2048] and len(x) == 10
+    assert mean[0] == pytest.approx(8.0 - 0.2 - 0.015) and (low[0], high[0]) == (8.0 - 0.2 - 0.02, 8.0 - 0.2 - 0.01)
+    x, mean, _, _ = across_seeds(runs, "time", "validation")
+    assert x == pytest.approx([1.125, 2.25]) and mean == pytest.approx([6.0, 5.0])  # mean time of the seeds
+
+
+def test_the_baseline_is_named_or_the_experiment_with_fewest_devices(tmp_path):
+    assert choose_baseline({"ddp": 2, "single_b": 1, "single_a": 1}) == "single_a"  # the first by name
+    assert choose_baseline({"fsdp": 8, "ddp": 4}) == "ddp"  # no single-device experiment: the smallest
+    assert choose_baseline({"fsdp": 8, "ddp": 4}, "fsdp") == "fsdp"
+    with pytest.raises(ConfigError, match=r"baseline: 'dpp' names no experiment; did you mean 'ddp'\?"):
+        choose_baseline({"fsdp": 8, "ddp": 4}, "dpp")
+
+    # a baseline of 2 devices without the seed of the run: its mean; efficiency relative to its 2 devices
+    runs = [
+        fake_run(tmp_path, "single", 1),  # 5120 tokens/s
+        fake_run(tmp_path, "single", 2),
+        fake_run(tmp_path, "ddp", 1, world_size=2, tokens_per_step=1024),  # 10240 tokens/s
+    ]
+    out = tmp_path / "summary"
+    aggregate(runs, out, baseline="ddp")
+    rows = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
+    assert float(rows["single", "2"]["speedup"]) == pytest.approx(0.5)
+    assert float(rows["single", "2"]["scaling_efficiency"]) == pytest.approx(1.0)  # half the speed on half the devices
+    assert {r["baseline"] for r in rows.values()} == {"ddp"} and rows["ddp", "1"]["speedup"] == "1.0"
+
+
+def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, two_seeds, capsys):
+    out = tmp_path / "summary"
+    aggregate_main([
+        *(arg for run in two_seeds for arg in ("--run", str(run))), "--out-dir", str(out),
+        "--expect", "ddp.min_tokens_per_s_per_device=6000", "--expect", "ddp.max_test_perplexity=200",
+        "--expect", "single.max_step_time_s=0.1", "--expect", "single.tolerance=0.2",
+    ])  # fmt: skip
+    checks = {(c["experiment"], c["expectation"]): c for c in read_csv(out / "expectations.csv")}
+    missed = checks["ddp", "min_tokens_per_s_per_device"]  # 5120 per device < 6000 x 0.95
+    assert (missed["value"], missed["limit"], missed["threshold"], missed["status"]) == ("5120.0", "6000.0", "5700.0", "missed")
+    assert checks["ddp", "max_test_perplexity"]["status"] == "met"  # e^5 = 148
+    assert checks["single", "max_step_time_s"]["status"] == "met"  # mean 0.1125 <= 0.1 x 1.2
+    assert checks["single", "max_step_time_s"]["seeds"] == "2"
+    summary = (out / "summary.md").read_text()
+    assert "## Expectations" in summary and "2 met, 1 missed" in summary
+    assert "| ddp | min_tokens_per_s_per_device | 5120 | 6000 | 0.05 | 5700 | 2 | **missed** |" in summary
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as failed:
+        expectations.main([str(out / "expectations.csv")])
+    assert failed.value.code == 1
+    message = capsys.readouterr().err
+    assert message.startswith("error: 1 of 3 expectations missed (expect_strict): ")
+    assert "ddp: tokens_per_s_per_device 5120 (mean of 2 seeds) is below the minimum 6000 (5700 with the 5% tolerance)" in message
+    assert "max_test_perplexity" not in message  # only the misses
+    for kept in ("summary.csv", "summary_by_experiment.csv", "summary.md", "scaling.png"):
+        assert (out / kept).is_file()  # the check reads, and deletes nothing
+
+    met = tmp_path / "met"
+    aggregate(two_seeds, met, expected=[Expectation("ddp", "max_test_loss", 5.0)])
+    expectations.main([str(met / "expectations.csv")])
+    assert "all 1 expectations met" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "expect, message",
+    [
+        ({"min_tokens_per_sec": 1}, r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you mean "
+                                    r"'min_tokens_per_s_per_device'\? \(known: min_tokens_per_s_per_device, .*tolerance\)"),  # fmt: skip
+        ({"max_test_loss": 0}, r"experiments.ddp.expect.max_test_loss must be a positive number, got 0"),
+        ({"min_mfu": True}, r"experiments.ddp.expect.min_mfu must be a positive number, got True"),
+        ({"min_mfu": float("nan")}, r"experiments.ddp.expect.min_mfu must be a positive number, got nan"),
+        ({"tolerence": 0.1}, r"experiments.ddp.expect: unknown key 'tolerence'; did you mean 'tolerance'\?"),
+        ({"min_mfu": 0.3, "tolerance": 1.5}, r"experiments.ddp.expect.tolerance must be a fraction from 0 to below 1"),
+        ([1], r"experiments.ddp.expect: expected a mapping such as \{max_test_perplexity: 200\}, got \[1\]"),
+    ],
+)
+def test_bad_expectations_are_refused_naming_the_key(expect, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_expectations({"ddp": {"strategy": "ddp", "expect": expect}})
+
+
+def test_expectations_travel_to_the_aggregate_command_unchanged():
+    parsed = parse_expectations({
+        "single": {"expect": {"max_test_perplexity": 5000}},
+        "ddp": {"expect": {"min_mfu": 0.25, "max_peak_mem_mb_per_rank": 4000, "tolerance": 0.1}},
+    })  # fmt: skip
+    assert [(e.figure, e.is_minimum, e.threshold) for e in parsed] == [
+        ("test_perplexity", False, pytest.approx(5250)), ("mfu", True, pytest.approx(0.225)),
+        ("peak_mem_mb_per_rank", False, pytest.approx(4400)),
+    ]  # fmt: skip
+    assert from_arguments(to_arguments(parsed)) == parsed
+    with pytest.raises(ConfigError, match=r"--expect 'ddp=3': expected EXPERIMENT.KEY=VALUE"):
+        from_arguments(["ddp=3"])
+    with pytest.raises(ConfigError, match=r"experiments.ddp.expect.min_mfu must be a positive number, got 'high'"):
+        from_arguments(["ddp.min_mfu=high"])
