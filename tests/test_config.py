@@ -38,6 +38,8 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("train.peak_tflops=-5", r"train.peak_tflops must be positive or null, got -5"),
         ("train.monitor_interval_s=-1", r"train.monitor_interval_s must be 0 \(no monitor\) or a number of seconds, got -1"),
         ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
+        ("train.comm_profile_steps=-1", r"train.comm_profile_steps must be 0 \(no profile\) or a number of steps, got -1"),
+        ("parallel.host_reuse_below_mb=0", r"parallel.host_reuse_below_mb must be positive or null, got 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -54,3 +56,12 @@ def test_invalid_yaml_and_bad_override(tmp_path):
         parse_override("model.d_model")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_weights_and_biases_without_its_package_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"train.wandb=true .* needs the wandb package: pip install 'scalelm\[wandb\]'"):
+        load_config(None, ["train.wandb=true"])

@@ -170,3 +170,15 @@ def test_the_monitor_without_nvml_samples_cpu_and_memory_and_says_why(tmp_path):
     *samples, end = [json.loads(line) for line in out.read_text().splitlines()]
     assert samples and all(r["procs"][0]["rank"] == 0 and "gpus" not in r for r in samples)
     assert end["kind"] == "end"
+
+
+def test_weights_and_biases_offline_holds_every_logged_step(tiny_config):
+    config = tiny_config(train__max_steps=6, train__log_every=2, train__wandb=True)
+    run_train(config)
+    run_dir = run_dir_of(config)
+    [offline] = (run_dir / "wandb").glob("offline-run-*")  # one attempt, one offline run: `wandb sync` uploads it
+    [events] = offline.glob("run-*.wandb")
+    content = events.read_bytes()  # wandb's own binary log (read by wandb-core); the tags and values are plain text
+    losses = [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+    assert len(losses) == 3 and b"train/loss" in content and b"validation/perplexity" in content
+    assert all(json.dumps(loss).encode() in content for loss in losses), losses

@@ -13,7 +13,8 @@ import torch
 from conftest import board_scalars, run_dir_of, run_train, train_command, train_losses
 
 from scalelm.config import load_config
-from scalelm.model import TransformerLM
+from scalelm.data import load_prepared
+from scalelm.model import TransformerLM, count_parameters
 from scalelm.train.checkpoint import complete_checkpoints
 from scalelm.train.metrics import read_metrics
 from scalelm.train.preemption import EXIT_PREEMPTED
@@ -67,6 +68,13 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     assert {"gloo:all_gather", "gloo:all_reduce"} <= set(comm["fsdp"]["ops_s_per_step_rank0"])
     assert "gloo:all_reduce" in comm["tp"]["ops_s_per_step_rank0"]
     assert all(0 < c["share"] <= 1 for name, c in comm.items() if LAYOUTS[name][0] > 1)
+    # the exact state bytes: a single process (and each DDP rank) holds every parameter, its gradient and AdamW's
+    # two moments in fp32; an FSDP rank half of them
+    settings = load_config(configs["single"])
+    parameters = count_parameters(TransformerLM(settings.model, load_prepared(settings.data.prepared_dir).vocab_size))
+    state = {name: records[name]["results"]["state_mb_per_rank"]["total"] for name in ("single", "ddp", "fsdp")}
+    assert state["single"] == pytest.approx(parameters * 4 * 4 / 2**20, rel=1e-12) and state["ddp"] == state["single"]
+    assert state["fsdp"] == pytest.approx(state["single"] / 2, rel=0.01)
 
     for source, target in (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp")):
         nproc, settings = LAYOUTS[target]

@@ -74,6 +74,7 @@ class TrainConfig:
     monitor_interval_s: float = 1.0
     # the last steps run under torch's profiler to time the collectives (scalelm.train.comm); 0: none
     comm_profile_steps: int = 2
+    wandb: bool = False  # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
     deterministic: bool = False
 
 
@@ -299,6 +300,10 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.comm_profile_steps must be 0 (no profile) or a number of steps, got {config.train.comm_profile_steps}"
         )
+    if config.train.wandb:
+        from scalelm.train.wandb_offline import check_available
+
+        check_available()
     if config.train.monitor_interval_s < 0:
         interval = config.train.monitor_interval_s
         raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")

@@ -26,14 +26,28 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float | None]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, None  # Linux reports KiB
 
 
-class MetricsLogger:
-    """metrics.jsonl, the progress line, and TensorBoard event files (`tensorboard --logdir results/runs`)."""
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics line's numbers as tagged scalars: train/loss, validation/perplexity, ..."""
+    group = record["kind"] if record["kind"] == "train" else record.get("split", record["kind"])
+    return {
+        f"{group}/{key}": value
+        for key, value in record.items()
+        if key not in ("time", "step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None, board_dir: Path | None = None):
+
+class MetricsLogger:
+    """metrics.jsonl, the progress line, TensorBoard event files (`tensorboard --logdir results/runs`) and, where
+    asked for, an offline Weights & Biases run (scalelm.train.wandb_offline)."""
+
+    def __init__(
+        self, path: Path, enabled: bool, resume_step: int | None = None, board_dir: Path | None = None, wandb=None
+    ):
         self.path = Path(path)
         self.enabled = enabled
         self.start = time.time()
         self.board = None
+        self.wandb = wandb if enabled else None
         if enabled and resume_step is not None:
             self._truncate_after(resume_step)
         if enabled and board_dir is not None:
@@ -56,12 +70,18 @@ class MetricsLogger:
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.board is not None:
-            group = record["kind"] if record["kind"] == "train" else record.get("split", record["kind"])
-            for key, value in record.items():
-                if key not in ("time", "step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.board.add_scalar(f"{group}/{key}", value, record["step"])
+            for tag, value in scalars(record).items():
+                self.board.add_scalar(tag, value, record["step"])
             self.board.flush()  # readable while training runs, and complete if the job is killed
+        if self.wandb is not None:
+            self.wandb.log(scalars(record), record["step"])
         print(progress_line(record), flush=True, file=sys.stdout)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def progress_line(record: dict[str, Any]) -> str:

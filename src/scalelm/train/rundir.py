@@ -6,6 +6,7 @@
       identity.json    what determines the trained model (see `identity`)
       metrics.jsonl    one JSON line per logging interval and per evaluation
       tensorboard/     the same as TensorBoard event files; node<k>/ the monitor's readings of node k
+      wandb/           with train.wandb: the same as offline Weights & Biases runs, one per attempt
       monitor/         node<k>.jsonl: CPU, RSS and GPU utilisation of node k's training processes, every second
       checkpoints/     step_<N>/ (scalelm.train.checkpoint)
       run.json         provenance and results, written last: its presence means the training finished
@@ -36,6 +37,7 @@ NOT_IDENTITY = (
     "train.peak_tflops",
     "train.monitor_interval_s",
     "train.comm_profile_steps",
+    "train.wandb",
     "checkpoint.every",
     "checkpoint.keep",
     "parallel.timeout_s",
@@ -68,6 +70,7 @@ class RunDir:
     identity = _entry("identity.json")
     metrics = _entry("metrics.jsonl")
     tensorboard = _entry("tensorboard")
+    wandb = _entry("wandb")
     monitor = _entry("monitor")
     checkpoints = _entry("checkpoints")
     record = _entry("run.json")
@@ -99,7 +102,8 @@ class RunDir:
         if self.identity.is_file() and json.loads(self.identity.read_text()) != run_identity:
             remove(self.previous)
             self.previous.mkdir()
-            for path in (self.checkpoints, self.metrics, self.tensorboard, self.monitor, self.config, self.identity):
+            kept = (self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.config, self.identity)
+            for path in kept:
                 if path.exists():
                     path.rename(self.previous / path.name)
             print(f"settings changed since the last attempt in {self.path}: its results moved to {self.previous}")

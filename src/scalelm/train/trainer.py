@@ -40,6 +40,7 @@ from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.peak import mfu, peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.rundir import RunDir, identity
+from scalelm.train.wandb_offline import WandbRun
 
 
 class TrainingError(ScaleLMError):
@@ -95,8 +96,12 @@ class Trainer:
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         self.state = resumed or TrainerState(model_shape=self.shape)
         self.state.world_size, self.state.strategy = env.world_size, parallel.name
+        wandb = None
+        if config.train.wandb and env.is_main:
+            group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
+            wandb = WandbRun(self.run_dir.wandb, group, config.to_dict())
         self.metrics = MetricsLogger(
-            self.run_dir.metrics, env.is_main, resumed.step if resumed else None, self.run_dir.tensorboard
+            self.run_dir.metrics, env.is_main, resumed.step if resumed else None, self.run_dir.tensorboard, wandb
         )
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
@@ -358,7 +363,10 @@ def run(config: Config) -> dict[str, Any]:
         barrier()
         trainer = Trainer(config, env, parallel, data)
         with Monitor(trainer.run_dir.monitor, env, config.train.monitor_interval_s, trainer.run_dir.tensorboard):
-            record = trainer.fit()
+            try:
+                record = trainer.fit()
+            finally:
+                trainer.metrics.close()
         barrier()  # every rank done with every collective before any shuts its process groups down
         return record
     finally:
