@@ -106,7 +106,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
 
 def fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"  # 12,345 rather than 1.234e+04
     return "" if value is None else str(value)
 
 
