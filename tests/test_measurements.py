@@ -20,6 +20,7 @@ from scalelm.study.timing import default_warmup, overlapping_runs, steady_state
 from scalelm.study.utilisation import summarise
 from scalelm.train import peak
 from scalelm.train.hostload import HostLoad
+from scalelm.train.comm import clip, union_seconds
 from scalelm.train.metrics import read_metrics
 
 
@@ -41,6 +42,14 @@ def test_steady_state_leaves_out_the_warmup_and_reports_the_median_and_its_sprea
     # a run that ends inside its warm-up is measured on its last interval, and says so
     short = steady_state(intervals([9.0, 5.0]))
     assert short["steady_intervals"] == 0 and short["step_time_s"] == 5.0
+
+
+def test_collective_time_counts_overlapping_collectives_once_and_only_inside_the_steps():
+    collectives = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (9.0, 12.0)]  # two overlap; one falls between the steps
+    steps = [(0.5, 4.0), (8.0, 10.0)]
+    assert union_seconds(collectives) == 7.0
+    assert clip(collectives, steps) == [(0.5, 2.0), (1.0, 3.0), (9.0, 10.0)]
+    assert union_seconds(clip(collectives, steps)) == 3.5
 
 
 def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():

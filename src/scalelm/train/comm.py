@@ -3,7 +3,9 @@ it executes (gloo's worker threads on CPU, NCCL's kernels on the GPU).
 
     share = (time during which at least one collective ran) / (wall time of the profiled steps)
 
-The union of the collectives' intervals counts overlapping collectives once. The share includes time spent waiting
+Both are taken inside the steps themselves (each marked in the profile, and on CUDA ended by a synchronisation), so
+an evaluation or a checkpoint between them does not count. The union of the collectives' intervals counts
+overlapping collectives once. The share includes time spent waiting
 for the slowest rank inside a collective, and counts communication that overlaps computation (DDP's bucketed
 all-reduce during backward, FSDP's prefetched all-gathers) as well as communication the step waits for: it is the
 share of a step with the network busy, not the time overlap would save. The profiler slows the profiled steps down
@@ -15,16 +17,16 @@ measure, and their logging interval is marked `profiled`: left out of the steady
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 # Where a collective's execution shows in the profile: gloo's record functions on its worker threads, NCCL's kernels.
 CPU_COLLECTIVE_PREFIXES = ("gloo:",)
 DEVICE_COLLECTIVE_MARK = "nccl"
+STEP_MARK = "scalelm:train_step"
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -36,6 +38,11 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+def clip(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of `intervals` inside `windows`."""
+    return [(max(s, a), min(e, b)) for s, e in intervals for a, b in windows if s < b and a < e]
 
 
 def collective_intervals(events, device: torch.device) -> dict[str, list[tuple[float, float]]]:
@@ -60,7 +67,6 @@ class CommProfile:
         self.first, self.last = max(total - steps, resumed) + 1, total
         self.device, self.enabled = device, enabled and steps > 0 and self.first <= self.last
         self.profiler: profile | None = None
-        self.began = 0.0
         self.result: dict[str, Any] | None = None
 
     def covers(self, step: int) -> bool:
@@ -76,24 +82,24 @@ class CommProfile:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.profiler = profile(activities=activities)
             self.profiler.__enter__()
-            self.began = time.perf_counter()
-        yield
-        if step == self.last and self.profiler is not None:
-            if self.device.type == "cuda":
+        with record_function(STEP_MARK):
+            yield
+            if self.device.type == "cuda":  # the step's kernels, collectives included, end inside its mark
                 torch.cuda.synchronize(self.device)
-            wall = time.perf_counter() - self.began
+        if step == self.last and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
-            self.result = self.summarise(self.profiler.events(), wall)
+            self.result = self.summarise(self.profiler.events())
             self.profiler = None
 
-    def summarise(self, events, wall: float) -> dict[str, Any]:
-        by_name = collective_intervals(events, self.device)
-        steps = self.last - self.first + 1
+    def summarise(self, events) -> dict[str, Any]:
+        steps = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events if e.name == STEP_MARK]
+        wall = sum(end - start for start, end in steps)
+        by_name = {name: clip(v, steps) for name, v in collective_intervals(events, self.device).items()}
         busy = union_seconds([interval for intervals in by_name.values() for interval in intervals])
         return {
             "steps": [self.first, self.last],
-            "step_s": wall / steps,
-            "comm_s_per_step": busy / steps,
+            "step_s": wall / len(steps),
+            "comm_s_per_step": busy / len(steps),
             "share": busy / wall if wall > 0 else None,
-            "ops_s_per_step": {name: sum(e - s for s, e in v) / steps for name, v in sorted(by_name.items())},
+            "ops_s_per_step": {name: sum(e - s for s, e in v) / len(steps) for name, v in sorted(by_name.items())},
         }
