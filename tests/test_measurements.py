@@ -85,9 +85,16 @@ def test_cpu_peak_is_measured_once_per_host_and_leaves_training_random_streams_a
     measured = peak.cpu_peak_flops(cache)
     assert torch.equal(torch.rand(3), expected)  # the calibration drew from its own generator
     assert 1e8 < measured < 1e13
-    assert json.loads(cache.read_text()) == {peak.cpu_cache_key(): measured}
-    monkeypatch.setattr(peak, "measure_cpu_matmul_flops", lambda: pytest.fail("measured again despite the cache"))
-    assert peak.cpu_peak_flops(cache) == measured
+    assert json.loads(cache.read_text())[peak.cpu_cache_key()]["flops"] == measured
+
+    # a calibration beside other work serves its run only: the next run measures again; the best rate is kept
+    cache.unlink()
+    for rate, quiet in ((1e11, False), (3e11, True)):
+        monkeypatch.setattr(peak, "calibrate", lambda r=rate, q=quiet: (r, q))
+        assert peak.cpu_peak_flops(cache) == rate
+    monkeypatch.setattr(peak, "calibrate", lambda: pytest.fail("measured again despite a quiet calibration"))
+    assert peak.cpu_peak_flops(cache) == 3e11
+    assert json.loads(cache.read_text()) == {peak.cpu_cache_key(): {"flops": 3e11, "quiet": True}}
 
 
 def test_host_load_counts_other_work_on_the_host_apart_from_the_run():

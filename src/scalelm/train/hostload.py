@@ -22,14 +22,34 @@ def _own_seconds() -> float:
     return times.user + times.system  # every thread of this process
 
 
+def _clocks() -> tuple[float, float, float]:
+    """Wall time, the host's busy CPU time, this process's CPU time."""
+    return time.monotonic(), _busy_seconds(), _own_seconds()
+
+
+def _since(start: tuple[float, float, float]) -> tuple[float, float, float]:
+    return tuple(now - then for now, then in zip(_clocks(), start))
+
+
+class OtherWork:
+    """The CPU cores this host spent on other processes since it was made (a calibration's check that it ran alone)."""
+
+    def __init__(self) -> None:
+        self.start = _clocks()
+
+    def cores(self) -> float:
+        wall, busy, own = _since(self.start)
+        return max(0.0, busy - own) / wall
+
+
 class HostLoad:
     """Started when training starts; `finish` (on every rank) gives each host's CPU use in cores, over the run."""
 
     def __init__(self) -> None:
-        self.start = (time.monotonic(), _busy_seconds(), _own_seconds())
+        self.start = _clocks()
 
     def finish(self) -> dict[str, dict[str, Any]]:
-        wall, busy, own = (now - then for now, then in zip((time.monotonic(), _busy_seconds(), _own_seconds()), self.start))
+        wall, busy, own = _since(self.start)
         mine = (socket.gethostname(), wall, busy, own)
         ranks = all_gather_object(mine) if is_distributed() else [mine]
         hosts: dict[str, dict[str, Any]] = {}

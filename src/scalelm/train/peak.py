@@ -3,7 +3,10 @@
 CUDA: the vendor's dense (no sparsity) tensor-core figure for the device and precision, from `CUDA_PEAK_TFLOPS`.
 CPU: there is no datasheet figure for "one process's share of a host", so it is measured: the fp32 matrix-multiply
 rate of this process with its own threads, a short calibration whose result is cached per host, CPU model, thread
-count and torch version (`~/.cache/scalelm/cpu_peak.json`). A configured value (`train.peak_tflops`) wins over both.
+count and torch version (`~/.cache/scalelm/cpu_peak.json`). Other work on the host during a calibration lowers it,
+and a low peak inflates every MFU after it (above 1, once seen): a calibration beside more than a quarter core of
+other work serves its own run only, and the next run measures again; the cache keeps the best rate measured.
+A configured value (`train.peak_tflops`) wins over both.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from scalelm.files import atomic_write_text
+from scalelm.train.hostload import OtherWork
 
 # Dense TFLOP/s per GPU by the device name torch reports (matched by substring, first match wins) and precision.
 # fp32 is the TF32 tensor-core rate where the GPU has one: PyTorch's matmuls may use it.
@@ -34,6 +38,7 @@ CUDA_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 CALIBRATION_SIZE = 1024  # square fp32 matmuls: large enough for the GEMM's peak, small enough for about a second
 CALIBRATION_SECONDS = 1.0
+QUIET_CORES = 0.25  # other work beside a calibration up to this many cores: the host counts as quiet
 
 
 def cuda_peak_flops(device_name: str, precision: str) -> float | None:
@@ -72,22 +77,34 @@ def cpu_cache_key() -> str:
     return f"{socket.gethostname()}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
+def calibrate() -> tuple[float, bool]:
+    """The matmul rate, and whether the host was quiet meanwhile."""
+    other = OtherWork()
+    flops = measure_cpu_matmul_flops()
+    return flops, other.cores() <= QUIET_CORES
+
+
 def cpu_peak_flops(cache: Path | None = None) -> float:
-    """This host's measured CPU peak for a process with this thread count, measured once and then cached."""
+    """This host's measured CPU peak for a process with this thread count: measured until once measured on a quiet
+    host, then cached (the best rate seen)."""
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scalelm" / "cpu_peak.json"
     key = cpu_cache_key()
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
-        known[key] = measure_cpu_matmul_flops()
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cache, json.dumps(known, indent=2) + "\n")
-        except OSError:  # a read-only home: measure again next time
-            pass
-    return known[key]
+    entry = known.get(key)
+    if isinstance(entry, dict) and entry.get("quiet"):
+        return entry["flops"]
+    flops, quiet = calibrate()  # none yet, one from beside other work, or one of an older scalelm (not known quiet)
+    best = max(flops, entry["flops"]) if isinstance(entry, dict) else flops
+    known[key] = {"flops": best, "quiet": quiet}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache, json.dumps(known, indent=2) + "\n")
+    except OSError:  # a read-only home: measure again next time
+        pass
+    return best
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_per_device: float | None) -> float | None:
