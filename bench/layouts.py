@@ -60,15 +60,20 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
 }
 
 
-def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int) -> dict[str, Any]:
-    nproc, parallel = LAYOUTS[layout]
+def run_layout(
+    model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int,
+    parallel_layout: tuple[int, dict[str, Any]] | None = None, batch: int | None = None,
+) -> dict[str, Any]:
+    """One run alone; `parallel_layout` (processes, parallel settings) and `batch` replace LAYOUTS[layout] and the
+    model's batch where given (bench/pipeline.py)."""
+    nproc, parallel = parallel_layout or LAYOUTS[layout]
     spec = MODELS[model]
     config = {
         "run_dir": str(workdir / f"{model}-{layout}"),
         "device": "cpu",
         "data": {"prepared_dir": str(prepared), "seq_len": spec["seq_len"]},
         "model": {**spec["model"], "dropout": 0.0},
-        "batch": {"mode": "per_device", "size": spec["batch"]},
+        "batch": {"mode": "per_device", "size": batch or spec["batch"]},
         "train": {"epochs": 1, "max_steps": warmup + steps + PROFILED, "log_every": 1, "eval_every": None,
                   "eval_batch_size": 64, "comm_profile_steps": PROFILED},
         "checkpoint": {"every": None},
@@ -102,6 +107,7 @@ def run_layout(model: str, layout: str, prepared: Path, workdir: Path, warmup: i
         "peak_mb_per_rank": max(m["peak_mem_mb"] for m in lines if m["kind"] == "train" and not m["profiled"]),
         "comm_share": (record["results"]["comm"] or {}).get("share"),
         "final_loss": timed[-1]["loss"],
+        "pipeline": record["results"].get("pipeline"),
     }
 
 

@@ -19,7 +19,7 @@ BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 
 
 # in the image: one process and DDP on two; the other layouts run the same code (tests/test_workflow.py)
-OTHER_EXPERIMENTS = ("ddp_multinode", "fsdp", "hsdp", "tp", "fsdp_tp")
+OTHER_EXPERIMENTS = ("ddp_multinode", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "pp_gpipe", "3d")
 
 
 def script(name: str, *args: str):

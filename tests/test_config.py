@@ -32,7 +32,7 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("model.d_model=abc", r"model.d_model: expected an integer, got 'abc'"),
         ("model.dropout=true", r"model.dropout: expected a number"),
         ("batch.mode=both", r"batch.mode: 'both' is not one of 'per_device', 'global'"),
-        ("parallel.strategy=dpp", r"unknown strategy 'dpp'; did you mean 'ddp'"),
+        ("parallel.strategy=dddp", r"unknown strategy 'dddp'; did you mean 'ddp'"),
         ("data.seq_len=2048", r"data.seq_len \(2048\) exceeds model.max_seq_len \(1024\)"),
         ("batch.size=0", r"batch.size must be positive, got 0"),
         ("train.peak_tflops=-5", r"train.peak_tflops must be positive or null, got -5"),
@@ -45,6 +45,23 @@ def test_unknown_key_suggests_the_closest(tmp_path):
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.pp=4"], r"model.n_layers=2 blocks cannot fill 4 pipeline stages \(parallel.pp=4 x pp_virtual_stages=1\)"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], r"interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages=1"),
+        (["parallel.pp=2", "parallel.pp_virtual_stages=2"], r"parallel.pp_virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b"),
+        (["parallel.pp=2", "model.tie_weights=true"], r"model.tie_weights shares the embedding of the first pipeline stage"),
+        (["parallel.pp_schedule=zb"], r"parallel.pp_schedule: 'zb' is not one of 'gpipe', '1f1b', 'interleaved_1f1b'"),
+        (["parallel.pp_microbatches=0"], r"parallel.pp_microbatches must be positive or null, got 0"),
+        (["parallel.pp_virtual_stages=0"], r"parallel.pp_virtual_stages must be 1 or more, got 0"),
+    ],
+)
+def test_a_pipeline_that_cannot_be_built_is_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
 
 
 def test_invalid_yaml_and_bad_override(tmp_path):

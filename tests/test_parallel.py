@@ -35,6 +35,9 @@ def dims(strategy=None, world=4, per_node=2, **explicit) -> ParallelDims:
         (None, {"dp_replicate": 2, "dp_shard": 2}, 4, 4, "2x2x1x1", "hsdp"),  # degrees alone
         (None, {"dp_shard": -1, "tp": 2}, 8, 4, "1x4x2x1", "fsdp_tp"),
         (None, {"dp_replicate": 2, "tp": 2}, 4, 2, "2x1x2x1", "ddp_tp"),
+        (None, {"pp": -1}, 4, 4, "1x1x1x4", "pp"),
+        ("fsdp", {"pp": 2}, 4, 2, "1x2x1x2", "fsdp_pp"),
+        (None, {"pp": 2, "dp_shard": 2, "tp": 4}, 16, 4, "1x2x4x2", "fsdp_tp_pp"),  # the 3D example of config.yaml
     ],
 )
 def test_shorthands_and_degrees_resolve_to_a_layout(strategy, explicit, world, per_node, layout, name):
@@ -52,6 +55,49 @@ def test_ranks_are_placed_with_tp_innermost_and_hsdp_shards_inside_a_node():
     assert hsdp.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [hsdp.dp_rank(r) for r in range(8)] == list(range(8))
     assert [fsdp_tp.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # a TP group shares its data
+    # 3D on 4 nodes of 4: a node holds one TP group of 4, the stages of a replica are 8 ranks (two nodes) apart
+    three = ParallelDims(dp_shard=2, tp=4, pp=2)
+    assert three.groups("tp")[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert three.groups("pp")[:2] == [[0, 8], [1, 9]]
+    assert [three.dp_rank(r) for r in (0, 4, 8, 12)] == [0, 1, 0, 1]  # both stages of a replica read its batches
+    assert three.sharded and ParallelDims(dp_replicate=2, pp=2).sharded  # replicas beside PP: FSDP's HSDP path
+
+
+def test_stages_split_the_blocks_evenly_and_the_bubble_follows_the_schedule():
+    from scalelm.parallel.pipeline import bubble, predicted_bubble, stage_blocks
+
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert [len(r) for r in stage_blocks(12, 8)] == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert predicted_bubble("gpipe", 2, 4) == pytest.approx(1 / 5) == predicted_bubble("1f1b", 2, 4)
+    assert predicted_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert predicted_bubble("interleaved_1f1b", 2, 4, virtual=2) == pytest.approx(1 / 9)
+    # two ranks' kept steps: rank 0 works 3 of 4 ms, rank 1 1 of 2 then 2 of 2 ms
+    step = lambda span, *busy: {"step": 1, "span_s": span, "chunks": [{"start": a, "end": b} for a, b in busy]}
+    measured = bubble([[step(4e-3, (0, 1e-3), (2e-3, 4e-3))], [step(2e-3, (1e-3, 2e-3)), step(2e-3, (0, 2e-3))]])
+    assert measured["idle_share_per_rank"] == pytest.approx([0.25, 0.25])
+    assert measured["measured_bubble"] == pytest.approx(0.25) and measured["measured_bubble_max"] == pytest.approx(0.25)
+    assert bubble([[]])["measured_bubble"] is None  # every kept step was profiled
+
+
+def test_a_stage_keeps_its_blocks_under_the_whole_models_names():
+    from scalelm.model import TransformerLM
+    from scalelm.parallel.pipeline import StageParts, stage_blocks, stage_part
+
+    config = ModelConfig(d_model=8, n_heads=2, n_layers=4, d_ff=16)
+    whole = set(TransformerLM(config, 50).state_dict())
+    blocks = stage_blocks(4, 4)
+    parts = [stage_part(TransformerLM(config, 50), blocks[s], s == 0, s == 3) for s in range(4)]
+    assert parts[0].head is None and parts[3].embed is None and list(parts[1].blocks) == ["1"]
+    first_rank = StageParts([parts[0], parts[2]])  # pp 2 x 2 virtual stages: rank 0 holds stages 0 and 2
+    second_rank = StageParts([parts[1], parts[3]])
+    assert set(first_rank.state_dict()) | set(second_rank.state_dict()) == whole
+    assert not set(first_rank.state_dict()) & set(second_rank.state_dict())
+    assert "blocks.2.attn.qkv.weight" in first_rank.state_dict() and "head.weight" in second_rank.state_dict()
+    first_rank.eval()
+    assert not parts[0].drop.training  # the embedding's dropout, which only the stage holds, follows
+    tokens = torch.randint(0, 50, (2, 5))
+    assert parts[0](tokens).shape == (2, 5, 8) and parts[3](parts[0](tokens)).shape == (2, 5, 50)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +113,7 @@ def test_ranks_are_placed_with_tp_innermost_and_hsdp_shards_inside_a_node():
         ("single", {}, 2, 2, "strategy 'single' runs one process, but it was started with WORLD_SIZE=2"),
         ("single", {"tp": 2}, 2, 2, "parallel.strategy=single runs one process but sets {'tp': 2}"),
         (None, {}, 2, 2, "started with WORLD_SIZE=2, but the config sets no parallel layout (that is one process)"),
-        (None, {"pp": 2}, 2, 2, "pipeline parallelism is not available yet"),
+        (None, {"pp": 3, "tp": 2}, 4, 4, "parallel: dp_replicate 1 x dp_shard 1 x tp 2 x pp 3 = 6 processes"),
         (None, {"tp": 0}, 2, 2, "parallel.tp must be a positive integer or -1"),
     ],
 )  # fmt: skip

@@ -62,12 +62,13 @@ def project(tmp_path, cluster) -> Path:
         local["training"]["train"].update(max_steps=8, log_every=2, eval_every=4)
         local["training"]["checkpoint"]["every"] = 4
         # valid at parse time, fails at run time: the batch is larger than the sample's train split
+        local["experiments"]["pp"] = {"nodes": 2, "procs_per_node": 1}  # a stage on each node
         local["experiments"]["broken"] = {
             "strategy": "single", "nodes": 1, "procs_per_node": 1, "training": {"batch": {"size": 100000}}
         }  # fmt: skip
 
     def fewer(config):  # hsdp and tp run the same code as fsdp_tp, on fewer dimensions (tests/test_workflow.py)
-        for name in ("hsdp", "tp"):
+        for name in ("hsdp", "tp", "pp_gpipe"):
             config.get("local", config)["experiments"].pop(name)
 
     edit_yaml(tmp_path / "config/local.yaml", tiny)
@@ -100,9 +101,9 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert not (project / "results/local/runs/broken/seed1/run.json").exists()
 
     runs = project / "results/local/runs"
-    for name in ("single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp"):
+    for name in ("single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp", "pp"):
         assert (runs / name / "seed1/test.json").is_file(), (name, output[-4000:])
-    for name in ("ddp_multinode", "fsdp"):
+    for name in ("ddp_multinode", "fsdp", "pp"):
         record = json.loads((runs / name / "seed1/run.json").read_text())
         # one torchrun per node, both ranks in one process group (the hostnames were all-gathered through it)
         assert record["world_size"] == 2 and sorted(record["hostnames"]) == ["n1", "n2"], record["hostnames"]
@@ -114,6 +115,11 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert record["results"]["layout"] == "1x2x2x1" and sorted(hosts) == ["n1", "n1", "n2", "n2"], hosts
     assert all(len({hosts[r] for r in group}) == 1 for group in groups["tp"]), (hosts, groups)
     assert all({hosts[r] for r in group} == {"n1", "n2"} for group in groups["dp"]), (hosts, groups)
+    # a pipeline of 2 stages across the nodes: activations and their gradients cross between n1 and n2
+    record = json.loads((runs / "pp/seed1/run.json").read_text())
+    assert record["results"]["layout"] == "1x1x1x2" and record["parallel"]["groups"]["pp"] == [[0, 1]]
+    assert 0 < record["results"]["pipeline"]["measured_bubble"] < 1
+    assert {"gloo:send", "gloo:recv"} <= set(record["results"]["comm"]["ops_s_per_step_rank0"])
     single = json.loads((runs / "ddp/seed1/run.json").read_text())
     assert len(set(single["hostnames"])) == 1 and single["world_size"] == 2
 
@@ -123,7 +129,7 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert final.returncode == 0, (final.stdout + final.stderr)[-4000:]
     with (project / "results/local/summary.csv").open() as handle:
         rows = {r["experiment"]: r for r in csv.DictReader(handle)}
-    assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp"}
+    assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp", "pp"}
     assert (project / "results/local/scaling.png").is_file()
     accounting = subprocess.run(["sacct", "-X", "-n", "-o", "JobName%40,State"], capture_output=True, text=True)
     assert "COMPLETED" in accounting.stdout and "FAILED" in accounting.stdout

@@ -40,6 +40,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "single_gpu": (1, 1, "single", "1x1x1x1"), "ddp": (1, 2, "ddp", "2x1x1x1"),
         "ddp_multinode": (2, 1, "ddp", "2x1x1x1"), "fsdp": (2, 1, "fsdp", "1x2x1x1"),
         "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
+        "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
     }  # fmt: skip
     assert [str(run.path) for run in study.runs][0] == "results/local/runs/single_gpu/seed1"
     assert study.image is None and study.in_container() == ""
@@ -59,7 +60,9 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"nodes": "two"}, "'two' is not of type 'integer'"),
         ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
         ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
-        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp'\]"),
+        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp'\]"),
+        ({"training": {"parallel": {"pp": 2, "pp_microbatches": 3}}},
+         r"experiments.ddp: parallel.pp_microbatches=3 does not divide the batch of 32 sequences"),
         ({"training": {"parallel": {"tp": 4}}}, r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2"),
         ({"strategy": "tp", "nodes": 2, "procs_per_node": 1}, "parallel.tp=2 does not divide the 1 processes of a node"),
         ({"gpus": 4}, "'gpus' was unexpected"),

@@ -37,13 +37,20 @@ LAYOUTS = {
     "fsdp_tp": (4, {"parallel__strategy": "fsdp", "parallel__tp": 2}),
     "fsdp_tp_sp": (4, {"parallel__strategy": "fsdp", "parallel__tp": 2, "parallel__sequence_parallel": True,
                        "parallel__loss_parallel": True}),
+    # pipelines of TINY's two blocks, one per stage, 4 micro-batches (2 x pp)
+    "pp": (2, {"parallel__pp": 2}),
+    "pp_gpipe": (2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe"}),
+    "fsdp_pp": (4, {"parallel__pp": 2, "parallel__dp_shard": 2}),
+    "tp_pp": (4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True,
+                  "parallel__loss_parallel": True}),
 }  # fmt: skip
 
 
 def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config):
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
-    without the vocabulary-parallel loss) and FSDP x TP 2x2 (with and without sequence and loss parallelism) give the
-    same loss at every step and the same exact evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
+    without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
+    of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2) give the same loss at every step and the same exact
+    evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
     for name, (nproc, _) in LAYOUTS.items():
@@ -58,9 +65,9 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         for mine, ref in zip(evals[name], evals["single"], strict=True):  # every token counted once
             assert mine["tokens"] == ref["tokens"]
             assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5, name
-    assert records["hsdp"]["parallel"]["groups"] == {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]]}
+    assert records["hsdp"]["parallel"]["groups"] == {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]]}
     assert records["fsdp_tp"]["results"]["layout"] == "1x2x2x1"
-    assert records["fsdp_tp"]["parallel"]["groups"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
+    assert records["fsdp_tp"]["parallel"]["groups"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]]}
     # the collectives each layout is made of, timed on two steps after the warm-up
     comm = {name: record["results"]["comm"] for name, record in records.items()}
     assert comm["single"]["share"] == 0.0 and comm["accumulate"]["share"] == 0.0
@@ -75,8 +82,27 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     state = {name: records[name]["results"]["state_mb_per_rank"]["total"] for name in ("single", "ddp", "fsdp")}
     assert state["single"] == pytest.approx(parameters * 4 * 4 / 2**20, rel=1e-12) and state["ddp"] == state["single"]
     assert state["fsdp"] == pytest.approx(state["single"] / 2, rel=0.01)
+    # a pipeline: its groups, the bubble its schedule predicts beside the one measured, one step's timeline
+    assert records["fsdp_pp"]["parallel"]["groups"]["pp"] == [[0, 2], [1, 3]]
+    for name in ("pp", "pp_gpipe", "fsdp_pp", "tp_pp"):
+        pipeline = records[name]["results"]["pipeline"]
+        assert pipeline["predicted_bubble"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1), m = 4
+        assert 0 < pipeline["measured_bubble"] < 1 and pipeline["timed_steps"] == [17, 18]  # 19, 20: profiled
+        assert all(mb > 0 for mb in pipeline["peak_mem_mb_per_pp_rank"])
+        pp_rank = {rank: group.index(rank) for group in records[name]["parallel"]["groups"]["pp"] for rank in group}
+        for rank in pipeline["timeline"]:  # every micro-batch forward and backward once, in the rank's own stage
+            work = sorted((c["kind"], c["mb"]) for c in rank["chunks"] if c["kind"] != "L")
+            assert work == sorted((kind, mb) for kind in "BF" for mb in range(4))
+            assert {c["stage"] for c in rank["chunks"]} == set(pipeline["stages_of_pp_rank"][pp_rank[rank["rank"]]])
+            assert all(0 <= c["start"] <= c["end"] <= rank["span_s"] for c in rank["chunks"])
+    first_stage = lambda name: "".join(c["kind"] for c in records[name]["results"]["pipeline"]["timeline"][0]["chunks"])
+    assert first_stage("pp_gpipe") == "FFFFBBBB" and first_stage("pp") == "FFBFBFBB"  # 1F1B: 2 in flight at most
+    # the pipeline's point-to-point traffic is part of its communication
+    assert {"gloo:send", "gloo:recv"} <= set(comm["pp"]["ops_s_per_step_rank0"])
 
-    for source, target in (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp")):
+    pairs = (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp"), ("pp", "single"), ("fsdp_pp", "fsdp"),
+             ("single", "pp"), ("ddp", "tp_pp"))  # fmt: skip
+    for source, target in pairs:
         nproc, settings = LAYOUTS[target]
         config = tiny_config(f"{source}_into_{target}", **settings)
         checkpoint = complete_checkpoints(run_dir_of(configs[source]) / "checkpoints")[-1]
@@ -85,6 +111,30 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         loaded = json.loads((run_dir_of(config) / "run.json").read_text())["results"]["validation"]
         written = records[source]["results"]["validation"]
         assert loaded["tokens"] == written["tokens"] and loaded["loss"] == pytest.approx(written["loss"], rel=1e-6)
+
+
+def test_an_interleaved_pipeline_and_3d_train_like_one_process(tiny_config):
+    """Four blocks. Interleaved 1F1B on 2 ranks of 2 virtual stages each (rank 0 holds blocks 0 and 2) over 20 steps,
+    and 3D (pp 2 x dp_shard 2 x tp 2, eight ranks) over 4 steps, give the single process's losses."""
+    four = {"model__n_layers": 4}
+    single = tiny_config("single4", **four)
+    interleaved = tiny_config(
+        "interleaved", **four, parallel__pp=2, parallel__pp_schedule="interleaved_1f1b", parallel__pp_virtual_stages=2
+    )
+    three_d = tiny_config("3d", **four, parallel__pp=2, parallel__dp_shard=2, parallel__tp=2, train__max_steps=4)
+    for config, nproc in ((single, 1), (interleaved, 2), (three_d, 8)):
+        run_train(config, nproc, timeout=240)
+    reference = train_losses(run_dir_of(single))
+    assert relative_gap(train_losses(run_dir_of(interleaved)), reference) <= 1e-5
+    assert relative_gap(train_losses(run_dir_of(three_d)), reference[:4]) <= 1e-5
+    record = json.loads((run_dir_of(interleaved) / "run.json").read_text())
+    pipeline = record["results"]["pipeline"]
+    assert pipeline["stages_of_pp_rank"] == [[0, 2], [1, 3]] and pipeline["predicted_bubble"] == pytest.approx(1 / 9)
+    assert {c["stage"] for c in pipeline["timeline"][0]["chunks"]} == {0, 2}
+    three = json.loads((run_dir_of(three_d) / "run.json").read_text())
+    assert three["results"]["layout"] == "1x2x2x2" and three["results"]["strategy"] == "fsdp_tp_pp"
+    assert three["parallel"]["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert three["parallel"]["groups"]["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
@@ -110,7 +160,7 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp_sp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp_sp", "pp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads, FFN
@@ -146,6 +196,7 @@ def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_p
         (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
         ([], 2, "started with WORLD_SIZE=2, but the config sets no parallel layout"),
         (["run_dir=/proc/version/run"], 1, "run_dir /proc/version/run is not writable (Not a directory)"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "] parallel.pp_microbatches=3 does not divide the batch of 16 sequences"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, message):

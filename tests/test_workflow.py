@@ -60,14 +60,15 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 7
+    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 10
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
     launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
     assert launched == {
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
-        "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"),
+        "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
+        "3d": ("4", "4"),
     }  # fmt: skip
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
     found = re.findall(r"wildcards: experiment=(\w+).*\n(?:\s+threads: .*\n)?\s+resources: (.*)", result.stdout)
@@ -77,6 +78,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     # every training job runs in the batch shell (an "mpi" key) and starts its own srun step, which --signal reaches
     assert "nodes=1, tasks=1, mpi=, tasks_per_gpu=0, gres=gpu:4" in resources["ddp"]
     assert "gres=gpu:1" in resources["single_gpu"]
+    assert "nodes=4, tasks=4, mpi=srun, tasks_per_gpu=0, gres=gpu:4" in resources["3d"]  # 16 GPUs
     for line in resources.values():
         # whole nodes for timed jobs; no local one-training-at-a-time limit on a cluster
         assert "slurm_extra=--reservation=course --exclusive --signal=USR1@300" in line, line
@@ -102,7 +104,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     layouts = {r["experiment"]: r["layout"] for r in rows}  # dp_replicate x dp_shard x tp x pp
     assert layouts == {
         "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
-        "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1",
+        "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1", "pp": "1x1x1x2", "pp_gpipe": "1x1x1x2",
     }  # fmt: skip
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
@@ -123,7 +125,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
         for r in (json.loads(p.read_text()) for p in results.glob("runs/*/seed1/run.json"))
     )
-    assert len(spans) == 7 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert len(spans) == 9 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
@@ -133,7 +135,13 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     by_name = {r["experiment"]: r for r in rows}
     assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
     assert by_name["single_gpu"]["speedup"] == "1.0"
-    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png"):
+    # the pipelines: the bubble their schedule predicts ((pp - 1) / (m + pp - 1), m = 4) beside the measured one
+    for name, schedule in (("pp", "1f1b"), ("pp_gpipe", "gpipe")):
+        row = by_name[name]
+        assert (row["pp_schedule"], row["pp_microbatches"], row["bubble_predicted"]) == (schedule, "4", "0.2"), row
+        assert 0 < float(row["bubble_measured"]) < 1 and len(row["peak_mem_mb_per_pp_rank"].split(" / ")) == 2, row
+    assert by_name["ddp"]["pp_schedule"] == by_name["ddp"]["bubble_measured"] == ""
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png", "pipeline.png"):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]

@@ -89,12 +89,17 @@ class ParallelConfig:
     # The layout: degrees whose product is the world size, one of them may be -1 (the rest); see scalelm.parallel.dims.
     # A strategy name is a shorthand for degrees not set here: single, ddp (dp_replicate -1), fsdp (dp_shard -1),
     # hsdp (dp_replicate = nodes, dp_shard = processes per node), tp (tp -1), fsdp_tp (tp = processes per node,
-    # dp_shard -1). Nothing set: one process.
+    # dp_shard -1), pp (pp -1). Nothing set: one process.
     strategy: str | None = None
     dp_replicate: int | None = None
     dp_shard: int | None = None
     tp: int | None = None
-    pp: int | None = None  # reserved for pipeline parallelism: 1
+    pp: int | None = None  # pipeline stages: the blocks split into groups on successive ranks
+    # pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in the steady state),
+    # interleaved_1f1b (pp_virtual_stages stages per rank, a smaller bubble for more point-to-point traffic)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_microbatches: int | None = None  # pp: the pieces each replica's batch is pipelined in; None: 2 x pp
+    pp_virtual_stages: int = 1  # pp: stages per rank, 2 or more for interleaved_1f1b
     sequence_parallel: bool = False  # tp: norms, residual dropout and additions split along the sequence
     loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
     reshard_after_forward: bool = True  # fsdp: False keeps gathered weights from forward to backward (ZeRO-2)
@@ -280,6 +285,7 @@ def validate(config: Config) -> None:
         "checkpoint.every": config.checkpoint.every,
         "train.peak_tflops": config.train.peak_tflops,
         "parallel.host_reuse_below_mb": config.parallel.host_reuse_below_mb,
+        "parallel.pp_microbatches": config.parallel.pp_microbatches,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -318,12 +324,14 @@ def validate(config: Config) -> None:
         )
     # late: parallel imports torch.distributed
     from scalelm.parallel.dims import DEGREES, check_degrees, check_strategy
+    from scalelm.parallel.pipeline import check_pipeline
     from scalelm.parallel.tensor import check_tp
 
     check_strategy(config.parallel.strategy)
     check_degrees({name: getattr(config.parallel, name) for name in DEGREES})
     parallel = config.parallel
     check_tp(max(parallel.tp or 1, 1), config.model, None, parallel.loss_parallel, config.data.seq_len, parallel.sequence_parallel)
+    check_pipeline(max(parallel.pp or 1, 1), parallel, config.model)
 
 
 def dump_config(config: Config, path: str | Path) -> None:

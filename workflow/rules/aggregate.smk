@@ -48,6 +48,11 @@ rule aggregate:
             category="Utilisation",
             caption="../report/utilisation.rst",
         ),
+        pipeline=report(
+            f"{RESULTS}/pipeline.png",
+            category="Pipeline",
+            caption="../report/pipeline.rst",
+        ),
     log:
         f"{RESULTS}/logs/aggregate.log",
     conda:

@@ -97,7 +97,9 @@ class TransformerLM(nn.Module):
         self.embed = nn.Embedding(vocab_size, config.d_model)
         self.register_buffer("positions", torch.empty(config.max_seq_len, config.d_model), persistent=False)
         self.drop = Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        # keyed by index: a pipeline stage keeps its own blocks under their names (blocks.3.attn...), so every
+        # stage's checkpoint speaks the whole model's names
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.head = OutputHead(config.d_model, vocab_size)
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
@@ -122,13 +124,21 @@ class TransformerLM(nn.Module):
 
         With targets (batch, seq): the mean cross-entropy of those logits against the targets (entries equal to
         IGNORE_INDEX left out), i.e. F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).
+
+        A pipeline stage (scalelm.parallel.pipeline) lacks the parts of other stages: without the embedding it takes
+        the previous stage's hidden states instead of tokens, without the head it returns its own.
         """
-        seq = tokens.shape[1]
-        if seq > self.positions.shape[0]:
-            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
-        x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
-        for block in self.blocks:
+        if self.embed is not None:
+            seq = tokens.shape[1]
+            if seq > self.positions.shape[0]:
+                raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
+            x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
+        else:
+            x = tokens
+        for block in self.blocks.values():
             x = block(x)
+        if self.head is None:
+            return x
         x = self.norm(x)
         if self.loss_parallel:  # logits split by vocabulary; the caller runs this under torch's loss_parallel()
             logits = self.head(x)

@@ -1,4 +1,5 @@
-"""Parallelism as degrees on one device mesh (dims.py), applied to the model by functions (tensor.py, data.py).
+"""Parallelism as degrees on one device mesh (dims.py), applied to the model by functions (tensor.py, data.py,
+pipeline.py).
 
     parallel = Parallel.start(config, env)          # degrees resolved and checked, the mesh built
     model = parallel.build(lambda: TransformerLM(config.model, vocab_size), seed=config.seed)
@@ -6,17 +7,21 @@
 `build` makes the model on the meta device, applies tensor parallelism, then FSDP/HSDP, materialises only this
 rank's part, and fills it with exactly the weights a single process would have made from the seed (rank 0 builds
 them once on the CPU and each rank receives its own shards), so no rank but the first ever holds the whole model
-and every layout starts from the same point. The trainer then sees the model and a handful of hooks of `Parallel`
-(no_sync, autocast, loss_context, clip_grad_norm, ...), and never a strategy's name.
+and every layout starts from the same point. With pipeline stages it builds this rank's stages only, each
+parallelized the same way, and returns them as one module (pipeline.StageParts). The trainer then sees the model
+and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm, ...), and never a strategy's name:
+a pipeline differs only inside `forward_backward` and `forward`, where its schedule runs the micro-batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -29,6 +34,15 @@ from scalelm.parallel.data import apply_ddp, apply_fsdp
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims, degrees_of, resolve_dims
 from scalelm.parallel.env import DistEnv, all_gather_object
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
+from scalelm.parallel.pipeline import (
+    Pipeline,
+    StageParts,
+    bubble,
+    check_microbatches,
+    microbatches,
+    stage_blocks,
+    stage_part,
+)
 from scalelm.parallel.tensor import apply_tp, check_tp
 
 
@@ -51,6 +65,8 @@ class Parallel:
         self.loss_parallel = dims.tp > 1 and config.parallel.loss_parallel
         self.dp_rank = dims.dp_rank(env.rank)
         self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
+        self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        self.pipeline: Pipeline | None = None  # built with the model where pp > 1
 
     @classmethod
     def start(cls, config: Config, env: DistEnv) -> Parallel:
@@ -74,9 +90,20 @@ class Parallel:
             "name": self.name,
             "layout": self.dims.layout,
             **self.dims.to_dict(),
-            "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp")},
+            "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp"), "pp": self.dims.groups("pp")},
             "node_of_rank": [node for _, node in self.places],
+            **({"pipeline": self.pipeline.describe()} if self.pipeline else {}),
         }
+
+    @property
+    def loss_ranks(self) -> int:
+        """The ranks that compute the loss (a pipeline's last stage): what the logged loss is averaged over."""
+        return self.env.world_size // self.dims.pp
+
+    def check_batch(self, batch: int) -> None:
+        """Before training: the sequences of one forward/backward on a replica suit the layout."""
+        if self.dims.pp > 1:
+            check_microbatches(microbatches(self.config.parallel, self.dims.pp), batch)
 
     # ------------------------------------------------------------------------------------------ the model
     def build(self, make: Callable[[], nn.Module], seed: int, vocab_size: int) -> nn.Module:
@@ -96,8 +123,45 @@ class Parallel:
         if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
             torch.manual_seed(seed)
             initial = make().state_dict()
+        stage_ids = self.stage_ids()
         with torch.device("meta"):
-            model = make()
+            if stage_ids:
+                layers = stage_blocks(self.config.model.n_layers, self.num_stages)
+                parts = [stage_part(make(), layers[s], s == 0, s == self.num_stages - 1) for s in stage_ids]
+            else:
+                parts = [make()]
+        parts = [self.parallelize(part) for part in parts]
+        for part in parts:
+            part.to_empty(device=device)
+            part.init_buffers()
+        model = StageParts(parts) if stage_ids else parts[0]
+        # rank 0 sends every tensor; each rank keeps those of its own stages (hence not strict with a pipeline)
+        whole = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not stage_ids)
+        set_model_state_dict(model, initial, options=whole)
+        del initial
+        if stage_ids:
+            self.pipeline = Pipeline(
+                parts, stage_ids, self.num_stages, self.pp_group, device, options.pp_schedule,
+                microbatches(options, self.dims.pp),
+            )  # fmt: skip
+        if self.uses_ddp:
+            model = apply_ddp(model, self.mesh["dp_replicate"], device)
+        return model
+
+    @property
+    def num_stages(self) -> int:
+        return self.dims.pp * self.config.parallel.pp_virtual_stages
+
+    def stage_ids(self) -> list[int]:
+        """The pipeline stages of this rank, in order (none without a pipeline): its pp coordinate, + pp, ..."""
+        if self.dims.pp == 1:
+            return []
+        first = self.dims.coordinates(self.env.rank)["pp"]
+        return list(range(first, self.num_stages, self.dims.pp))
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Tensor parallelism, then FSDP/HSDP, on a model (or pipeline stage) still on the meta device."""
+        options, device = self.config.parallel, self.env.device
         if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
         if self.uses_fsdp:
@@ -105,17 +169,38 @@ class Parallel:
             if options.cpu_offload and device.type != "cuda":
                 raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
             model = apply_fsdp(model, dp_mesh, self.compute_dtype, options.reshard_after_forward, options.cpu_offload)
-        model.to_empty(device=device)
-        model.init_buffers()
-        set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        del initial
-        if self.uses_ddp:
-            model = apply_ddp(model, self.mesh["dp_replicate"], device)
         return model
 
     # ----------------------------------------------------------------------------------- the step's hooks
+    def forward_backward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int
+    ) -> torch.Tensor:
+        """Forward and backward of one batch for optimizer step `step`, its loss weighted by `scale`; returns that
+        weighted mean loss (zero on pipeline ranks without the last stage)."""
+        if self.pipeline is not None:
+            with self.autocast():  # the schedule runs the forwards (and backwards) inside
+                return self.pipeline.step(inputs, targets, scale, step)
+        with self.autocast():
+            # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
+            loss = model(inputs, targets) * scale
+        loss.backward()
+        return loss.detach()
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Logits for evaluation, on the ranks that compute the loss (None on a pipeline's other stages)."""
+        with self.autocast():
+            return self.pipeline.forward(inputs) if self.pipeline is not None else model(inputs)
+
+    def reduce_eval(self, totals: torch.Tensor) -> None:
+        """Sum evaluation totals over the data-parallel ranks (and from a pipeline's last stage to all)."""
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(totals, group=group)
+
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Context for micro-batches whose gradients are accumulated locally, without communication."""
+        if self.pipeline is not None:  # the schedule switches FSDP's gradient reduction itself
+            return contextlib.nullcontext()
         if self.uses_ddp:
             return model.no_sync()
         if self.uses_fsdp:
@@ -147,6 +232,10 @@ class Parallel:
             norm = torch.nn.utils.get_total_norm([p.grad for p in group])
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.env.device)
+        if self.pp_group is not None:  # each stage holds other parameters: their squares add up
+            total = total.float() ** 2
+            dist.all_reduce(total, group=self.pp_group)
+            total = total.sqrt()
         if max_norm:
             for group in groups.values():
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -164,6 +253,32 @@ class Parallel:
             "params": size(params),
             "grads": size(p.grad for p in params if p.grad is not None),
             "optimizer": size(states),
+        }
+
+    def measurements(self, skip: Callable[[int], bool], peak_mem_mb: float) -> dict:
+        """Layout-specific results for run.json (a collective): a pipeline's bubble, predicted and measured on the
+        kept steps not in `skip`, every rank's timeline of the latest such step, and the peak memory (this rank's:
+        `peak_mem_mb`) of each pipeline rank's stages."""
+        if self.pipeline is None:
+            return {}
+        steps = self.pipeline.timeline.chunks(skip)
+        peak = peak_mem_mb
+        everyone = all_gather_object({"stages": self.pipeline.stage_ids, "steps": steps, "peak_mem_mb": peak})
+        per_pp_rank: list[float | None] = [None] * self.dims.pp  # the largest of the ranks holding the same stages
+        for rank in everyone:
+            if math.isfinite(rank["peak_mem_mb"]):  # NaN: no step of this attempt was logged unprofiled
+                pp_rank = rank["stages"][0]
+                per_pp_rank[pp_rank] = max(per_pp_rank[pp_rank] or 0.0, rank["peak_mem_mb"])
+        latest = [rank["steps"][-1] if rank["steps"] else None for rank in everyone]
+        return {
+            "pipeline": {
+                **self.pipeline.describe(),
+                **bubble([rank["steps"] for rank in everyone]),
+                "timed_steps": [step["step"] for step in everyone[0]["steps"]],
+                "stages_of_pp_rank": [list(range(r, self.num_stages, self.dims.pp)) for r in range(self.dims.pp)],
+                "peak_mem_mb_per_pp_rank": per_pp_rank,
+                "timeline": [{"rank": r, **step} for r, step in enumerate(latest) if step is not None],
+            }
         }
 
     @staticmethod

@@ -32,11 +32,14 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    if model.head.weight is not model.embed.weight:  # tied weights stay together, in the root
+    # tied weights stay together, in the root; a pipeline stage holds the embedding, the head or neither
+    tied = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
+    if model.embed is not None and not tied:
         fully_shard(model.embed, **options)
+    if model.head is not None and not tied:
         # the head's backward follows its forward at once: no point in freeing its gathered weights in between
         fully_shard(model.head, **{**options, "reshard_after_forward": False})
-    for block in model.blocks:
+    for block in model.blocks.values():
         fully_shard(block, **options)
     return fully_shard(model, **options)
 

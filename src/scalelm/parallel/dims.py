@@ -5,13 +5,14 @@ A layout is four integers whose product is the world size (torchtitan's conventi
     dp_replicate  replicas that all-reduce gradients (DDP; the outer dimension of HSDP)
     dp_shard      ranks that shard parameters, gradients and optimizer state (FSDP; the inner dimension of HSDP)
     tp            ranks that split each matrix multiplication (Megatron-style tensor parallelism)
-    pp            pipeline stages (reserved: must be 1 for now)
+    pp            pipeline stages: successive groups of blocks, micro-batches handed from stage to stage
 
 At most one degree may be -1, "the rest of the world size". The strategy names of earlier configs are shorthands
 that fill in the degrees a config does not set itself: `fsdp` with `tp: 2` on 4 ranks is dp_shard 2 x tp 2.
 
 Ranks are laid out on the mesh (pp, dp_replicate, dp_shard, tp), tp innermost: torchrun numbers a node's processes
-consecutively, so a tensor-parallel group, which communicates in every layer, never leaves its node.
+consecutively, so a tensor-parallel group, which communicates in every layer, never leaves its node, and pipeline
+stages, which exchange only activations at their boundary, are the ones spread over nodes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from scalelm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # the order a layout is written in
-SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp")
+SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp")
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """FSDP applies: parameters are sharded (dp_shard > 1), or replicated by FSDP's HSDP path beside TP."""
-        return self.dp_shard > 1 or (self.tp > 1 and self.dp_replicate > 1)
+        """FSDP applies: parameters are sharded (dp_shard > 1), or replicated by FSDP's HSDP path beside TP or PP."""
+        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
 
     @property
     def layout(self) -> str:
@@ -55,7 +56,7 @@ class ParallelDims:
 
     @property
     def name(self) -> str:
-        """A readable name of the layout: single, ddp, fsdp, hsdp, tp, fsdp_tp, hsdp_tp, ddp_tp."""
+        """A readable name of the layout: single, ddp, fsdp, hsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp, ..."""
         if self.world_size == 1:
             return "single"
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}
@@ -102,6 +103,7 @@ def shorthand_degrees(strategy: str, nodes: int, procs_per_node: int) -> dict[st
         "hsdp": {"dp_replicate": nodes, "dp_shard": procs_per_node},
         "tp": {"tp": -1},
         "fsdp_tp": {"dp_shard": -1, "tp": procs_per_node},
+        "pp": {"pp": -1},
     }[strategy]
 
 
@@ -116,7 +118,7 @@ def check_strategy(strategy: str | None) -> None:
 
 
 def check_degrees(explicit: dict[str, int | None]) -> None:
-    """Checks that need no world size: each degree positive or -1, at most one -1, no pipeline yet."""
+    """Checks that need no world size: each degree positive or -1, at most one -1."""
     for name, value in explicit.items():
         if value is not None and (value == 0 or value < -1):
             raise ConfigError(f"parallel.{name} must be a positive integer or -1 (the rest of the world), got {value}")
@@ -126,8 +128,6 @@ def check_degrees(explicit: dict[str, int | None]) -> None:
             f"parallel: only one degree may be -1 (the rest of the world size), got {' and '.join(rest)} = -1; "
             "set all but one of them"
         )
-    if (explicit.get("pp") or 1) != 1:
-        raise ConfigError(f"parallel.pp={explicit['pp']}: pipeline parallelism is not available yet; set parallel.pp=1")
 
 
 def resolve_dims(
@@ -148,7 +148,7 @@ def resolve_dims(
     if strategy == "single" and world_size > 1:
         raise ConfigError(
             f"strategy 'single' runs one process, but it was started with WORLD_SIZE={world_size}; "
-            "use parallel.strategy=ddp, fsdp, hsdp, tp or fsdp_tp (or set the degrees), or start one process"
+            "use parallel.strategy=ddp, fsdp, hsdp, tp, fsdp_tp or pp (or set the degrees), or start one process"
         )
     if strategy is None and not given and world_size > 1:
         raise ConfigError(

@@ -71,7 +71,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         plan |= {"attn": gather, "ffn": gather}
         plan |= {"norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True)}
     stream = tp_mesh.get_local_rank() + 1  # 0 is the stream the TP group shares
-    for block in model.blocks:
+    for block in model.blocks.values():
         parallelize_module(block, tp_mesh, plan)
         # these dropouts act on activations split across the TP group (heads, FFN columns): each rank its own masks
         block.attn.dropout_stream = stream
@@ -80,14 +80,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             block.drop.stream = stream
 
     top = {}
-    if sequence_parallel:
+    if sequence_parallel and model.embed is not None:  # (a pipeline stage after the first has no embedding)
         # the embedding's sum is replicated: each rank keeps its part of the sequence (a slice, no communication)
         top["drop"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
-        top["norm"] = SequenceParallel(use_local_output=True)
         model.drop.stream = stream
-    if loss_parallel:
+    if sequence_parallel and model.norm is not None:
+        top["norm"] = SequenceParallel(use_local_output=True)
+    if model.head is None:  # a pipeline stage before the last
+        pass
+    elif loss_parallel:
         top["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
         model.register_forward_hook(_replicated_as_local)
     elif sequence_parallel:  # the head takes (hidden states, targets): gather the sequence of the first

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
-from scalelm.study import expectations, repeats
+from scalelm.study import expectations, pipeline, repeats
 from scalelm.study.plots import plot_losses, plot_scaling
 from scalelm.study.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.study.timing import overlapping_runs, steady_state
@@ -41,8 +41,11 @@ COLUMNS = [
     # steady state after warm-up (scalelm.study.timing), against the baseline (scalelm.study.scaling)
     "warmup_steps", "steady_intervals", "step_time_s", "step_time_s_min", "step_time_s_max", "tokens_per_s",
     "tokens_per_s_per_device", "baseline", "speedup", "scaling_efficiency", "mfu", "comm_share",
+    # pipelines (scalelm.study.pipeline): schedule, micro-batches, the bubble's share of a step
+    "pp_schedule", "pp_microbatches", "bubble_predicted", "bubble_measured",
     # memory, utilisation and isolation
-    "state_mb_per_rank", "peak_mem_mb_per_rank", "peak_reserved_mb_per_rank", "util_mean_percent", "util_min_percent",
+    "state_mb_per_rank", "peak_mem_mb_per_rank", "peak_mem_mb_per_pp_rank", "peak_reserved_mb_per_rank",
+    "util_mean_percent", "util_min_percent",
     "monitor_cpu_percent",
     "other_cpu_cores", "overlapped_by",
     "final_train_loss", "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
@@ -84,6 +87,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "mfu": steady_mfu,
         # the share of the profiled steps with a collective running (scalelm.train.comm); 0 for one process
         "comm_share": (results.get("comm") or {}).get("share"),
+        **pipeline.columns(results),
         "state_mb_per_rank": state.get("total"),
         # the profiler's records would count (scalelm.train.comm)
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
@@ -176,6 +180,7 @@ def plot(rows: list[dict[str, Any]], summaries: list[dict[str, Any]], out_dir: P
     plot_losses(rows, "time", "wall time (s)", out_dir / "loss_vs_time.png")
     plot_scaling(summaries, out_dir / "scaling.png")
     plot_utilisation(rows, out_dir / "utilisation.png")
+    pipeline.plot_pipelines(rows, out_dir / "pipeline.png")
 
 
 def mark_overlaps(rows: list[dict[str, Any]]) -> None:

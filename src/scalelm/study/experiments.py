@@ -13,6 +13,7 @@ from typing import Any
 from scalelm.config import Config, from_dict
 from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
+from scalelm.parallel.pipeline import check_microbatches, microbatches
 from scalelm.train.rundir import RunDir
 
 
@@ -46,11 +47,15 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_local_overlay(config: dict[str, Any]) -> dict[str, Any]:
-    """`local:` holds the embedded default's changes; the Slurm profile switches it off (local=null)."""
+    """`local:` holds the embedded default's changes; the Slurm profile switches it off (local=null). An experiment
+    set to null there (`experiments: {3d: null}`) is left out of the local matrix."""
     overlay = config.get("local")
     base = {k: v for k, v in config.items() if k != "local"}
     if isinstance(overlay, dict):
-        return deep_merge(base, overlay)
+        merged = deep_merge(base, overlay)
+        if isinstance(merged.get("experiments"), dict):
+            merged["experiments"] = {name: spec for name, spec in merged["experiments"].items() if spec is not None}
+        return merged
     if overlay in (None, "", "null", "none", "None", False):
         return base
     raise ConfigError(f"local: expected a mapping of settings or null, got {overlay!r}")
@@ -83,6 +88,18 @@ def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> P
         raise ConfigError(f"experiments.{name} ({nodes} x {procs_per_node} processes): {err}") from None
 
 
+def check_pipeline_batch(name: str, training: Config, dims: ParallelDims) -> None:
+    """A pipeline's micro-batches must cut each replica's batch evenly: refused here, before any job is queued."""
+    if dims.pp == 1:
+        return
+    batch = training.batch
+    global_batch = batch.size * dims.dp_size if batch.mode == "per_device" else batch.size
+    try:
+        check_microbatches(microbatches(training.parallel, dims.pp), batch.micro_size or global_batch // dims.dp_size)
+    except ConfigError as err:
+        raise ConfigError(f"experiments.{name}: {err}") from None
+
+
 def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
     experiments = config.get("experiments") or {}
     if not experiments:
@@ -96,6 +113,7 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
             run_dir = str(RunDir.of(results, name, seed).path)
             training = training_config(config, name, seed, run_dir)
             dims = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
+            check_pipeline_batch(name, training, dims)
             geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
             matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims))
     return matrix

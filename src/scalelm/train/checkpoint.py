@@ -8,8 +8,10 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step_00000420/`:
 A checkpoint is written into `step_N.partial/` and renamed when complete, so a crash mid-write never leaves
 something that looks finished. State dicts go through torch.distributed.checkpoint.state_dict, which speaks
 the same fully-qualified names for a plain, a DDP, an FSDP and a tensor-parallel model, and DCP stores every tensor
-whole (its shards with their offsets): any checkpoint loads into any layout and world size. Checkpoints of earlier
-versions (`state.pt`, one file from rank 0) still load.
+whole (its shards with their offsets): any checkpoint loads into any layout and world size. The optimizer's state
+is stored flat, its hyperparameters under each parameter's name, so that pipeline stages, which hold different
+parameters, each write and read their own (the nested form keeps one rank's list of parameter names). Checkpoints
+of earlier versions (`state.pt` from rank 0; DCP with the nested optimizer state) still load.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 from scalelm.errors import CheckpointError
 from scalelm.files import load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED_MARK = "optim.param_groups.0.lr"  # the first group's rate in the nested form, which earlier versions wrote
 
 # one process writes and reads DCP too, on purpose: no process group to warn about
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -87,7 +92,7 @@ class Checkpointer:
         barrier()
         rngs = all_gather_object(rng_state(self.env.device))
         dcp.save(
-            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=FLAT)},
             checkpoint_id=partial,
             no_dist=not is_distributed(),
         )
@@ -183,12 +188,14 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} holds neither {STATE_FILE} nor a Distributed Checkpoint (.metadata)")
     target = {"model": get_model_state_dict(model)}
+    options = None
     if optimizer is not None:
-        target["optim"] = get_optimizer_state_dict(model, optimizer)
+        options = None if NESTED_MARK in dcp.FileSystemReader(path).read_metadata().state_dict_metadata else FLAT
+        target["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())  # reshards to this layout
     set_model_state_dict(model, target["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, target["optim"])
+        set_optimizer_state_dict(model, optimizer, target["optim"], options=options)
 
 
 def read_trainer_state(path: Path) -> TrainerState:

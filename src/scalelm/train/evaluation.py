@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,7 +34,7 @@ def evaluate(
     collective: every rank runs the same number of batches) is asked between batches; when it says yes,
     StopRequested is raised on every rank."""
     rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
-    autocast = parallel.autocast if parallel else contextlib.nullcontext
+    forward = (lambda inputs: parallel.forward(model, inputs)) if parallel else model
     loss_context = parallel.loss_context if parallel else contextlib.nullcontext
     local = parallel.local_tensor if parallel else (lambda tensor: tensor)
     was_training = model.training
@@ -46,8 +45,9 @@ def evaluate(
             if should_stop is not None and should_stop():
                 raise StopRequested("stop signal during evaluation")
             inputs, targets = inputs.to(device), targets.to(device)
-            with autocast():
-                logits = model(inputs)
+            logits = forward(inputs)
+            if logits is None:  # a pipeline stage before the last: it handed its activations on
+                continue
             with loss_context():  # logits split by vocabulary (loss parallel): the loss without gathering them
                 loss = F.cross_entropy(
                     logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -56,7 +56,7 @@ def evaluate(
             totals[1] += (targets != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
-    if parallel is not None and parallel.dp_group is not None:
-        dist.all_reduce(totals, group=parallel.dp_group)
+    if parallel is not None:
+        parallel.reduce_eval(totals)
     loss = (totals[0] / totals[1]).item()
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": int(totals[1].item())}

@@ -78,6 +78,7 @@ class Trainer:
             world_size=dp_size,
             seed=config.seed,
         )
+        parallel.check_batch(self.batches.micro_batch)
         self.tokens_per_step = global_batch * config.data.seq_len
         total = config.train.epochs * self.batches.steps_per_epoch
         self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
@@ -113,6 +114,7 @@ class Trainer:
         self.peak_flops, self.peak_source = self.device_peak_flops()
         self.stop = StopFlag()
         self.state_bytes: dict[str, int] | None = None  # this rank's parameters, gradients, optimizer state
+        self.steady_peak_mb = math.nan
         # the collectives timed on the last steps (the profiler's records would distort every figure after them)
         self.comm = CommProfile(
             config.train.comm_profile_steps, self.total_steps, resumed.step if resumed else 0, env.device,
@@ -133,16 +135,13 @@ class Trainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns the step's mean loss on this rank."""
         loss_sum = torch.zeros((), device=self.env.device)
+        step = self.state.step + 1
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs = inputs.to(self.env.device, non_blocking=True)
             targets = targets.to(self.env.device, non_blocking=True)
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
-                with self.parallel.autocast():
-                    # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
-                    loss = self.model(inputs, targets) / len(micro_batches)
-                loss.backward()
-            loss_sum += loss.detach()
+                loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
         self.grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -211,8 +210,14 @@ class Trainer:
     def log_train(self, loss_acc: torch.Tensor, steps: int, elapsed: float) -> None:
         """Average the interval's loss over steps and ranks; the only host-device sync of the hot loop."""
         values = torch.stack([loss_acc / steps, self.grad_norm.detach().float().to(loss_acc.device)])
-        values = global_reduce(values) / torch.tensor([self.env.world_size, self.env.world_size], device=values.device)
+        # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
+        divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
+        values = global_reduce(values) / divisors
         peak, reserved = peak_memory_mb(self.env.device)
+        # the profiler ran in this interval (scalelm.train.comm): its time is not a steady-state figure
+        profiled = any(self.comm.covers(s) for s in range(self.state.step - steps + 1, self.state.step + 1))
+        if not profiled:
+            self.steady_peak_mb = peak  # this rank's, before the profiler's records and the final evaluation
         memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
         peak, reserved = global_reduce(memory, dist.ReduceOp.MAX).tolist()
         loss, grad_norm = values.tolist()
@@ -240,8 +245,7 @@ class Trainer:
                 "mfu": self.mfu(self.tokens_per_step / step_time),
                 "peak_mem_mb": peak,
                 "peak_reserved_mb": reserved if reserved >= 0 else None,  # CUDA's caching allocator; None on CPU
-                # the profiler ran in this interval (scalelm.train.comm): its time is not a steady-state figure
-                "profiled": any(self.comm.covers(s) for s in range(self.state.step - steps + 1, self.state.step + 1)),
+                "profiled": profiled,
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
                 "world_size": self.env.world_size,
@@ -325,6 +329,7 @@ class Trainer:
             parallel=self.parallel.describe(),
             results={
                 "state_mb_per_rank": self.state_mb_per_rank(),
+                **self.parallel.measurements(self.comm.covers, self.steady_peak_mb),
                 "comm": self.comm_summary(),
                 "strategy": self.parallel.name,
                 "layout": self.parallel.dims.layout,

@@ -1,0 +1,325 @@
+"""Pipeline parallelism over the mesh's "pp" dimension, with torch.distributed.pipelining's schedules.
+
+The model's blocks are split into `pp x pp_virtual_stages` stages, as evenly as possible (earlier stages take one
+more where they do not divide); the first stage also holds the embedding, the last the final norm, the output
+projection and the loss. Stage s runs on pipeline rank s % pp, so with virtual stages rank 0 holds stages 0 and pp
+(the interleaved schedule's loop). Each stage is the whole TransformerLM without the other stages' parts
+(`stage_part`), so tensor parallelism and FSDP apply to it unchanged, and its parameters keep the whole model's
+names (blocks.3.attn.qkv.weight): a rank's stages together (`StageParts`) are what the optimizer, clipping and
+checkpoints see, and a checkpoint of any pipeline layout loads into any other layout.
+
+A training step runs the schedule: each replica's batch is cut into `pp_microbatches` micro-batches that flow
+forward through the stages and back (`Pipeline.step`); the last stage computes the loss of each, the schedule
+divides the gradients by their number. Evaluation runs forward only, whole batches handed from stage to stage
+(`Pipeline.forward`), so every token is scored once whatever the micro-batching.
+
+While training, every rank notes when each of its stages works on which micro-batch (`StageTimeline`): the idle
+share of a step, against the bubble the schedule predicts, and the picture of one step that the report draws.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from scalelm.data.windows import IGNORE_INDEX
+from scalelm.errors import ConfigError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage may hand on, by index in a shape message
+TIMED_STEPS = 8  # the last steps whose timelines are kept
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_pipeline(pp: int, options, model) -> None:
+    """The checks a config allows before any world exists (options: ParallelConfig, model: ModelConfig)."""
+    virtual = options.pp_virtual_stages
+    if virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual_stages must be 1 or more, got {virtual}")
+    if pp == 1:
+        return
+    if options.pp_schedule == "interleaved_1f1b" and virtual < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages="
+            f"{virtual}; set it to 2 or more, or use pp_schedule 1f1b or gpipe"
+        )
+    if options.pp_schedule != "interleaved_1f1b" and virtual > 1:
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={virtual} needs parallel.pp_schedule=interleaved_1f1b "
+            f"({options.pp_schedule} runs one stage per rank); set pp_virtual_stages to 1 or change the schedule"
+        )
+    stages = pp * virtual
+    if model.n_layers < stages:
+        raise ConfigError(
+            f"model.n_layers={model.n_layers} blocks cannot fill {stages} pipeline stages (parallel.pp={pp} x "
+            f"pp_virtual_stages={virtual}); every stage needs a block: lower pp or pp_virtual_stages, or add layers"
+        )
+    if model.tie_weights:
+        raise ConfigError(
+            "model.tie_weights shares the embedding of the first pipeline stage with the output projection of the "
+            f"last, which parallel.pp={pp} places on different ranks; set model.tie_weights=false or parallel.pp=1"
+        )
+
+
+def microbatches(options, pp: int) -> int:
+    return options.pp_microbatches or 2 * pp
+
+
+def check_microbatches(count: int, batch: int) -> None:
+    """The micro-batches of a pipeline step must cut each replica's batch (of one accumulation step) evenly."""
+    if batch % count:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ConfigError(
+            f"parallel.pp_microbatches={count} does not divide the batch of {batch} sequences that each replica "
+            f"pipelines per step (batch.size, or batch.micro_size with accumulation); choose one of {divisors}"
+        )
+
+
+def stage_blocks(n_layers: int, stages: int) -> list[range]:
+    """The blocks of each stage: consecutive, as even as possible, earlier stages one more where needed."""
+    base, extra = divmod(n_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def predicted_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a step the schedule implies with equal stages and free communication: (pp - 1) slots of
+    fill and drain among the m (GPipe, 1F1B) or m x v (interleaved, each slot 1/v as long) slots of work."""
+    work = microbatches * (virtual if schedule == "interleaved_1f1b" else 1)
+    return (pp - 1) / (work + pp - 1)
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def stage_part(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
+    """`model` (a TransformerLM, best on the meta device) reduced to one stage, in place: the blocks outside
+    `blocks` removed, the embedding unless first, final norm and head unless last."""
+    for name in [n for n in model.blocks if int(n) not in blocks]:
+        del model.blocks[name]
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.head = None
+    return model
+
+
+class StageParts(nn.Module):
+    """A rank's stages as one module under the whole model's names: embed, blocks.N, norm, head (those it holds).
+    Training runs through the pipeline's schedule, not through this module."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleDict({name: block for part in parts for name, block in part.blocks.items()})
+        self.embed = parts[0].embed
+        self.norm = parts[-1].norm
+        self.head = parts[-1].head
+        self.__dict__["parts"] = parts  # not submodules: their blocks are registered above, once
+
+    def train(self, mode: bool = True) -> StageParts:
+        super().train(mode)
+        for part in self.parts:  # a stage's own dropout (after the embedding) is not among the modules above
+            part.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs through its schedule (scalelm.parallel.pipeline.Pipeline)")
+
+
+@dataclass
+class Chunk:
+    """One piece of a stage's work in a step: F forward, L loss, B backward, of micro-batch `mb`; seconds since
+    this rank's step began."""
+
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+
+
+class StageTimeline:
+    """When each of this rank's stages worked in a step. On CUDA the marks are events on the stream, read after the
+    step (no synchronisation in the hot loop); on CPU the work is done when a call returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.steps: deque[tuple[int, list]] = deque(maxlen=TIMED_STEPS)  # (step number, its start and chunks)
+        self.step_number = 0
+        self.marks: list | None = None
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, begin, mark) -> float:
+        return begin.elapsed_time(mark) / 1000 if self.cuda else mark - begin
+
+    def begin(self, step: int) -> None:
+        self.step_number = step
+        self.marks = [self.mark()]
+
+    def end(self) -> None:
+        """After the last backward chunk: the gradient reduction that follows is not pipeline work."""
+        self.steps.append((self.step_number, self.marks))
+        self.marks = None
+
+    def wrap(self, stage: int, kind: str, call: Callable, mb_of: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if self.marks is None:
+                return call(*args, **kwargs)
+            start = self.mark()
+            result = call(*args, **kwargs)
+            self.marks.append((stage, kind, mb_of(args, kwargs), start, self.mark()))
+            return result
+
+        return timed
+
+    def chunks(self, skip: Callable[[int], bool]) -> list[dict]:
+        """Every kept step not skipped: its number, its pipeline span and chunks (seconds from its start)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        result = []
+        for step, marks in self.steps:
+            if skip(step):
+                continue
+            begin, chunks = marks[0], marks[1:]
+            timed = [Chunk(s, k, mb, self.seconds(begin, a), self.seconds(begin, b)) for s, k, mb, a, b in chunks]
+            span = max((c.end for c in timed), default=0.0)
+            result.append({"step": step, "span_s": span, "chunks": [c.__dict__ for c in timed]})
+        return result
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+class Pipeline:
+    """This rank's stages, their schedule, and forward-only evaluation across stages."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        schedule: str,
+        n_microbatches: int,
+    ):
+        self.parts, self.stage_ids, self.num_stages = parts, stage_ids, num_stages
+        self.group, self.device = pp_group, device
+        self.pp = dist.get_world_size(pp_group)
+        self.schedule_name, self.n_microbatches = schedule, n_microbatches
+        self.virtual = len(parts)
+        self.holds_loss = stage_ids[-1] == num_stages - 1
+        self.scale = 1.0  # the loss's weight in the optimizer step (gradient accumulation)
+        self.timeline = StageTimeline(device)
+        stages = []
+        for part, index in zip(parts, stage_ids):
+            stage = PipelineStage(part, index, num_stages, device, group=pp_group)
+            stage.forward_one_chunk = self.timeline.wrap(index, "F", stage.forward_one_chunk, _first_arg)
+            stage.backward_one_chunk = self.timeline.wrap(index, "B", stage.backward_one_chunk, _first_arg)
+            stages.append(stage)
+        self.loss_mb = 0
+        kind = SCHEDULES[schedule]
+        self.schedule = kind(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, loss_fn=self.loss)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: the mean cross-entropy, weighted for accumulation."""
+        start = self.timeline.mark() if self.timeline.marks is not None else None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss = loss * self.scale
+        if start is not None:
+            self.timeline.marks.append((self.stage_ids[-1], "L", self.loss_mb, start, self.timeline.mark()))
+        self.loss_mb += 1
+        return loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; the mean loss of its micro-batches (times `scale`)
+        on the ranks of the last stage, zero on the others."""
+        self.scale, self.loss_mb = scale, 0
+        self.timeline.begin(step)
+        losses: list[torch.Tensor] = []
+        first = self.stage_ids[0] == 0
+        self.schedule.step(
+            *((inputs,) if first else ()),
+            target=targets if self.holds_loss else None,
+            losses=losses if self.holds_loss else None,
+            return_outputs=False,
+        )
+        self.timeline.end()
+        if not self.holds_loss:
+            return torch.zeros((), device=self.device)
+        # (from vocabulary-split logits the loss is a DTensor, replicated on the tensor-parallel group)
+        local = [loss.to_local() if isinstance(loss, DTensor) else loss for loss in losses]
+        return torch.stack([loss.detach() for loss in local]).sum() / self.n_microbatches
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The logits of a whole batch on the last stage's ranks (None elsewhere), stage after stage."""
+        x = inputs
+        for part, index in zip(self.parts, self.stage_ids):
+            if index > 0:
+                x = self._receive(index - 1)
+            x = part(x)
+            if index < self.num_stages - 1:
+                self._send(x, index + 1)
+        return x if self.holds_loss else None
+
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        peer = stage % self.pp
+        shape = torch.tensor([*tensor.shape, DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
+        dist.send(shape, group=self.group, group_dst=peer)
+        dist.send(tensor.contiguous(), group=self.group, group_dst=peer)
+
+    def _receive(self, stage: int) -> torch.Tensor:
+        peer = stage % self.pp
+        shape = torch.empty(4, dtype=torch.int64, device=self.device)
+        dist.recv(shape, group=self.group, group_src=peer)
+        *size, dtype = shape.tolist()
+        tensor = torch.empty(size, dtype=DTYPES[dtype], device=self.device)
+        dist.recv(tensor, group=self.group, group_src=peer)
+        return tensor
+
+    def describe(self) -> dict:
+        return {
+            "schedule": self.schedule_name,
+            "microbatches": self.n_microbatches,
+            "virtual_stages": self.virtual,
+            "stages": self.num_stages,
+            "predicted_bubble": predicted_bubble(self.schedule_name, self.pp, self.n_microbatches, self.virtual),
+        }
+
+
+def _first_arg(args, kwargs):
+    return args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+
+
+def bubble(timelines: list[list[dict]]) -> dict:
+    """The measured idle share from every rank's kept steps (lists of StageTimeline.chunks): per rank, the time
+    within its pipeline span (from its step's start to its last backward) in which none of its stages worked,
+    averaged over steps; the mean and largest over ranks."""
+    per_rank = []
+    for steps in timelines:
+        shares = []
+        for step in steps:
+            busy = sum(c["end"] - c["start"] for c in step["chunks"])
+            shares.append(1.0 - busy / step["span_s"] if step["span_s"] > 0 else 0.0)
+        per_rank.append(sum(shares) / len(shares) if shares else None)
+    measured = [s for s in per_rank if s is not None]
+    return {
+        "measured_bubble": sum(measured) / len(measured) if measured else None,
+        "measured_bubble_max": max(measured) if measured else None,
+        "idle_share_per_rank": per_rank,
+    }
