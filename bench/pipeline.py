@@ -1,7 +1,7 @@
 """Pipeline schedules against the number of micro-batches: speed, the bubble predicted and measured, memory per stage.
 
     python bench/pipeline.py [--model m59] [--microbatches 2,4,8] [--schedules gpipe,1f1b,interleaved_1f1b]
-                             [--steps 4] [--warmup 2] [--json FILE]
+                             [--batch 8] [--steps 4] [--warmup 2] [--json FILE]
 
 Two ranks (pp 2; the interleaved schedule with 2 virtual stages each), each run alone through the real entry point
 as bench/layouts.py runs it (random tokens of WikiText-2's vocabulary, one thread per process), with the same batch
@@ -64,18 +64,19 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per replica and step")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir, prepared = Path(tmp), make_prepared(Path(tmp) / "prepared")
-        reference = run_layout(args.model, "single", prepared, workdir, args.warmup, args.steps, batch=BATCH)
+        reference = run_layout(args.model, "single", prepared, workdir, args.warmup, args.steps, batch=args.batch)
         print(f"single: {reference['tokens_per_s']:,.0f} tok/s", flush=True)
         for schedule in args.schedules.split(","):
             for m in map(int, args.microbatches.split(",")):
                 name = f"{schedule}-{m}"
                 layout = pipeline_layout(schedule, m)
-                rows.append(run_layout(args.model, name, prepared, workdir, args.warmup, args.steps, layout, BATCH))
+                rows.append(run_layout(args.model, name, prepared, workdir, args.warmup, args.steps, layout, args.batch))
                 p = rows[-1]["pipeline"]
                 print(
                     f"{name:20} {rows[-1]['tokens_per_s']:7,.0f} tok/s  bubble predicted {share(p['predicted_bubble'])}"

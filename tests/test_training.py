@@ -87,7 +87,7 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     for name in ("pp", "pp_gpipe", "fsdp_pp", "tp_pp"):
         pipeline = records[name]["results"]["pipeline"]
         assert pipeline["predicted_bubble"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1), m = 4
-        assert 0 < pipeline["measured_bubble"] < 1 and pipeline["timed_steps"] == [17, 18]  # 19, 20: profiled
+        assert 0 < pipeline["measured_bubble"] < 1 and pipeline["timed_steps"] == list(range(13, 19))  # 19, 20: profiled
         assert all(mb > 0 for mb in pipeline["peak_mem_mb_per_pp_rank"])
         pp_rank = {rank: group.index(rank) for group in records[name]["parallel"]["groups"]["pp"] for rank in group}
         for rank in pipeline["timeline"]:  # every micro-batch forward and backward once, in the rank's own stage

@@ -13,8 +13,9 @@ forward through the stages and back (`Pipeline.step`); the last stage computes t
 divides the gradients by their number. Evaluation runs forward only, whole batches handed from stage to stage
 (`Pipeline.forward`), so every token is scored once whatever the micro-batching.
 
-While training, every rank notes when each of its stages works on which micro-batch (`StageTimeline`): the idle
-share of a step, against the bubble the schedule predicts, and the picture of one step that the report draws.
+While training, every rank notes when each of its stages works on which micro-batch (`StageTimeline`, the last
+TIMED_STEPS steps but an attempt's first): the idle share of a step, against the bubble the schedule predicts, and
+the picture of one step that the report draws.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ class Pipeline:
         self.virtual = len(parts)
         self.holds_loss = stage_ids[-1] == num_stages - 1
         self.scale = 1.0  # the loss's weight in the optimizer step (gradient accumulation)
+        self.steps_run = 0
         self.timeline = StageTimeline(device)
         stages = []
         for part, index in zip(parts, stage_ids):
@@ -249,7 +251,9 @@ class Pipeline:
         """Forward and backward of one batch through every stage; the mean loss of its micro-batches (times `scale`)
         on the ranks of the last stage, zero on the others."""
         self.scale, self.loss_mb = scale, 0
-        self.timeline.begin(step)
+        timed = self.steps_run > 0  # an attempt's first step also infers every stage's shapes: not timed
+        if timed:
+            self.timeline.begin(step)
         losses: list[torch.Tensor] = []
         first = self.stage_ids[0] == 0
         self.schedule.step(
@@ -258,7 +262,9 @@ class Pipeline:
             losses=losses if self.holds_loss else None,
             return_outputs=False,
         )
-        self.timeline.end()
+        if timed:
+            self.timeline.end()
+        self.steps_run += 1
         if not self.holds_loss:
             return torch.zeros((), device=self.device)
         # (from vocabulary-split logits the loss is a DTensor, replicated on the tensor-parallel group)
