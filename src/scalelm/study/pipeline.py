@@ -21,8 +21,9 @@ def columns(results: dict[str, Any]) -> dict[str, Any]:
         return {"pp_schedule": "", "pp_microbatches": None, "bubble_predicted": None, "bubble_measured": None,
                 "peak_mem_mb_per_pp_rank": ""}  # fmt: skip
     peaks = pipeline.get("peak_mem_mb_per_pp_rank") or []
+    virtual = pipeline["virtual_stages"]
     return {
-        "pp_schedule": pipeline["schedule"] + (f" x{pipeline['virtual_stages']}" if pipeline["virtual_stages"] > 1 else ""),
+        "pp_schedule": pipeline["schedule"] + (f" x{virtual}" if virtual > 1 else ""),  # virtual stages per rank
         "pp_microbatches": pipeline["microbatches"],
         "bubble_predicted": pipeline["predicted_bubble"],
         "bubble_measured": pipeline["measured_bubble"],
