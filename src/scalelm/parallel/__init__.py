@@ -262,8 +262,7 @@ class Parallel:
         if self.pipeline is None:
             return {}
         steps = self.pipeline.timeline.chunks(skip)
-        peak = peak_mem_mb
-        everyone = all_gather_object({"stages": self.pipeline.stage_ids, "steps": steps, "peak_mem_mb": peak})
+        everyone = all_gather_object({"stages": self.pipeline.stage_ids, "steps": steps, "peak_mem_mb": peak_mem_mb})
         per_pp_rank: list[float | None] = [None] * self.dims.pp  # the largest of the ranks holding the same stages
         for rank in everyone:
             if math.isfinite(rank["peak_mem_mb"]):  # NaN: no step of this attempt was logged unprofiled
