@@ -59,6 +59,11 @@ class BatchConfig:
     micro_size: int | None = None  # per-device micro-batch; smaller than the per-device share -> accumulation
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # per_device mode: scale lr with the world size
 
+    def sizes(self, dp_size: int) -> tuple[int, int]:
+        """(global batch, sequences per forward/backward on a data-parallel rank) for `dp_size` ranks."""
+        global_batch = self.size * dp_size if self.mode == "per_device" else self.size
+        return global_batch, self.micro_size or global_batch // dp_size
+
 
 @dataclass
 class TrainConfig:

@@ -153,11 +153,12 @@ class Parallel:
         return self.dims.pp * self.config.parallel.pp_virtual_stages
 
     def stage_ids(self) -> list[int]:
-        """The pipeline stages of this rank, in order (none without a pipeline): its pp coordinate, + pp, ..."""
-        if self.dims.pp == 1:
-            return []
-        first = self.dims.coordinates(self.env.rank)["pp"]
-        return list(range(first, self.num_stages, self.dims.pp))
+        """The pipeline stages of this rank, in order (none without a pipeline)."""
+        return self.stages_of(self.dims.coordinates(self.env.rank)["pp"]) if self.dims.pp > 1 else []
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages of pipeline rank `pp_rank`: itself, + pp, ... (the interleaved schedule's loop)."""
+        return list(range(pp_rank, self.num_stages, self.dims.pp))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism, then FSDP/HSDP, on a model (or pipeline stage) still on the meta device."""
@@ -274,7 +275,7 @@ class Parallel:
                 **self.pipeline.describe(),
                 **bubble([rank["steps"] for rank in everyone]),
                 "timed_steps": [step["step"] for step in everyone[0]["steps"]],
-                "stages_of_pp_rank": [list(range(r, self.num_stages, self.dims.pp)) for r in range(self.dims.pp)],
+                "stages_of_pp_rank": [self.stages_of(r) for r in range(self.dims.pp)],
                 "peak_mem_mb_per_pp_rank": per_pp_rank,
                 "timeline": [{"rank": r, **step} for r, step in enumerate(latest) if step is not None],
             }

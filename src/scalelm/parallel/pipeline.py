@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -137,18 +136,6 @@ class StageParts(nn.Module):
         raise RuntimeError("a pipeline stage runs through its schedule (scalelm.parallel.pipeline.Pipeline)")
 
 
-@dataclass
-class Chunk:
-    """One piece of a stage's work in a step: F forward, L loss, B backward, of micro-batch `mb`; seconds since
-    this rank's step began."""
-
-    stage: int
-    kind: str
-    mb: int
-    start: float
-    end: float
-
-
 class StageTimeline:
     """When each of this rank's stages worked in a step. On CUDA the marks are events on the stream, read after the
     step (no synchronisation in the hot loop); on CPU the work is done when a call returns."""
@@ -178,19 +165,24 @@ class StageTimeline:
         self.steps.append((self.step_number, self.marks))
         self.marks = None
 
-    def wrap(self, stage: int, kind: str, call: Callable, mb_of: Callable) -> Callable:
+    def wrap(self, stage: int, kind: str, call: Callable) -> Callable:
+        """`call`, timed in the steps this timeline records; its micro-batch: the first argument (the schedule's
+        chunk id) or, for the loss, which has none, the count of losses so far in the step."""
+
         def timed(*args, **kwargs):
             if self.marks is None:
                 return call(*args, **kwargs)
             start = self.mark()
             result = call(*args, **kwargs)
-            self.marks.append((stage, kind, mb_of(args, kwargs), start, self.mark()))
+            mb = args[0] if kind != "L" else sum(mark[1] == "L" for mark in self.marks[1:])
+            self.marks.append((stage, kind, mb, start, self.mark()))
             return result
 
         return timed
 
     def chunks(self, skip: Callable[[int], bool]) -> list[dict]:
-        """Every kept step not skipped: its number, its pipeline span and chunks (seconds from its start)."""
+        """Every kept step not skipped: its number, its pipeline span and chunks, each one piece of a stage's work
+        (kind F forward, L loss, B backward, of micro-batch `mb`; start and end in seconds since the step began)."""
         if self.cuda:
             torch.cuda.synchronize()
         result = []
@@ -198,9 +190,12 @@ class StageTimeline:
             if skip(step):
                 continue
             begin, chunks = marks[0], marks[1:]
-            timed = [Chunk(s, k, mb, self.seconds(begin, a), self.seconds(begin, b)) for s, k, mb, a, b in chunks]
-            span = max((c.end for c in timed), default=0.0)
-            result.append({"step": step, "span_s": span, "chunks": [c.__dict__ for c in timed]})
+            timed = [
+                {"stage": s, "kind": k, "mb": mb, "start": self.seconds(begin, a), "end": self.seconds(begin, b)}
+                for s, k, mb, a, b in chunks
+            ]
+            span = max((c["end"] for c in timed), default=0.0)
+            result.append({"step": step, "span_s": span, "chunks": timed})
         return result
 
 
@@ -230,27 +225,22 @@ class Pipeline:
         stages = []
         for part, index in zip(parts, stage_ids):
             stage = PipelineStage(part, index, num_stages, device, group=pp_group)
-            stage.forward_one_chunk = self.timeline.wrap(index, "F", stage.forward_one_chunk, _first_arg)
-            stage.backward_one_chunk = self.timeline.wrap(index, "B", stage.backward_one_chunk, _first_arg)
+            stage.forward_one_chunk = self.timeline.wrap(index, "F", stage.forward_one_chunk)
+            stage.backward_one_chunk = self.timeline.wrap(index, "B", stage.backward_one_chunk)
             stages.append(stage)
-        self.loss_mb = 0
         kind = SCHEDULES[schedule]
-        self.schedule = kind(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, loss_fn=self.loss)
+        loss = self.timeline.wrap(stage_ids[-1], "L", self.loss)
+        self.schedule = kind(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, loss_fn=loss)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: the mean cross-entropy, weighted for accumulation."""
-        start = self.timeline.mark() if self.timeline.marks is not None else None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        loss = loss * self.scale
-        if start is not None:
-            self.timeline.marks.append((self.stage_ids[-1], "L", self.loss_mb, start, self.timeline.mark()))
-        self.loss_mb += 1
-        return loss
+        return loss * self.scale
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int) -> torch.Tensor:
         """Forward and backward of one batch through every stage; the mean loss of its micro-batches (times `scale`)
         on the ranks of the last stage, zero on the others."""
-        self.scale, self.loss_mb = scale, 0
+        self.scale = scale
         timed = self.steps_run > 0  # an attempt's first step also infers every stage's shapes: not timed
         if timed:
             self.timeline.begin(step)
@@ -306,10 +296,6 @@ class Pipeline:
             "stages": self.num_stages,
             "predicted_bubble": predicted_bubble(self.schedule_name, self.pp, self.n_microbatches, self.virtual),
         }
-
-
-def _first_arg(args, kwargs):
-    return args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
 
 
 def bubble(timelines: list[list[dict]]) -> dict:

@@ -92,10 +92,9 @@ def check_pipeline_batch(name: str, training: Config, dims: ParallelDims) -> Non
     """A pipeline's micro-batches must cut each replica's batch evenly: refused here, before any job is queued."""
     if dims.pp == 1:
         return
-    batch = training.batch
-    global_batch = batch.size * dims.dp_size if batch.mode == "per_device" else batch.size
+    _, per_replica = training.batch.sizes(dims.dp_size)
     try:
-        check_microbatches(microbatches(training.parallel, dims.pp), batch.micro_size or global_batch // dims.dp_size)
+        check_microbatches(microbatches(training.parallel, dims.pp), per_replica)
     except ConfigError as err:
         raise ConfigError(f"experiments.{name}: {err}") from None
 

@@ -66,14 +66,13 @@ class Trainer:
 
         # Each data-parallel rank takes its share of the global batch; the ranks of a TP group share theirs.
         dp_size = parallel.dims.dp_size
-        per_device = config.batch.mode == "per_device"
-        global_batch = config.batch.size * dp_size if per_device else config.batch.size
+        global_batch, micro_batch = config.batch.sizes(dp_size)
         self.batches = TrainBatches(
             tokens=data.splits["train"],
             seq_len=config.data.seq_len,
             stride=config.data.stride or config.data.seq_len,
             global_batch=global_batch,
-            micro_batch=config.batch.micro_size or global_batch // dp_size,
+            micro_batch=micro_batch,
             rank=parallel.dp_rank,
             world_size=dp_size,
             seed=config.seed,
