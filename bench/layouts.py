@@ -10,6 +10,7 @@ as the course compares), and reports from the run's own records:
 - tokens/s (total and per device): tokens over the timed steps' time, after `--warmup` steps;
 - per-rank state: the exact bytes of the largest rank's parameters, gradients and optimizer state;
 - per-rank peak: the largest rank's peak RSS on CPU (max allocated on CUDA);
+- beside both, in brackets, what scalelm.plan predicts for the layout from the shapes alone;
 - communication share: the share of two more steps, run under the profiler after the timed ones, during which a
   collective ran (scalelm.train.comm).
 
@@ -35,9 +36,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
 
+from scalelm.config import ModelConfig  # noqa: E402
 from scalelm.model import count_parameters, flops_per_token  # noqa: E402
 from scalelm.model.transformer import TransformerLM  # noqa: E402
-from scalelm.config import ModelConfig  # noqa: E402
 from scalelm.parallel.hostmemory import with_huge_pages  # noqa: E402
 
 VOCAB = 33_278
@@ -104,6 +105,7 @@ def run_layout(
         "tokens_per_s": tokens / seconds,
         "tokens_per_s_per_device": tokens / seconds / nproc,
         "state_mb_per_rank": state,
+        "plan_mb_per_rank": record["results"]["plan_mb_per_rank"],  # scalelm.plan's figures for the same layout
         "peak_mb_per_rank": max(m["peak_mem_mb"] for m in lines if m["kind"] == "train" and not m["profiled"]),
         "comm_share": (record["results"]["comm"] or {}).get("share"),
         "final_loss": timed[-1]["loss"],
@@ -116,13 +118,14 @@ def percent(share: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank | peak MiB/rank "
-    lines = [head + "| comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank (planned) "
+    lines = [head + "| peak MiB/rank (planned) | comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        plan = r["plan_mb_per_rank"]
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.0f} | "
-            f"{r['peak_mb_per_rank']:,.0f} | {percent(r['comm_share'])} |"
+            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.1f} ({plan['state']:,.1f}) | "
+            f"{r['peak_mb_per_rank']:,.0f} ({plan['total']:,.0f}) | {percent(r['comm_share'])} |"
         )
     return "\n".join(lines)
 

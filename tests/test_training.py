@@ -82,6 +82,11 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     state = {name: records[name]["results"]["state_mb_per_rank"]["total"] for name in ("single", "ddp", "fsdp")}
     assert state["single"] == pytest.approx(parameters * 4 * 4 / 2**20, rel=1e-12) and state["ddp"] == state["single"]
     assert state["fsdp"] == pytest.approx(state["single"] / 2, rel=0.01)
+    # scalelm.plan's state bytes, from the shapes alone, against those measured on every layout
+    for name, record in records.items():
+        planned, measured = record["results"]["plan_mb_per_rank"], record["results"]["state_mb_per_rank"]
+        assert planned["state"] == pytest.approx(measured["total"], rel=0.05), name
+        assert planned["total"] > planned["state"] and planned["activations"] > 0, name
     # a pipeline: its groups, the bubble its schedule predicts beside the one measured, one step's timeline
     assert records["fsdp_pp"]["parallel"]["groups"]["pp"] == [[0, 2], [1, 3]]
     for name in ("pp", "pp_gpipe", "fsdp_pp", "tp_pp"):

@@ -60,7 +60,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 10
+    assert jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 10  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
@@ -95,7 +95,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         training["checkpoint"]["every"] = 6
 
     edit_yaml(project / "config/local.yaml", faster)
-    first = snakemake(project)
+    first = snakemake(project, "all", "preflight")  # the matrix, and the wiring check of every layout
     assert first.returncode == 0, first.stderr[-5000:]
 
     results = project / "results/local"
@@ -120,12 +120,24 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert 0 < float(row["mfu"]) < 1 and row["overlapped_by"] == "", row
         assert (float(row["comm_share"]) == 0) == (row["world_size"] == "1"), row  # collectives in every layout
         assert row["peak_reserved_mb_per_rank"] == ""  # CUDA's caching allocator only
+        # scalelm.plan's state bytes beside the measured ones (the same to 5%), its peak an estimate beside them
+        assert float(row["planned_state_mb_per_rank"]) == pytest.approx(float(row["state_mb_per_rank"]), rel=0.05), row
+        assert float(row["planned_peak_mb_per_rank"]) > float(row["planned_state_mb_per_rank"]), row
+    # the plan of every run, written before its training (a site with GPU memory would refuse one that cannot fit)
+    for run in results.glob("runs/*/seed1"):
+        plan = json.loads((run / "plan.json").read_text())
+        assert plan["device"] == "cpu" and plan["fits"] is None and plan["total_bytes"] > 0, run
+    # the wiring check: every layout's first steps on a data slice, without dropout, against one process
+    with (results / "preflight/preflight.csv").open() as handle:
+        checked = {r["experiment"]: r for r in csv.DictReader(handle)}
+    assert set(checked) == set(layouts) and all(r["matches"] == "True" and r["steps"] == "3" for r in checked.values())
+    assert {r["layout"] for r in checked.values()} == set(layouts.values())
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
     spans = sorted(
         (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
-        for r in (json.loads(p.read_text()) for p in results.glob("runs/*/seed1/run.json"))
+        for r in (json.loads(p.read_text()) for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")])
     )
-    assert len(spans) == 9 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert len(spans) == 9 + 10 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 10: the preflight's
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
@@ -161,7 +173,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     stamps = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
     edit_yaml(project / "config/local.yaml", lambda c: c["local"].setdefault("experiments", {}).setdefault("fsdp", {}).update(training={"optim": {"lr": 1e-3}}))
     plan = snakemake(project, "-n")
-    assert planned_jobs(plan) == {"train_config": 1, "train": 1, "consolidate": 1, "evaluate": 1, "aggregate": 1, "all": 1}, plan.stdout
+    assert planned_jobs(plan) == {"train_config": 1, "plan": 1, "train": 1, "consolidate": 1, "evaluate": 1, "aggregate": 1, "all": 1}, plan.stdout
     planned = set(re.findall(r"wildcards: experiment=(\w+)", plan.stdout))
     assert planned == {"fsdp"}, plan.stdout
     rerun = snakemake(project)

@@ -21,6 +21,7 @@ rule train:
     input:
         config=rules.train_config.output,
         data=rules.prepare.output,
+        plan=rules.plan.output,  # refused there if it cannot fit the site's GPUs
         image=image_input,
     output:
         str(RUN.record),

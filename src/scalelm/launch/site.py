@@ -19,6 +19,7 @@ class SiteConfig:
     qos: str | None = None  # sbatch --qos
     constraint: str | None = None  # sbatch --constraint
     gpus_per_node: int = 0  # 0: CPU-only nodes; else each node's GPUs, one per process (gres gpu:<processes>)
+    gpu_memory_gb: float | None = None  # one GPU's memory (GB, 1e9 bytes): experiments are planned against it
     host_suffix: str = ""  # appended to the first node's name for the rendezvous (JSC: "i", InfiniBand names)
     network_interface: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
     port_range: tuple[int, int] = (29500, 29999)  # rendezvous port = low + job id mod size
@@ -29,6 +30,8 @@ class SiteConfig:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
             raise ConfigError(f"gpus_per_node must be 0 (CPU nodes) or positive, got {self.gpus_per_node}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"gpu_memory_gb must be one GPU's memory in GB or null, got {self.gpu_memory_gb}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"peak_tflops must be one GPU's positive dense TFLOP/s or null, got {self.peak_tflops}")
         low, high = self.port_range

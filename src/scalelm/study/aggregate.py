@@ -43,8 +43,10 @@ COLUMNS = [
     "tokens_per_s_per_device", "baseline", "speedup", "scaling_efficiency", "mfu", "comm_share",
     # pipelines (scalelm.study.pipeline): schedule, micro-batches, the bubble's share of a step
     "pp_schedule", "pp_microbatches", "bubble_predicted", "bubble_measured",
-    # memory, utilisation and isolation
-    "state_mb_per_rank", "peak_mem_mb_per_rank", "peak_mem_mb_per_pp_rank", "peak_reserved_mb_per_rank",
+    # memory: measured beside what scalelm.plan predicts for the layout (state exact; peak an upper estimate)
+    "state_mb_per_rank", "planned_state_mb_per_rank", "peak_mem_mb_per_rank", "planned_peak_mb_per_rank",
+    "peak_mem_mb_per_pp_rank", "peak_reserved_mb_per_rank",
+    # utilisation and isolation
     "util_mean_percent", "util_min_percent",
     "monitor_cpu_percent",
     "other_cpu_cores", "overlapped_by",
@@ -65,6 +67,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     unprofiled = [m for m in train if not m.get("profiled")] or train
     steady = steady_state(train, warmup_steps)
     state = results.get("state_mb_per_rank") or {}
+    plan = results.get("plan_mb_per_rank") or {}  # absent in runs from before scalelm.plan
     peak = results.get("peak_flops_per_device")  # absent in runs from before MFU was recorded
     steady_mfu = None
     if peak and steady:
@@ -89,6 +92,8 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "comm_share": (results.get("comm") or {}).get("share"),
         **pipeline.columns(results),
         "state_mb_per_rank": state.get("total"),
+        "planned_state_mb_per_rank": plan.get("state"),
+        "planned_peak_mb_per_rank": plan.get("total"),
         # the profiler's records would count (scalelm.train.comm)
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
         "peak_reserved_mb_per_rank": max(

@@ -26,10 +26,16 @@ class Experiment:
     seed: int
     training: dict[str, Any] = field(compare=False, hash=False)  # resolved training settings (scalelm.config)
     dims: ParallelDims = field(default_factory=ParallelDims, compare=False, hash=False)  # the resolved layout
+    check_memory: bool = field(default=True, compare=False)  # refused before the queue if it cannot fit (plan)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def geometry(self) -> str:
+        """Nodes x processes per node, and the layout on them."""
+        return f"{self.nodes}x{self.procs_per_node} {self.dims.layout}"
 
     @property
     def key(self) -> str:
@@ -105,6 +111,8 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
         raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
     matrix = []
     for name, spec in experiments.items():
+        if not isinstance(spec.get("check_memory", True), bool):
+            raise ConfigError(f"experiments.{name}.check_memory must be true or false, got {spec['check_memory']!r}")
         for key in ("nodes", "procs_per_node"):
             if not isinstance(spec.get(key), int) or isinstance(spec.get(key), bool) or spec[key] <= 0:
                 raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
@@ -114,5 +122,5 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
             dims = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
             check_pipeline_batch(name, training, dims)
             geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
-            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims))
+            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims, spec.get("check_memory", True)))
     return matrix

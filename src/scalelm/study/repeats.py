@@ -17,7 +17,7 @@ STATISTICS = (
 # the same in every seed of an experiment
 SHARED = (
     "experiment", "strategy", "layout", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
-    "global_batch_tokens", "scaling", "baseline",
+    "global_batch_tokens", "scaling", "baseline", "planned_state_mb_per_rank", "planned_peak_mb_per_rank",
 )  # fmt: skip
 SPREAD = ("mean", "std", "min", "max")
 COLUMNS = [*SHARED, "seeds", *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]

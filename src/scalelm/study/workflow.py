@@ -6,6 +6,7 @@ value a rule needs (its job's arguments and resources). workflow/rules/*.smk onl
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 from typing import Any
@@ -14,6 +15,7 @@ from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime
 from scalelm.launch.site import load_site
 from scalelm.launch.slurm import check_node_counts
+from scalelm.study import preflight
 from scalelm.study.expectations import parse_expectations, to_arguments
 from scalelm.study.experiments import Experiment, load_matrix
 from scalelm.study.scaling import choose_baseline
@@ -61,6 +63,28 @@ class Study:
     @property
     def runs(self) -> list[RunDir]:
         return [RunDir.of(self.results, e.name, e.seed) for e in self.matrix.values()]
+
+    # ----------------------------------------------------------------------------------- before the queue
+    def write_plan(self, wildcards, prepared_dir: str, out: str) -> None:
+        """The experiment's memory plan on the site's GPUs; an experiment that cannot fit is refused (rule plan)."""
+        preflight.write_plan(self.experiment(wildcards), self.site, prepared_dir, out)
+
+    @functools.cached_property
+    def preflight(self) -> dict[str, dict[str, Any]]:
+        """The wiring check's runs (scalelm.study.preflight.preflight_runs), by name."""
+        return preflight.preflight_runs(list(self.matrix.values()), self.results)
+
+    def preflight_tokens(self) -> int:
+        """Tokens per split of the preflight's data slice: every step's batch, and one more window to spare."""
+        runs = [run["settings"] for run in self.preflight.values()]
+        return max((preflight.PREFLIGHT_STEPS + 1) * s["batch"]["size"] * s["data"]["seq_len"] + 1 for s in runs)
+
+    def preflight_args(self) -> str:
+        """`compare`'s arguments: each experiment's run directory with its reference's."""
+        run_dir = {name: run["settings"]["run_dir"] for name, run in self.preflight.items()}
+        pairs = [f"{name}={run_dir[name]}:{run_dir[run['reference']]}" for name, run in self.preflight.items()
+                 if run["reference"]]  # fmt: skip
+        return shlex.join([arg for pair in pairs for arg in ("--run", pair)])
 
     # ------------------------------------------------------------------------------ command arguments
     def prefetch_args(self) -> str:

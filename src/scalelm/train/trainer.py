@@ -29,6 +29,7 @@ from scalelm.files import atomic_write_text
 from scalelm.model import TransformerLM, flops_per_token
 from scalelm.parallel import Parallel
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
+from scalelm.plan.memory import Workload, plan_memory
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
 from scalelm.train.comm import CommProfile
@@ -85,6 +86,7 @@ class Trainer:
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.shape = model_shape(config, data.vocab_size)
+        self.workload = Workload(config, data.vocab_size, self.env.device.type)
         # the initial weights of a single process with this seed, whatever the layout
         self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed, data.vocab_size)
         # dropout: distinct masks per data-parallel rank, the same within a TP group (its activations are replicated)
@@ -328,6 +330,8 @@ class Trainer:
             parallel=self.parallel.describe(),
             results={
                 "state_mb_per_rank": self.state_mb_per_rank(),
+                # scalelm.plan's figures for this layout, the measured ones' reference (MiB, the fullest rank)
+                "plan_mb_per_rank": plan_memory(self.workload, self.parallel.dims).mb(),
                 **self.parallel.measurements(self.comm.covers, self.steady_peak_mb),
                 "comm": self.comm_summary(),
                 "strategy": self.parallel.name,

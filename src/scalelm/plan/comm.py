@@ -1,0 +1,93 @@
+"""The bytes one GPU sends per optimizer step under a layout, collective by collective, and the link that carries them.
+
+Ring algorithms, as NCCL runs them for large messages; n is the group's size, B a message's bytes:
+
+    all-reduce       2 (n - 1)/n B      DDP's gradients (fp32); HSDP's gradient shards across the replicas
+    all-gather       (n - 1)/n B        FSDP's weights before a unit's forward, and again before its backward
+                                        unless reshard_after_forward is off (in the compute precision)
+    reduce-scatter   (n - 1)/n B        FSDP's gradients (fp32), once per step (accumulation skips the others)
+    TP all-reduce    2 (n - 1)/n B      per block, two forward (after attention, after the FFN) and two backward,
+                                        B = tokens x d_model in the compute precision; with sequence parallelism the
+                                        same bytes as a reduce-scatter and an all-gather each
+    send/recv        B                  a pipeline stage's activations forward and their gradients back,
+                                        B = micro-batch tokens x d_model, per micro-batch and stage boundary
+
+The link is the slowest one a group's ranks span: within a node (NVLink, PCIe) or across nodes (the network), from
+where the mesh puts the ranks (scalelm.parallel.dims: tp innermost, pp outermost). Small collectives (the gradient
+norm, the loss, tensor parallelism's replicated norms) are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.pipeline import microbatches
+from scalelm.plan.memory import Workload, rank_tensors
+
+INTRA, INTER = "intra-node", "inter-node"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    collective: str
+    dim: str  # the mesh dimension whose groups run it
+    bytes: int  # sent by one GPU per optimizer step
+    link: str  # INTRA or INTER
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def link(dims: ParallelDims, dim: str, gpus_per_node: int) -> str:
+    """Whether every group along `dim` stays on one node when ranks fill nodes of `gpus_per_node` in order."""
+    spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in dims.groups(dim))
+    return INTER if spans else INTRA
+
+
+def ring(n: int, payload: float, reduce: bool = False) -> int:
+    return int((2 if reduce else 1) * (n - 1) / n * payload)
+
+
+def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traffic]:
+    """What one GPU (of the pipeline rank holding the most parameters) sends per step."""
+    config = work.config
+    options, d, e = config.parallel, config.model.d_model, work.compute_bytes
+    global_batch, micro = config.batch.sizes(dims.dp_size)
+    per_rank_batch = global_batch // dims.dp_size
+    accumulation = max(1, per_rank_batch // micro)
+    chunks = microbatches(options, dims.pp) if dims.pp > 1 else 1
+    passes = accumulation * chunks  # forward passes per step
+    tensors = max(rank_tensors(work, dims), key=lambda held: sum(t.numel(dims.tp) for t in held))
+    params = sum(t.numel(dims.tp) for t in tensors)  # this rank's parameters before FSDP cuts them
+    head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head")  # never resharded between forward and backward
+    param_bytes = 2 if work.precision == "bf16" else 4
+    out = []
+
+    def add(collective: str, dim: str, size: float) -> None:
+        if size > 0:
+            out.append(Traffic(collective, dim, int(size), link(dims, dim, gpus_per_node)))
+
+    if dims.sharded:
+        shard, replicas = dims.dp_shard, dims.dp_replicate
+        add("all-gather weights (FSDP forward)", "dp_shard", passes * ring(shard, params * param_bytes))
+        if options.reshard_after_forward:
+            add("all-gather weights (FSDP backward)", "dp_shard", passes * ring(shard, (params - head) * param_bytes))
+        add("reduce-scatter gradients (FSDP)", "dp_shard", ring(shard, params * 4))
+        add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", ring(replicas, -(-params // shard) * 4, True))
+    elif dims.dp_replicate > 1:
+        add("all-reduce gradients (DDP)", "dp_replicate", ring(dims.dp_replicate, params * 4, True))
+    if dims.tp > 1:
+        blocks = sum(1 for t in tensors if t.name.endswith("attn.qkv.weight"))
+        tokens = per_rank_batch * config.data.seq_len
+        add("all-reduce activations (TP, 4 per block)", "tp", 4 * blocks * ring(dims.tp, tokens * d * e, True))
+    if dims.pp > 1:
+        virtual = options.pp_virtual_stages
+        tokens = per_rank_batch // chunks * config.data.seq_len
+        add("send activations and gradients (PP)", "pp", 2 * virtual * accumulation * chunks * tokens * d * e)
+    return out
+
+
+def totals(flows: list[Traffic]) -> dict[str, int]:
+    """Bytes per step by link."""
+    return {where: sum(f.bytes for f in flows if f.link == where) for where in (INTRA, INTER)}

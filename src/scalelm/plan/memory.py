@@ -1,0 +1,258 @@
+"""The memory of one GPU under a layout, from the model's shapes alone: what `python -m scalelm.plan` prints, the
+workflow checks before it submits a training, and every run records beside what it measured.
+
+Each rank holds, in bytes (the figures are those of the rank holding the most, a pipeline's busiest stage):
+
+    params       the weights in fp32, the optimizer's master copy (bf16 compute casts from it): 4 B each
+    grads        their gradients in fp32: 4 B each
+    optimizer    AdamW's two moments in fp32: 8 B each, so 16 B per parameter in all (the course's rule of thumb)
+    activations  what the forward pass keeps for the backward, for the micro-batches in flight
+    buffers      FSDP's gathered weights and gradients of the units at work, a pipeline's send and receive buffers,
+                 the positional table, the fused CPU loss's workspace
+
+Sharding divides the first three as scalelm.parallel applies it: tensor parallelism (tp) splits the four matrices of
+a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_shard) cuts every tensor's first
+dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors.
+
+Activations, per token of a micro-batch and per block, in bytes; d = d_model, f = d_ff, a = heads, s = seq_len,
+e = 2 in bf16 (4 in fp32), k = a dropout mask's bytes per element (1 on GPUs, 4 for scalelm's CPU dropout, 0
+without dropout), t = tp, u = tp with sequence parallelism (1 without):
+
+    e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)         [+ a s (2e + k) / t where attention keeps its scores]
+
+2d: the inputs of the qkv and FFN-in matrices (whole on every TP rank); 2d/u: the two norms' inputs; 4d/t: q, k, v
+and the attention's output; 2f/t: the FFN's hidden activation before and after its dropout; the masks of the two
+residual dropouts and the FFN's. Attention keeps its (a x s) scores only on CPU with dropout (the math kernel); the
+fused kernels keep a few numbers per row. With activation checkpointing a block keeps only its input (e d/u) and one
+block at a time is recomputed whole. The embedding adds its dropout's mask, the last stage the final norm's and the
+head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
+with the logits and their fp32 copy beside them while the loss is computed; on CPU in fp32 the fused loss keeps its
+gradients (scalelm.model.cpu_ops). A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
+GPipe, pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
+
+The sum of all five parts is the plan's peak: an upper estimate, as a step never holds all activations and all
+gradients at once (the backward frees one as it fills the other). Buffers and activations are estimates; params,
+grads and optimizer state are exact to the byte for a whole-tensor layout (tests compare them with the bytes each
+run measures).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scalelm.config import Config, ModelConfig
+from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.pipeline import microbatches, stage_blocks
+
+PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+STATE_PARTS = PARTS[:3]
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter: fp32 weights, gradients, AdamW's moments
+CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its shape, the FSDP unit it belongs to, the dimension tensor parallelism splits (or None)."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str  # "embed", "blocks.<i>", "root" (the final norm), "head"
+    tp_dim: int | None
+
+    def numel(self, tp: int = 1, shard: int = 1) -> int:
+        """Elements on one rank: split by `tp` along tp_dim, then FSDP's first dimension by `shard` (rounded up)."""
+        shape = list(self.shape)
+        if tp > 1 and self.tp_dim is not None:
+            shape[self.tp_dim] //= tp
+        shape[0] = -(-shape[0] // shard)
+        return math.prod(shape)
+
+
+def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Tensor]:
+    """Every parameter of scalelm.model.TransformerLM, with the split scalelm.parallel.tensor gives it."""
+    d, f = model.d_model, model.d_ff
+    block = (
+        ("attn.qkv.weight", (3 * d, d), 0), ("attn.qkv.bias", (3 * d,), 0),  # column-wise
+        ("attn.out.weight", (d, d), 1), ("attn.out.bias", (d,), None),  # row-wise
+        ("ffn.0.weight", (f, d), 0), ("ffn.0.bias", (f,), 0),
+        ("ffn.3.weight", (d, f), 1), ("ffn.3.bias", (d,), None),
+        ("norm1.weight", (d,), None), ("norm1.bias", (d,), None),
+        ("norm2.weight", (d,), None), ("norm2.bias", (d,), None),
+    )  # fmt: skip
+    tensors = [Tensor("embed.weight", (vocab_size, d), "embed", None)]
+    for i in range(model.n_layers):
+        tensors += [Tensor(f"blocks.{i}.{name}", shape, f"blocks.{i}", split) for name, shape, split in block]
+    tensors += [Tensor("norm.weight", (d,), "root", None), Tensor("norm.bias", (d,), "root", None)]
+    vocab_split = 0 if loss_parallel else None
+    if not model.tie_weights:
+        tensors.append(Tensor("head.weight", (vocab_size, d), "head", vocab_split))
+    tensors.append(Tensor("head.bias", (vocab_size,), "head", vocab_split))
+    return tensors
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the memory of a step depends on besides the layout: the model, the tokens, the numbers' widths."""
+
+    config: Config
+    vocab_size: int
+    device: str = "cuda"  # "cuda" or "cpu": the kernels (and so the activations) differ
+    activation_checkpointing: bool = False
+
+    @property
+    def precision(self) -> str:
+        precision = self.config.train.precision
+        return ("bf16" if self.device == "cuda" else "fp32") if precision == "auto" else precision
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def mask_bytes(self) -> int:
+        if not self.config.model.dropout:
+            return 0
+        return 1 if self.device == "cuda" else 4
+
+    @property
+    def fused_cpu_loss(self) -> bool:
+        return self.device == "cpu" and self.precision == "fp32" and not self.config.parallel.loss_parallel
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU bytes of one layout, on its fullest rank."""
+
+    dims: ParallelDims
+    bytes: dict[str, int]  # PARTS -> bytes
+    pp_rank: int  # the pipeline rank those bytes are of (0 without a pipeline)
+    micro_batch_tokens: int  # tokens of one forward pass on a rank (a pipeline's micro-batch)
+    in_flight: int  # micro-batches whose activations that rank keeps at once
+    activation_bytes_per_token_per_block: float
+    largest_state: int = 0  # params + grads + optimizer of the rank holding the most of them (a run's measurement)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def state(self) -> int:
+        return sum(self.bytes[part] for part in STATE_PARTS)
+
+    def to_dict(self) -> dict:
+        return {
+            "bytes": dict(self.bytes),
+            "total_bytes": self.total,
+            "state_bytes": self.state,
+            "largest_state_bytes": self.largest_state,
+            "pp_rank": self.pp_rank,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "in_flight": self.in_flight,
+            "activation_bytes_per_token_per_block": self.activation_bytes_per_token_per_block,
+        }
+
+    def mb(self) -> dict[str, float]:
+        """MiB by part, with the state (params + grads + optimizer) and the total: what run.json records."""
+        parts = {part: value / 2**20 for part, value in self.bytes.items()}
+        return parts | {"state": self.largest_state / 2**20, "total": self.total / 2**20}
+
+
+def stage_of(tensor: Tensor, blocks: list[range]) -> int:
+    if tensor.unit == "embed":
+        return 0
+    if tensor.unit.startswith("blocks."):
+        index = int(tensor.unit.split(".")[1])
+        return next(s for s, stage in enumerate(blocks) if index in stage)
+    return len(blocks) - 1  # the final norm and the head
+
+
+def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Tensor]]:
+    """The parameters of each pipeline rank (one list without a pipeline)."""
+    tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
+    stages = stage_blocks(work.config.model.n_layers, dims.pp * work.config.parallel.pp_virtual_stages)
+    held: list[list[Tensor]] = [[] for _ in range(dims.pp)]
+    for tensor in tensors:
+        held[stage_of(tensor, stages) % dims.pp].append(tensor)
+    return held
+
+
+def in_flight(schedule: str, pp: int, rank: int, micro: int, virtual: int) -> int:
+    """Micro-batches (interleaved: stage chunks) whose activations pipeline rank `rank` keeps at once."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return micro
+    if schedule == "1f1b":
+        return min(micro, pp - rank)
+    return min(micro * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)
+
+
+def block_bytes_per_token(work: Workload, dims: ParallelDims) -> float:
+    """Activation bytes a block keeps per token (the module docstring's formula)."""
+    model, e, k = work.config.model, work.compute_bytes, work.mask_bytes
+    d, f, t = model.d_model, model.d_ff, dims.tp
+    u = t if work.config.parallel.sequence_parallel else 1
+    kept = e * (2 * d + 2 * d / u + (4 * d + 2 * f) / t) + k * (2 * d / u + f / t)
+    if work.device == "cpu" and model.dropout:  # the math attention kernel keeps its scores
+        kept += model.n_heads * work.config.data.seq_len * (2 * e + k) / t
+    return kept
+
+
+def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
+    """Bytes per GPU by part for `dims`, on the rank that needs the most."""
+    config = work.config
+    options, model = config.parallel, config.model
+    _, micro = config.batch.sizes(dims.dp_size)  # sequences of one forward/backward on a data-parallel rank
+    chunks = microbatches(options, dims.pp) if dims.pp > 1 else 1
+    tokens = max(1, micro // chunks) * config.data.seq_len
+    virtual = options.pp_virtual_stages if dims.pp > 1 else 1
+    stages = stage_blocks(model.n_layers, dims.pp * virtual)
+    per_block = block_bytes_per_token(work, dims)
+    e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
+    u = dims.tp if options.sequence_parallel else 1
+    vocab_split = dims.tp if options.loss_parallel else 1
+    shard = dims.dp_shard if dims.sharded else 1
+    param_bytes = 2 if work.precision == "bf16" else 4  # FSDP gathers in the compute precision
+
+    plans = []
+    for rank, tensors in enumerate(rank_tensors(work, dims)):
+        my_stages = [s for s in range(len(stages)) if s % dims.pp == rank]
+        first, last = 0 in my_stages, len(stages) - 1 in my_stages
+        count = in_flight(options.pp_schedule, dims.pp, rank, chunks, virtual)
+        blocks = sum(len(stages[s]) for s in my_stages)
+        state = sum(t.numel(dims.tp, shard) for t in tensors)
+        sizes = {part: state * STATE_BYTES[part] for part in STATE_PARTS}
+
+        if work.activation_checkpointing:  # block inputs only, and one block recomputed at a time
+            act = count * tokens * (blocks / virtual) * e * d / u + tokens * per_block
+        else:
+            act = count * tokens * (blocks / virtual) * per_block
+        if first:
+            act += count * tokens * k * d / u  # the embedding's dropout mask
+        if last:
+            last_count = chunks if options.pp_schedule == "gpipe" and dims.pp > 1 else 1
+            act += last_count * tokens * e * d * (1 / u + 1)  # the final norm's and the head's inputs
+            if work.fused_cpu_loss:  # its gradients, computed in the forward pass
+                act += last_count * 4 * (tokens * d + vocab * (d + 1))
+            else:  # the log-probabilities kept, and the logits with their fp32 copy while computed
+                act += last_count * tokens * 4 * vocab / vocab_split + tokens * (e + 4) * vocab / vocab_split
+
+        buffers = config.model.max_seq_len * d * 4  # the positional table
+        if dims.sharded:
+            units: dict[str, int] = {}
+            for tensor in tensors:
+                units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
+            largest = max(units.values())
+            gathered = 2 * largest if options.reshard_after_forward else sum(units.values())  # + the prefetched
+            buffers += gathered * param_bytes + largest * (param_bytes + 4)  # + a unit's gradients, reduced in fp32
+        if dims.pp > 1:
+            buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
+        if last and work.fused_cpu_loss:
+            columns = -(-(d + 2) // 8) * 8
+            buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK) + 32) * 4
+        sizes |= {"activations": int(act), "buffers": int(buffers)}
+        plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block))
+    fullest = max(plans, key=lambda plan: plan.total)
+    fullest.largest_state = max(plan.state for plan in plans)
+    return fullest

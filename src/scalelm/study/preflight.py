@@ -1,0 +1,206 @@
+"""Before the queue: what each experiment will need, and whether its layout is wired right.
+
+Memory (rule `plan`, before every training): scalelm.plan predicts the experiment's per-GPU memory on the site's
+GPUs (site.gpu_memory_gb); one that cannot fit is refused by name with the predicted figures, and no training is
+submitted, unless the experiment sets `check_memory: false`. The plan is written beside the run (plan.json).
+
+Wiring (`snakemake preflight`, optional): every experiment's layout runs PREFLIGHT_STEPS steps on this machine's
+CPU, all its processes on one node, on a slice of the prepared data, with dropout off and one global batch every
+layout divides; a single process runs the same settings. Every layout trains the same model on the same data, so
+their losses must agree step by step (to LOSS_TOLERANCE, fp32's reordered sums): a mismatch names the experiment
+within minutes, before hours of GPU time.
+
+    python -m scalelm.study.preflight slice --data data/prepared --out results/preflight/data --tokens 4096
+    python -m scalelm.study.preflight compare --run ddp=results/preflight/ddp:results/preflight/reference.0 ... \
+        --out results/preflight/preflight.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from scalelm.config import from_dict
+from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
+from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
+from scalelm.launch.site import SiteConfig
+from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.pipeline import microbatches
+from scalelm.plan.layouts import Candidate, Machine, gb, plan_layout
+from scalelm.plan.memory import PARTS, Workload
+from scalelm.study.experiments import Experiment, deep_merge
+from scalelm.train.metrics import read_metrics
+
+PREFLIGHT_STEPS = 3
+LOSS_TOLERANCE = 1e-4  # relative, per step
+MIN_BATCH = 8  # sequences per step, at least
+COLUMNS = ["experiment", "layout", "world_size", "reference", "steps", "max_relative_gap", "matches"]
+
+
+class PreflightError(ScaleLMError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------- memory
+def plan_experiment(experiment: Experiment, site: SiteConfig, vocab_size: int) -> dict[str, Any]:
+    """The experiment's plan on the site's GPUs (CPU nodes without a site: nothing to check against)."""
+    work = Workload(from_dict(experiment.training), vocab_size, "cuda" if site.gpus_per_node else "cpu")
+    memory_gb = site.gpu_memory_gb if site.gpus_per_node else None
+    machine = Machine(experiment.nodes, experiment.procs_per_node, memory_gb or math.inf)
+    plan = plan_layout(work, Candidate(experiment.name, experiment.dims, experiment.strategy), machine)
+    record = plan.to_dict() | {"device": work.device, "gpu_memory_gb": memory_gb}
+    if memory_gb is None:
+        return record | {"fits": None, "usable_bytes": None}  # unknown: the site names no GPU memory
+    return record | {"usable_bytes": machine.usable_bytes}
+
+
+def check_fits(experiment: Experiment, plan: dict[str, Any], check: bool = True) -> None:
+    if plan["fits"] is not False or not check:
+        return
+    parts = ", ".join(f"{part} {gb(plan['bytes'][part])}" for part in PARTS)
+    raise ConfigError(
+        f"experiment {experiment.name} ({experiment.nodes} x {experiment.procs_per_node} GPUs, layout "
+        f"{experiment.dims.layout}) does not fit the site's GPUs of {plan['gpu_memory_gb']:g} GB: scalelm.plan "
+        f"predicts {gb(plan['total_bytes'])} GB per GPU ({parts}) against {gb(plan['usable_bytes'])} GB usable. "
+        "Shard more or lower the batch (`python -m scalelm.plan --config <its training config> --nodes N "
+        f"--gpus-per-node G --gpu-memory-gb M` lists the layouts that fit), or set "
+        f"experiments.{experiment.name}.check_memory: false to submit it anyway"
+    )
+
+
+def write_plan(experiment: Experiment, site: SiteConfig, prepared_dir: str | Path, out: str | Path) -> None:
+    """The rule `plan`: refuse an experiment that cannot fit, else write its plan."""
+    manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
+    plan = plan_experiment(experiment, site, int(manifest["vocab_size"]))
+    check_fits(experiment, plan, experiment.check_memory)
+    atomic_write_text(out, json.dumps(plan, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------- wiring
+def preflight_batch(matrix: list[Experiment]) -> int:
+    """A global batch every experiment's data-parallel ranks and pipeline micro-batches divide."""
+    batch = 1
+    for e in matrix:
+        pieces = microbatches(from_dict(e.training).parallel, e.dims.pp) if e.dims.pp > 1 else 1
+        batch = math.lcm(batch, e.dims.dp_size * pieces)
+    return batch * math.ceil(MIN_BATCH / batch)
+
+
+def preflight_settings(training: dict, dims: ParallelDims, batch: int, data_dir: str, run_dir: str) -> dict:
+    """An experiment's training settings for the wiring check: its layout as explicit degrees (one node holds all
+    its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences on the sliced data."""
+    parallel = {k: v for k, v in training["parallel"].items() if k not in ("cpu_offload", "strategy")}
+    settings = {k: v for k, v in training.items() if k != "parallel"}
+    return deep_merge(settings, {
+        "run_dir": run_dir,
+        "device": "cpu",
+        "data": {"prepared_dir": data_dir},
+        "model": {"dropout": 0.0},
+        "batch": {"mode": "global", "size": batch, "micro_size": None, "lr_scaling": "none"},
+        "train": {"max_steps": PREFLIGHT_STEPS, "epochs": 1, "log_every": 1, "eval_every": None, "precision": "fp32",
+                  "monitor_interval_s": 0, "comm_profile_steps": 0, "wandb": False},
+        "checkpoint": {"every": None},
+    }) | {"parallel": parallel | dims.to_dict()}  # fmt: skip
+
+
+def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str, Any]]:
+    """name -> {settings, world_size, reference}: every experiment (its first seed), and one single process
+    ("reference.<i>") per distinct model, data and optimizer settings among them."""
+    batch = preflight_batch(matrix)
+    data, runs_dir = f"{results}/preflight/data", f"{results}/preflight/runs"
+    runs, references = {}, {}
+    for e in matrix:
+        if e.name in runs:
+            continue
+        same = json.dumps({k: v for k, v in e.training.items() if k not in ("parallel", "run_dir")}, sort_keys=True)
+        reference = references.setdefault(same, f"reference.{len(references)}")
+        if reference not in runs:
+            settings = preflight_settings(e.training, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
+            runs[reference] = {"settings": settings, "world_size": 1, "reference": None}
+        settings = preflight_settings(e.training, e.dims, batch, data, f"{runs_dir}/{e.name}")
+        runs[e.name] = {"settings": settings, "world_size": e.world_size, "reference": reference}
+    return runs
+
+
+def slice_prepared(source: Path, out: Path, tokens: int) -> None:
+    """A prepared data directory with the first `tokens` ids of each split and the same vocabulary."""
+    import torch
+
+    manifest = json.loads((source / "manifest.json").read_text())
+    with atomic_path(out) as partial:
+        partial.mkdir(parents=True)
+        shutil.copy(source / "vocab.txt", partial / "vocab.txt")
+        for split, info in manifest["splits"].items():
+            ids = load_tensors(source / f"{split}.pt")[:tokens].clone()
+            torch.save(ids, partial / f"{split}.pt")
+            info.update(tokens=ids.numel(), sha256=sha256(partial / f"{split}.pt"))
+        manifest["sliced_from"] = {"path": str(source), "tokens_per_split": tokens}
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def compare(pairs: dict[str, tuple[Path, Path]], out: Path) -> list[dict[str, Any]]:
+    """Each run's losses against its reference's, step by step; the table is written, then a mismatch raised."""
+    rows = []
+    for name, (run, reference) in pairs.items():
+        mine, theirs = losses(run), losses(reference)
+        gaps = [abs(a - b) / abs(b) for a, b in zip(mine, theirs)]
+        record = json.loads((run / "run.json").read_text())
+        complete = len(mine) == len(theirs) == PREFLIGHT_STEPS
+        gap = max(gaps) if gaps else math.inf
+        rows.append({
+            "experiment": name, "layout": record["results"]["layout"], "world_size": record["world_size"],
+            "reference": reference.name, "steps": len(mine), "max_relative_gap": gap,
+            "matches": complete and gap <= LOSS_TOLERANCE,
+        })  # fmt: skip
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    wrong = [f"{r['experiment']} (layout {r['layout']}: {r['steps']} steps, largest gap {r['max_relative_gap']:.2e})"
+             for r in rows if not r["matches"]]  # fmt: skip
+    if wrong:
+        raise PreflightError(
+            f"the loss of {', '.join(wrong)} departs from one process's beyond a relative {LOSS_TOLERANCE:g} "
+            f"(each layout should train the same model on the same data); see {out} and the runs' metrics.jsonl"
+        )
+    return rows
+
+
+def losses(run: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run) if m["kind"] == "train"]
+
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.study.preflight", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    sliced = commands.add_parser("slice", help="the first tokens of each split of a prepared data directory")
+    sliced.add_argument("--data", type=Path, required=True)
+    sliced.add_argument("--out", type=Path, required=True)
+    sliced.add_argument("--tokens", type=int, required=True)
+    compared = commands.add_parser("compare", help="each run's losses against its reference's")
+    compared.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR:REFERENCE_DIR")
+    compared.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "slice":
+        slice_prepared(args.data, args.out, args.tokens)
+        print(f"sliced {args.data} to the first {args.tokens:,} tokens of each split in {args.out}")
+        return
+    pairs = {}
+    for text in args.run:
+        name, _, dirs = text.partition("=")
+        run, _, reference = dirs.partition(":")
+        if not (name and run and reference):
+            raise ConfigError(f"--run {text!r}: expected NAME=RUN_DIR:REFERENCE_DIR")
+        pairs[name] = (Path(run), Path(reference))
+    rows = compare(pairs, args.out)
+    print(f"preflight: every layout's loss matches one process's over {PREFLIGHT_STEPS} steps ({len(rows)} runs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""scalelm.plan: the memory and communication math, the layouts of a machine and the choice among them, the command
+line, and the workflow's check before the queue (scalelm.study.preflight). That the planned state bytes equal the
+measured ones on every layout is shown by tests/test_training.py, on the runs it makes anyway."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from conftest import REPO
+from test_study import resolve
+
+from scalelm.config import Config, load_config
+from scalelm.errors import ConfigError
+from scalelm.model import TransformerLM, count_parameters
+from scalelm.parallel.dims import ParallelDims
+from scalelm.plan.__main__ import main as plan_main
+from scalelm.plan.comm import INTER, INTRA, traffic
+from scalelm.plan.layouts import Machine, smallest_fsdp
+from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
+from scalelm.study import preflight
+from scalelm.study.experiments import apply_local_overlay
+
+COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
+SEVEN_B = [
+    "--vocab-size", "32000", "--set", "model.d_model=4096", "--set", "model.n_layers=32", "--set", "model.n_heads=32",
+    "--set", "model.d_ff=16384", "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--set", "batch.size=1",
+]  # fmt: skip
+JURECA = ["--nodes", "2", "--gpus-per-node", "4", "--gpu-memory-gb", "40"]
+
+
+def plan_json(capsys, *args: str) -> dict[str, dict]:
+    plan_main([*args, "--json"])
+    return {layout["name"]: layout for layout in json.loads(capsys.readouterr().out)}
+
+
+@pytest.mark.parametrize("changes", [{}, {"tie_weights": True}, {"n_layers": 3, "d_ff": 96}])
+def test_the_plan_knows_every_parameter_of_the_model(changes):
+    config = Config()
+    model = replace(config.model, **changes)
+    planned = sum(t.numel() for t in parameters(model, 1000))
+    assert planned == count_parameters(TransformerLM(model, 1000))
+    assert planned == sum(t.numel() for t in parameters(model, 1000, loss_parallel=True))
+
+
+def test_sharding_divides_the_state_and_schedules_and_options_change_the_activations():
+    work = Workload(load_config(None, ["model.n_layers=4"]), 28785)
+    single = plan_memory(work, ParallelDims())
+    params = count_parameters(TransformerLM(work.config.model, 28785))
+    assert single.bytes["params"] == 4 * params and single.state == 16 * params  # fp32 weights, grads, AdamW
+    fsdp = plan_memory(work, ParallelDims(dp_shard=8))
+    assert fsdp.state == pytest.approx(single.state / 8, rel=0.01) and fsdp.bytes["buffers"] > single.bytes["buffers"]
+    tp = plan_memory(work, ParallelDims(tp=4))
+    assert tp.bytes["activations"] < single.bytes["activations"] and tp.state < single.state
+    def pipeline(schedule: str):
+        config = load_config(None, ["model.n_layers=4", f"parallel.pp_schedule={schedule}"])
+        return plan_memory(replace(work, config=config), ParallelDims(pp=4))
+
+    gpipe, one_f_one_b = pipeline("gpipe"), pipeline("1f1b")
+    assert gpipe.in_flight == 8 and one_f_one_b.pp_rank == 3  # 1F1B: the last stage, with the loss, is the fullest
+    assert [in_flight("1f1b", 4, rank, 8, 1) for rank in range(4)] == [4, 3, 2, 1]  # pp - rank micro-batches
+    assert gpipe.bytes["activations"] > one_f_one_b.bytes["activations"]
+    checkpointed = plan_memory(replace(work, activation_checkpointing=True), ParallelDims())
+    assert checkpointed.bytes["activations"] < single.bytes["activations"]
+    sp = replace(work, config=load_config(None, ["model.n_layers=4", "parallel.sequence_parallel=true"]))
+    assert plan_memory(sp, ParallelDims(tp=4)).bytes["activations"] < tp.bytes["activations"]
+    # CPU: fp32, the fused loss keeps no logits; CPU dropout's masks are fp32
+    assert plan_memory(replace(work, device="cpu"), ParallelDims()).bytes["activations"] < single.bytes["activations"] * 2
+
+
+def test_communication_by_collective_and_link():
+    work = Workload(load_config(None, ["model.n_layers=4"]), 28785)
+    params = count_parameters(TransformerLM(work.config.model, 28785))
+    ddp = traffic(work, ParallelDims(dp_replicate=8), gpus_per_node=4)
+    assert [(f.dim, f.link) for f in ddp] == [("dp_replicate", INTER)]
+    assert ddp[0].bytes == int(2 * 7 / 8 * params * 4)  # a ring all-reduce of the fp32 gradients
+    hsdp = {f.collective: f for f in traffic(work, ParallelDims(dp_replicate=2, dp_shard=4), gpus_per_node=4)}
+    assert hsdp["all-reduce gradient shards (HSDP replicas)"].link == INTER
+    assert hsdp["reduce-scatter gradients (FSDP)"].link == INTRA
+    assert hsdp["all-gather weights (FSDP backward)"].bytes < hsdp["all-gather weights (FSDP forward)"].bytes  # head kept
+    tp = traffic(work, ParallelDims(tp=4), gpus_per_node=4)
+    assert [(f.dim, f.link) for f in tp] == [("tp", INTRA)]
+    pp = traffic(work, ParallelDims(pp=8), gpus_per_node=4)
+    assert [(f.dim, f.link) for f in pp] == [("pp", INTER)]
+
+
+def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
+    layouts = plan_json(capsys, *COURSE, *JURECA)
+    assert set(layouts) == {"single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "fsdp_tp", "3d"}  # pp: 4 blocks, 8 GPUs
+    assert all(layout["fits"] for layout in layouts.values())
+    assert [name for name, layout in layouts.items() if layout["recommended"]] == ["ddp"]
+    ddp = layouts["ddp"]
+    assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1}
+    assert set(ddp["bytes"]) == {"params", "grads", "optimizer", "activations", "buffers"}
+    assert ddp["total_bytes"] == sum(ddp["bytes"].values())
+    assert layouts["fsdp_no_reshard"]["options"] == {"reshard_after_forward": False}
+    assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2}
+    plan_main([*COURSE, *JURECA])
+    table = capsys.readouterr().out
+    assert "recommended: ddp (8x1x1x1)" in table and "pp: not possible here: model.n_layers=4 blocks" in table
+
+
+def test_a_7b_model_needs_fsdp_over_several_a100s(capsys):
+    layouts = plan_json(capsys, *SEVEN_B, *JURECA)
+    assert not layouts["single"]["fits"] and not layouts["ddp"]["fits"]
+    assert layouts["single"]["state_bytes"] / 6.7e9 == pytest.approx(16, rel=0.01)  # 16 bytes per parameter
+    assert layouts["fsdp"]["fits"] and layouts["fsdp"]["recommended"]
+    plan_main([*SEVEN_B, *JURECA])
+    out = capsys.readouterr().out
+    assert "DDP does not fit (118.23 GB per GPU); FSDP fits over at least 8 GPUs" in out
+    work = Workload(load_config(None, [arg for arg in SEVEN_B[2:] if arg != "--set"]), 32000)
+    assert smallest_fsdp(work, Machine(2, 4, 40)) == 8
+    assert smallest_fsdp(work, Machine(2, 4, 80)) == 2  # 53.7 GB of state + 12.9 GB each on H100s
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([*COURSE, "--gpus-per-node", "4"], r"memory per GPU is unknown: pass --gpu-memory-gb"),
+        ([*SEVEN_B, "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "40"],
+         r"no layout fits 1 node\(s\) x 1 GPU\(s\) of 40 GB \(118.23 GB per GPU at best \(single\)\); the smallest "
+         r"machine of such nodes that would hold it: \d+ nodes, with fsdp"),
+        ([*COURSE, *JURECA, "--set", "parallel.tp=8", "--set", "model.n_heads=8"], r"the config's layout cannot run on 2 node\(s\) x 4 GPU\(s\) of "
+         r"40 GB: .*parallel.tp=8 does not divide the 4 processes of a node"),
+        ([*COURSE, *JURECA, "--set", "parallel.strategy=pp"], r"the config's layout 1x1x1x8 .*n_layers=4 blocks cannot fill 8"),
+        (["--config", "missing.yaml", *JURECA], "config file missing.yaml does not exist"),
+        (["--set", "data.prepared_dir=/nonexistent", *JURECA], "prepared data not found.*Or pass --vocab-size"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(args)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_configured_layout_is_planned_beside_the_ladder(capsys):
+    layouts = plan_json(capsys, *COURSE, *JURECA, "--set", "parallel.strategy=fsdp_tp", "--set", "parallel.tp=2")
+    assert layouts["configured"]["layout"] == "1x4x2x1" and layouts["configured"]["strategy"] == "fsdp_tp"
+
+
+# ------------------------------------------------------------------------------------ the workflow's check
+def real_matrix(tmp_path, gpu_memory_gb, check_memory=True):
+    """config/config.yaml on a site of 4-GPU nodes of `gpu_memory_gb`, and a prepared-data manifest of WikiText-2's
+    vocabulary size."""
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"gpus_per_node": 4, "gpu_memory_gb": gpu_memory_gb}))
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config.update(site=str(site), local=None)
+    config["experiments"]["single_gpu"]["check_memory"] = check_memory
+    prepared = tmp_path / "prepared"
+    prepared.mkdir(exist_ok=True)
+    (prepared / "manifest.json").write_text(json.dumps({"vocab_size": 28785}))
+    return resolve(apply_local_overlay(config)), prepared
+
+
+def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queue(tmp_path):
+    study, prepared = real_matrix(tmp_path, 40)
+    single = SimpleNamespace(experiment="single_gpu", seed=1)
+    study.write_plan(single, str(prepared), tmp_path / "plan.json")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["fits"] and plan["device"] == "cuda" and plan["layout"] == "1x1x1x1" and plan["gpu_memory_gb"] == 40
+
+    study, prepared = real_matrix(tmp_path, 4)
+    with pytest.raises(ConfigError, match=r"experiment single_gpu \(1 x 1 GPUs, layout 1x1x1x1\) does not fit the "
+                       r"site's GPUs of 4 GB: scalelm.plan predicts 5.71 GB per GPU \(params 0.04, grads 0.04, "
+                       r"optimizer 0.08, activations 5.55, buffers 0.00\) against 3.60 GB usable.*"
+                       r"experiments.single_gpu.check_memory: false"):  # fmt: skip
+        study.write_plan(single, str(prepared), tmp_path / "refused.json")
+    assert not (tmp_path / "refused.json").exists()
+    # the 3D experiment's 16 GPUs hold the same model in far less
+    study.write_plan(SimpleNamespace(experiment="3d", seed=1), str(prepared), tmp_path / "3d.json")
+
+    study, prepared = real_matrix(tmp_path, 4, check_memory=False)
+    study.write_plan(single, str(prepared), tmp_path / "anyway.json")
+    assert json.loads((tmp_path / "anyway.json").read_text())["fits"] is False
+
+
+def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_mismatch(tmp_path):
+    study, _ = real_matrix(tmp_path, 40)
+    runs = study.preflight
+    assert runs["reference.0"]["world_size"] == 1 and runs["3d"]["world_size"] == 16
+    batch = runs["3d"]["settings"]["batch"]["size"]
+    assert batch == 8 == preflight.preflight_batch(list(study.matrix.values()))  # 3d: dp 2 x m 4; ddp 8; pp m 8
+    three = runs["3d"]["settings"]
+    assert {k: three["parallel"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")} == {"dp_replicate": 1, "dp_shard": 2, "tp": 4, "pp": 2}
+    assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
+    assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
+    assert {run["reference"] for name, run in runs.items() if name != "reference.0"} == {"reference.0"}
+
+    def fake_run(name, losses):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "loss": x}) + "\n" for x in losses))
+        (run / "run.json").write_text(json.dumps({"world_size": 2, "results": {"layout": "2x1x1x1"}}))
+        return run
+
+    reference = fake_run("reference", [5.0, 4.0, 3.0])
+    good, bad = fake_run("good", [5.0, 4.0000001, 3.0]), fake_run("bad", [5.0, 4.1, 3.0])
+    assert preflight.compare({"good": (good, reference)}, tmp_path / "ok.csv")[0]["matches"]
+    with pytest.raises(preflight.PreflightError, match=r"the loss of bad \(layout 2x1x1x1: 3 steps, largest gap 2.50e-02\)"):
+        preflight.compare({"good": (good, reference), "bad": (bad, reference)}, tmp_path / "out.csv")
