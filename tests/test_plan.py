@@ -97,6 +97,7 @@ def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
     assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1}
     assert set(ddp["bytes"]) == {"params", "grads", "optimizer", "activations", "buffers"}
     assert ddp["total_bytes"] == sum(ddp["bytes"].values())
+    assert ddp["activation_formula"].endswith("d=128, f=2048, t=1, u=1: 12,544 B per token and block")  # 2 (8d+2f) + 2d+f
     assert layouts["fsdp_no_reshard"]["options"] == {"reshard_after_forward": False}
     assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2}
     plan_main([*COURSE, *JURECA])
@@ -128,6 +129,9 @@ def test_a_7b_model_needs_fsdp_over_several_a100s(capsys):
          r"40 GB: .*parallel.tp=8 does not divide the 4 processes of a node"),
         ([*COURSE, *JURECA, "--set", "parallel.strategy=pp"], r"the config's layout 1x1x1x8 .*n_layers=4 blocks cannot fill 8"),
         (["--config", "missing.yaml", *JURECA], "config file missing.yaml does not exist"),
+        ([*COURSE, *JURECA, "--headroom", "1"], r"--headroom must be a share of a GPU's memory in \[0, 1\), got 1.0"),
+        ([*COURSE, "--nodes", "0", "--gpus-per-node", "4", "--gpu-memory-gb", "40"],
+         r"the machine's nodes must be at least 1 \(--nodes\), got 0"),
         (["--set", "data.prepared_dir=/nonexistent", *JURECA], "prepared data not found.*Or pass --vocab-size"),
     ],
 )  # fmt: skip

@@ -93,6 +93,7 @@ def print_plan(work: Workload, machine: Machine, plans: list[LayoutPlan], imposs
     )
     print(f"machine: {machine.describe()}, {gb(machine.usable_bytes)} GB usable per GPU; GB = 1e9 bytes, per GPU\n")
     print(table(plans))
+    print(f"  activations: {plans[0].memory.activation_formula} ({plans[0].name}; docs/plan.md)")
     for name, reason in impossible:
         print(f"  {name}: not possible here: {reason}")
     ddp = next((plan for plan in plans if plan.name == "ddp"), None)

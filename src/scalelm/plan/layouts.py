@@ -35,13 +35,13 @@ class Machine:
     headroom: float = 0.1  # the share of a GPU's memory left to the CUDA context and the allocator's caching
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"the machine needs at least one of {name}, got {getattr(self, name)}")
+        for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
+            if value < 1:
+                raise ConfigError(f"the machine's {flag[2:]} must be at least 1 ({flag}), got {value}")
         if self.gpu_memory_gb <= 0:
-            raise ConfigError(f"gpu memory must be a positive number of GB per GPU, got {self.gpu_memory_gb}")
+            raise ConfigError(f"--gpu-memory-gb must be one GPU's memory in GB, a positive number, got {self.gpu_memory_gb}")
         if not 0 <= self.headroom < 1:
-            raise ConfigError(f"headroom must be a share of a GPU's memory in [0, 1), got {self.headroom}")
+            raise ConfigError(f"--headroom must be a share of a GPU's memory in [0, 1), got {self.headroom}")
 
     @property
     def gpus(self) -> int:

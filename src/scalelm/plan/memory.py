@@ -48,6 +48,8 @@ from scalelm.parallel.pipeline import microbatches, stage_blocks
 PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 STATE_PARTS = PARTS[:3]
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter: fp32 weights, gradients, AdamW's moments
+BLOCK_FORMULA = "e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)"  # activation bytes per token and block
+SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
 CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
 
 
@@ -130,6 +132,7 @@ class MemoryPlan:
     micro_batch_tokens: int  # tokens of one forward pass on a rank (a pipeline's micro-batch)
     in_flight: int  # micro-batches whose activations that rank keeps at once
     activation_bytes_per_token_per_block: float
+    activation_formula: str  # the formula with this layout's values
     largest_state: int = 0  # params + grads + optimizer of the rank holding the most of them (a run's measurement)
 
     @property
@@ -150,10 +153,12 @@ class MemoryPlan:
             "micro_batch_tokens": self.micro_batch_tokens,
             "in_flight": self.in_flight,
             "activation_bytes_per_token_per_block": self.activation_bytes_per_token_per_block,
+            "activation_formula": self.activation_formula,
         }
 
     def mb(self) -> dict[str, float]:
-        """MiB by part, with the state (params + grads + optimizer) and the total: what run.json records."""
+        """MiB by part and in total, on the fullest rank, with the state (params + grads + optimizer) of the rank
+        holding the most of it, as runs measure it: what run.json records."""
         parts = {part: value / 2**20 for part, value in self.bytes.items()}
         return parts | {"state": self.largest_state / 2**20, "total": self.total / 2**20}
 
@@ -169,8 +174,10 @@ def stage_of(tensor: Tensor, blocks: list[range]) -> int:
 
 def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Tensor]]:
     """The parameters of each pipeline rank (one list without a pipeline)."""
-    tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
-    stages = stage_blocks(work.config.model.n_layers, dims.pp * work.config.parallel.pp_virtual_stages)
+    options = work.config.parallel
+    tensors = parameters(work.config.model, work.vocab_size, options.loss_parallel and dims.tp > 1)
+    virtual = options.pp_virtual_stages if dims.pp > 1 else 1
+    stages = stage_blocks(work.config.model.n_layers, dims.pp * virtual)
     held: list[list[Tensor]] = [[] for _ in range(dims.pp)]
     for tensor in tensors:
         held[stage_of(tensor, stages) % dims.pp].append(tensor)
@@ -188,15 +195,17 @@ def in_flight(schedule: str, pp: int, rank: int, micro: int, virtual: int) -> in
     return min(micro * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)
 
 
-def block_bytes_per_token(work: Workload, dims: ParallelDims) -> float:
-    """Activation bytes a block keeps per token (the module docstring's formula)."""
+def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, str]:
+    """Activation bytes a block keeps per token (the module docstring's formula), and the formula with its values."""
     model, e, k = work.config.model, work.compute_bytes, work.mask_bytes
-    d, f, t = model.d_model, model.d_ff, dims.tp
+    d, f, t, a, s = model.d_model, model.d_ff, dims.tp, model.n_heads, work.config.data.seq_len
     u = t if work.config.parallel.sequence_parallel else 1
     kept = e * (2 * d + 2 * d / u + (4 * d + 2 * f) / t) + k * (2 * d / u + f / t)
+    formula, values = BLOCK_FORMULA, f"e={e}, k={k}, d={d}, f={f}, t={t}, u={u}"
     if work.device == "cpu" and model.dropout:  # the math attention kernel keeps its scores
-        kept += model.n_heads * work.config.data.seq_len * (2 * e + k) / t
-    return kept
+        kept += a * s * (2 * e + k) / t
+        formula, values = formula + SCORES_FORMULA, values + f", a={a}, s={s}"
+    return kept, f"{formula} with {values}: {kept:,.0f} B per token and block"
 
 
 def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
@@ -208,7 +217,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     tokens = max(1, micro // chunks) * config.data.seq_len
     virtual = options.pp_virtual_stages if dims.pp > 1 else 1
     stages = stage_blocks(model.n_layers, dims.pp * virtual)
-    per_block = block_bytes_per_token(work, dims)
+    per_block, formula = block_bytes_per_token(work, dims)
     e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
     u = dims.tp if options.sequence_parallel else 1
     vocab_split = dims.tp if options.loss_parallel else 1
@@ -252,7 +261,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             columns = -(-(d + 2) // 8) * 8
             buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK) + 32) * 4
         sizes |= {"activations": int(act), "buffers": int(buffers)}
-        plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block))
+        plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block, formula))
     fullest = max(plans, key=lambda plan: plan.total)
     fullest.largest_state = max(plan.state for plan in plans)
     return fullest
