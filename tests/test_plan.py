@@ -22,6 +22,7 @@ from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
 from scalelm.plan.layouts import Machine, smallest_fsdp
 from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
+from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay
 
@@ -149,16 +150,16 @@ def test_a_configured_layout_is_planned_beside_the_ladder(capsys):
 
 # ------------------------------------------------------------------------------------ the workflow's check
 def real_matrix(tmp_path, gpu_memory_gb, check_memory=True):
-    """config/config.yaml on a site of 4-GPU nodes of `gpu_memory_gb`, and a prepared-data manifest of WikiText-2's
-    vocabulary size."""
+    """config/config.yaml on a site of 4-GPU nodes of `gpu_memory_gb`, and prepared data of WikiText-2's vocabulary
+    size."""
     site = tmp_path / "site.yaml"
     site.write_text(yaml.safe_dump({"gpus_per_node": 4, "gpu_memory_gb": gpu_memory_gb}))
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config.update(site=str(site), local=None)
     config["experiments"]["single_gpu"]["check_memory"] = check_memory
     prepared = tmp_path / "prepared"
-    prepared.mkdir(exist_ok=True)
-    (prepared / "manifest.json").write_text(json.dumps({"vocab_size": 28785}))
+    if not prepared.exists():
+        write_corpus(prepared, vocab_size=28785)
     return resolve(apply_local_overlay(config)), prepared
 
 

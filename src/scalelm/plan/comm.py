@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scalelm.parallel.dims import ParallelDims
-from scalelm.parallel.pipeline import microbatches
 from scalelm.plan.memory import Workload, rank_tensors
 
 INTRA, INTER = "intra-node", "inter-node"
@@ -56,12 +55,11 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     global_batch, micro = config.batch.sizes(dims.dp_size)
     per_rank_batch = global_batch // dims.dp_size
     accumulation = max(1, per_rank_batch // micro)
-    chunks = microbatches(options, dims.pp) if dims.pp > 1 else 1
+    chunks = work.microbatches(dims)
     passes = accumulation * chunks  # forward passes per step
     tensors = max(rank_tensors(work, dims), key=lambda held: sum(t.numel(dims.tp) for t in held))
     params = sum(t.numel(dims.tp) for t in tensors)  # this rank's parameters before FSDP cuts them
     head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head")  # never resharded between forward and backward
-    param_bytes = 2 if work.precision == "bf16" else 4
     out = []
 
     def add(collective: str, dim: str, size: float) -> None:
@@ -70,9 +68,9 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
 
     if dims.sharded:
         shard, replicas = dims.dp_shard, dims.dp_replicate
-        add("all-gather weights (FSDP forward)", "dp_shard", passes * ring(shard, params * param_bytes))
+        add("all-gather weights (FSDP forward)", "dp_shard", passes * ring(shard, params * e))
         if options.reshard_after_forward:
-            add("all-gather weights (FSDP backward)", "dp_shard", passes * ring(shard, (params - head) * param_bytes))
+            add("all-gather weights (FSDP backward)", "dp_shard", passes * ring(shard, (params - head) * e))
         add("reduce-scatter gradients (FSDP)", "dp_shard", ring(shard, params * 4))
         add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", ring(replicas, -(-params // shard) * 4, True))
     elif dims.dp_replicate > 1:
@@ -82,7 +80,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         tokens = per_rank_batch * config.data.seq_len
         add("all-reduce activations (TP, 4 per block)", "tp", 4 * blocks * ring(dims.tp, tokens * d * e, True))
     if dims.pp > 1:
-        virtual = options.pp_virtual_stages
+        virtual = work.virtual_stages(dims)
         tokens = per_rank_batch // chunks * config.data.seq_len
         add("send activations and gradients (PP)", "pp", 2 * virtual * accumulation * chunks * tokens * d * e)
     return out

@@ -39,7 +39,7 @@ class Machine:
             if value < 1:
                 raise ConfigError(f"the machine's {flag[2:]} must be at least 1 ({flag}), got {value}")
         if self.gpu_memory_gb <= 0:
-            raise ConfigError(f"--gpu-memory-gb must be one GPU's memory in GB, a positive number, got {self.gpu_memory_gb}")
+            raise ConfigError(f"--gpu-memory-gb must be one GPU's memory in GB (positive), got {self.gpu_memory_gb}")
         if not 0 <= self.headroom < 1:
             raise ConfigError(f"--headroom must be a share of a GPU's memory in [0, 1), got {self.headroom}")
 

@@ -109,7 +109,19 @@ class Workload:
 
     @property
     def compute_bytes(self) -> int:
+        """Bytes of an activation, and of a weight FSDP gathers (in the compute precision)."""
         return 2 if self.precision == "bf16" else 4
+
+    def microbatches(self, dims: ParallelDims) -> int:
+        """The pieces a pipeline cuts each forward pass's batch in (1 without a pipeline)."""
+        return microbatches(self.config.parallel, dims.pp) if dims.pp > 1 else 1
+
+    def virtual_stages(self, dims: ParallelDims) -> int:
+        return self.config.parallel.pp_virtual_stages if dims.pp > 1 else 1
+
+    def stages(self, dims: ParallelDims) -> list[range]:
+        """The blocks of each pipeline stage (one stage, every block, without a pipeline)."""
+        return stage_blocks(self.config.model.n_layers, dims.pp * self.virtual_stages(dims))
 
     @property
     def mask_bytes(self) -> int:
@@ -174,10 +186,8 @@ def stage_of(tensor: Tensor, blocks: list[range]) -> int:
 
 def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Tensor]]:
     """The parameters of each pipeline rank (one list without a pipeline)."""
-    options = work.config.parallel
-    tensors = parameters(work.config.model, work.vocab_size, options.loss_parallel and dims.tp > 1)
-    virtual = options.pp_virtual_stages if dims.pp > 1 else 1
-    stages = stage_blocks(work.config.model.n_layers, dims.pp * virtual)
+    tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
+    stages = work.stages(dims)
     held: list[list[Tensor]] = [[] for _ in range(dims.pp)]
     for tensor in tensors:
         held[stage_of(tensor, stages) % dims.pp].append(tensor)
@@ -213,16 +223,14 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     config = work.config
     options, model = config.parallel, config.model
     _, micro = config.batch.sizes(dims.dp_size)  # sequences of one forward/backward on a data-parallel rank
-    chunks = microbatches(options, dims.pp) if dims.pp > 1 else 1
+    chunks = work.microbatches(dims)
     tokens = max(1, micro // chunks) * config.data.seq_len
-    virtual = options.pp_virtual_stages if dims.pp > 1 else 1
-    stages = stage_blocks(model.n_layers, dims.pp * virtual)
+    virtual, stages = work.virtual_stages(dims), work.stages(dims)
     per_block, formula = block_bytes_per_token(work, dims)
     e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
     u = dims.tp if options.sequence_parallel else 1
     vocab_split = dims.tp if options.loss_parallel else 1
     shard = dims.dp_shard if dims.sharded else 1
-    param_bytes = 2 if work.precision == "bf16" else 4  # FSDP gathers in the compute precision
 
     plans = []
     for rank, tensors in enumerate(rank_tensors(work, dims)):
@@ -254,7 +262,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
                 units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
             largest = max(units.values())
             gathered = 2 * largest if options.reshard_after_forward else sum(units.values())  # + the prefetched
-            buffers += gathered * param_bytes + largest * (param_bytes + 4)  # + a unit's gradients, reduced in fp32
+            buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
         if last and work.fused_cpu_loss:

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.config import from_dict
+from scalelm.data.prepared import MANIFEST, SPLITS, load_prepared
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
-from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
+from scalelm.files import atomic_path, atomic_write_text, sha256
 from scalelm.launch.site import SiteConfig
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.pipeline import microbatches
@@ -75,8 +76,7 @@ def check_fits(experiment: Experiment, plan: dict[str, Any], check: bool = True)
 
 def write_plan(experiment: Experiment, site: SiteConfig, prepared_dir: str | Path, out: str | Path) -> None:
     """The rule `plan`: refuse an experiment that cannot fit, else write its plan."""
-    manifest = json.loads((Path(prepared_dir) / "manifest.json").read_text())
-    plan = plan_experiment(experiment, site, int(manifest["vocab_size"]))
+    plan = plan_experiment(experiment, site, load_prepared(prepared_dir).vocab_size)
     check_fits(experiment, plan, experiment.check_memory)
     atomic_write_text(out, json.dumps(plan, indent=1) + "\n")
 
@@ -131,16 +131,16 @@ def slice_prepared(source: Path, out: Path, tokens: int) -> None:
     """A prepared data directory with the first `tokens` ids of each split and the same vocabulary."""
     import torch
 
-    manifest = json.loads((source / "manifest.json").read_text())
+    data = load_prepared(source)
+    manifest = data.manifest | {"sliced_from": {"path": str(source), "tokens_per_split": tokens}}
     with atomic_path(out) as partial:
         partial.mkdir(parents=True)
         shutil.copy(source / "vocab.txt", partial / "vocab.txt")
-        for split, info in manifest["splits"].items():
-            ids = load_tensors(source / f"{split}.pt")[:tokens].clone()
-            torch.save(ids, partial / f"{split}.pt")
-            info.update(tokens=ids.numel(), sha256=sha256(partial / f"{split}.pt"))
-        manifest["sliced_from"] = {"path": str(source), "tokens_per_split": tokens}
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for split in SPLITS:
+            torch.save(data.splits[split][:tokens].clone(), partial / f"{split}.pt")
+            manifest["splits"][split] |= {"tokens": min(tokens, data.splits[split].numel()),
+                                          "sha256": sha256(partial / f"{split}.pt")}  # fmt: skip
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def compare(pairs: dict[str, tuple[Path, Path]], out: Path) -> list[dict[str, Any]]:
