@@ -24,7 +24,7 @@ from scalelm.plan.layouts import Machine, smallest_fsdp
 from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
-from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.experiments import apply_local_overlay, deep_merge
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
 SEVEN_B = [
@@ -196,6 +196,12 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
     assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
     assert {run["reference"] for name, run in runs.items() if name != "reference.0"} == {"reference.0"}
+    # an experiment that trains with other settings gets a single process of its own to compare with
+    other = [replace(e, training=deep_merge(e.training, {"optim": {"lr": 1e-3}})) if e.name == "ddp" else e
+             for e in study.matrix.values()]  # fmt: skip
+    again = preflight.preflight_runs(other, "results")
+    assert again["ddp"]["reference"] == "reference.1" and again["fsdp"]["reference"] == "reference.0"
+    assert again["reference.1"]["settings"]["optim"]["lr"] == 1e-3 and again["reference.1"]["world_size"] == 1
 
     def fake_run(name, losses):
         run = tmp_path / name

@@ -110,19 +110,19 @@ def preflight_settings(training: dict, dims: ParallelDims, batch: int, data_dir:
 
 def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str, Any]]:
     """name -> {settings, world_size, reference}: every experiment (its first seed), and one single process
-    ("reference.<i>") per distinct model, data and optimizer settings among them."""
+    ("reference.<i>") per distinct settings among their preflight runs but the layout."""
     batch = preflight_batch(matrix)
     data, runs_dir = f"{results}/preflight/data", f"{results}/preflight/runs"
     runs, references = {}, {}
     for e in matrix:
         if e.name in runs:
             continue
-        same = json.dumps({k: v for k, v in e.training.items() if k not in ("parallel", "run_dir")}, sort_keys=True)
+        settings = preflight_settings(e.training, e.dims, batch, data, f"{runs_dir}/{e.name}")
+        same = json.dumps({k: v for k, v in settings.items() if k not in ("parallel", "run_dir")}, sort_keys=True)
         reference = references.setdefault(same, f"reference.{len(references)}")
         if reference not in runs:
-            settings = preflight_settings(e.training, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
-            runs[reference] = {"settings": settings, "world_size": 1, "reference": None}
-        settings = preflight_settings(e.training, e.dims, batch, data, f"{runs_dir}/{e.name}")
+            alone = preflight_settings(e.training, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
+            runs[reference] = {"settings": alone, "world_size": 1, "reference": None}
         runs[e.name] = {"settings": settings, "world_size": e.world_size, "reference": reference}
     return runs
 
