@@ -24,7 +24,7 @@ from scalelm.plan.layouts import Machine, smallest_fsdp
 from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
-from scalelm.study.experiments import apply_local_overlay, deep_merge
+from scalelm.study.experiments import apply_local_overlay, deep_merge, load_matrix
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
 SEVEN_B = [
@@ -179,6 +179,11 @@ def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queu
     assert not (tmp_path / "refused.json").exists()
     # the 3D experiment's 16 GPUs hold the same model in far less
     study.write_plan(SimpleNamespace(experiment="3d", seed=1), str(prepared), tmp_path / "3d.json")
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["experiments"]["single_gpu"]["check_memory"] = "no"  # the package's own check, behind the schema's
+    with pytest.raises(ConfigError, match="experiments.single_gpu.check_memory must be true or false, got 'no'"):
+        load_matrix(config, "results")
 
     study, prepared = real_matrix(tmp_path, 4, check_memory=False)
     study.write_plan(single, str(prepared), tmp_path / "anyway.json")

@@ -66,6 +66,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"training": {"parallel": {"tp": 4}}}, r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2"),
         ({"strategy": "tp", "nodes": 2, "procs_per_node": 1}, "parallel.tp=2 does not divide the 1 processes of a node"),
         ({"gpus": 4}, "'gpus' was unexpected"),
+        ({"check_memory": "no"}, "'no' is not of type 'boolean'"),
         ({"expect": {"min_tokens_per_sec": 9000}}, r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you "
                                                    r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it"),  # fmt: skip
         ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
