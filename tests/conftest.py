@@ -64,6 +64,42 @@ def tiny_config(tmp_path, prepared):
     return make
 
 
+def train_here(config_path: Path, *overrides: str) -> dict:
+    """One process, in this process: no interpreter or torch start-up to pay."""
+    from scalelm.config import load_config
+    from scalelm.train.trainer import run
+
+    return run(load_config(config_path, overrides))
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, prepared) -> Path:
+    """The config of one tiny single-process run trained to its end (checkpoints at steps 10 and 20, run.json).
+    Shared: copy it (`run_copy`) before changing anything."""
+    root = tmp_path_factory.mktemp("finished")
+    values = yaml.safe_load(yaml.safe_dump(TINY))
+    values["data"]["prepared_dir"] = str(prepared)
+    values["run_dir"] = str(root / "run")
+    values["train"]["monitor_interval_s"] = 0
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(values))
+    train_here(config)
+    return config
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    """A config whose run directory is a fresh copy of `finished_run`'s (it resumes, rather than retrains, there)."""
+    import shutil
+
+    values = yaml.safe_load(finished_run.read_text())
+    shutil.copytree(values["run_dir"], tmp_path / "run", symlinks=True)
+    values["run_dir"] = str(tmp_path / "run")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(values))
+    return config
+
+
 def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
     sets = [arg for o in overrides for arg in ("--set", o)]
     if nproc == 1:

@@ -20,10 +20,10 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+from scalelm.config import ModelConfig
+from scalelm.model import TransformerLM
 from scalelm.study.consolidate import consolidate
-from scalelm.train.checkpoint import MARKER
+from scalelm.train.checkpoint import MARKER, load_weights, read_trainer_state
 from scalelm.train.preemption import EXIT_PREEMPTED
 from scalelm.train.rundir import RunDir
 
@@ -118,10 +118,12 @@ def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int 
     return Crash(rank, at_step, job.returncode, detected, survivors, output)
 
 
-def checkpoint_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model weights of one checkpoint directory (DCP), as one state dict."""
-    dcp_to_torch_save(checkpoint, scratch)
-    return torch.load(scratch, weights_only=True)["model"]
+    shape = dict(read_trainer_state(checkpoint).model_shape)
+    model = TransformerLM(ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"}), shape["vocab_size"])
+    load_weights(checkpoint, model)
+    return model.state_dict()
 
 
 def final_weights(config: Path, out: Path) -> dict[str, torch.Tensor]:

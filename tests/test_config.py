@@ -40,6 +40,21 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
         ("train.comm_profile_steps=-1", r"train.comm_profile_steps must be 0 \(no profile\) or a number of steps, got -1"),
         ("parallel.host_reuse_below_mb=0", r"parallel.host_reuse_below_mb must be positive or null, got 0"),
+        # what would only fail inside training (after the run directory was touched), or train silently wrong
+        ("optim.weight_decay=-1", r"optim.weight_decay must be 0 or positive, got -1"),
+        ("optim.betas=[2, 3]", r"optim.betas\[0\] must be in \[0, 1\), got 2"),
+        ("optim.betas=[0.9, 1]", r"optim.betas\[1\] must be in \[0, 1\), got 1"),
+        ("optim.lr=.nan", r"optim.lr: expected a finite number, got nan"),
+        ("optim.lr=.inf", r"optim.lr: expected a finite number, got inf"),
+        ("optim.lr=nan", r"optim.lr: expected a finite number, got nan"),  # YAML's string, read as a float
+        ("optim.grad_clip=-1", r"optim.grad_clip must be a positive gradient norm, or null for no clipping, got -1"),
+        ("optim.grad_clip=0", r"optim.grad_clip must be a positive gradient norm"),
+        ("optim.min_lr_ratio=-3", r"optim.min_lr_ratio must be in \[0, 1\] .*, got -3"),
+        ("optim.warmup_steps=-5", r"optim.warmup_steps must be 0 \(no warm-up\) or a number of steps, got -5"),
+        ("train.peak_tflops=.nan", r"train.peak_tflops: expected a finite number, got nan"),
+        ("model.dropout=.nan", r"model.dropout: expected a finite number, got nan"),
+        ("seed=-1", r"seed must be an integer from 0 to 4294967295, got -1"),
+        ("seed=18446744073709551616", r"seed must be an integer from 0 to 4294967295, got 18446744073709551616"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

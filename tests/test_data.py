@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from conftest import SAMPLE
 from scalelm.data import EvalBatches, TrainBatches, load_prepared
 from scalelm.data.vocab import EOS_ID, UNK_ID
 from scalelm.data.windows import IGNORE_INDEX, num_windows
-from scalelm.errors import ConfigError, DataError
+from scalelm.errors import ConfigError, DataError, ScaleLMError
+from scalelm.files import sha256
 
 
 def test_prepare_keeps_every_word(prepared):
@@ -76,10 +78,15 @@ def test_exact_evaluation_counts_every_token_once(world):
 
 
 def test_batch_not_divisible_by_world_size_is_a_clear_error():
-    with pytest.raises(ConfigError, match="not divisible by the 3 data-parallel ranks"):
-        TrainBatches(torch.arange(1000), 8, 8, 16, 5, 0, 3, seed=1)
+    from scalelm.config import BatchConfig
+
+    with pytest.raises(ConfigError, match="global batch of 16 sequences is not divisible by the 3 data-parallel ranks"):
+        BatchConfig(mode="global", size=16).sizes(3)
+    with pytest.raises(ConfigError, match="global batch of 1 sequences is not divisible by the 2 data-parallel ranks"):
+        BatchConfig(mode="global", size=1).sizes(2)  # fewer sequences than ranks: once a division by zero
     with pytest.raises(ConfigError, match="micro_size 3 does not divide"):
-        TrainBatches(torch.arange(1000), 8, 8, 16, 3, 0, 2, seed=1)
+        BatchConfig(mode="global", size=16, micro_size=3).sizes(2)
+    assert BatchConfig(mode="per_device", size=4, micro_size=2).sizes(3) == (12, 2)
     with pytest.raises(DataError, match="too small for one global batch"):
         TrainBatches(torch.arange(100), 8, 8, 64, 64, 0, 1, seed=1)
 
@@ -127,3 +134,43 @@ def test_an_empty_split_is_refused_naming_it(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "split 'validation'" in capsys.readouterr().err
     assert not (tmp_path / "prepared").exists()
+
+
+def test_prepare_and_prefetch_never_replace_a_directory_that_is_not_theirs(tmp_path, raw_data):
+    from scalelm.data.prefetch import fetch
+    from scalelm.data.prepare import prepare
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    with pytest.raises(ScaleLMError, match=rf"{foreign} is a directory with files and no manifest.json: it does not hold "
+                                           "the prepared data scalelm wrote"):  # fmt: skip
+        prepare(raw_data, foreign, False, 2)
+    files = {split: str(SAMPLE / f"{split}.txt") for split in ("train", "validation", "test")}
+    with pytest.raises(ScaleLMError, match=rf"{foreign} is a directory with files and no scalelm_source.json"):
+        fetch(foreign, "", None, files, "text")
+    with pytest.raises(ScaleLMError, match=rf"{foreign / 'thesis.tex'} exists and is not a directory"):
+        prepare(raw_data, foreign / "thesis.tex", False, 2)
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"] and (foreign / "thesis.tex").read_text() == "years of work"
+
+
+def test_damaged_prepared_data_is_named_with_what_to_do(tmp_path, prepared):
+    copy = tmp_path / "prepared"
+    shutil.copytree(prepared, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    with (copy / "validation.pt").open("r+b") as handle:  # a copy cut short
+        handle.truncate(100)
+    with pytest.raises(DataError, match=rf"{copy / 'validation.pt'} does not match the checksum in {copy / 'manifest.json'} "
+                                         r"\(truncated or changed since it was prepared\); run the prepare step again"):  # fmt: skip
+        load_prepared(copy)
+
+    torch.save(torch.tensor([5, manifest["vocab_size"], 7], dtype=torch.int32), copy / "validation.pt")
+    manifest["splits"]["validation"]["sha256"] = sha256(copy / "validation.pt")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    message = rf"validation.pt holds token ids outside the vocabulary of {manifest['vocab_size']:,} \(from 5 to "
+    with pytest.raises(DataError, match=message):
+        load_prepared(copy)
+
+    (copy / "manifest.json").write_text('{"vocab_size": 50')
+    with pytest.raises(DataError, match=rf"{copy / 'manifest.json'} is not a readable manifest .*run the prepare step"):
+        load_prepared(copy)

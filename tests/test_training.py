@@ -10,7 +10,7 @@ import time
 import drills
 import pytest
 import torch
-from conftest import board_scalars, run_dir_of, run_train, train_command, train_losses
+from conftest import board_scalars, run_dir_of, run_train, train_command, train_here, train_losses
 
 from scalelm.config import load_config
 from scalelm.data import load_prepared
@@ -216,13 +216,6 @@ def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, mes
         assert sorted(line.split("]")[0] for line in errors) == ["error: [rank 0", "error: [rank 1"], errors
         assert all(line.count("error:") == 1 for line in errors), errors
     assert not (run_dir_of(config) / "run.json").exists()
-
-
-def train_here(config_path, *overrides: str) -> dict:
-    """One process, in this process: no interpreter or torch start-up to pay."""
-    from scalelm.train.trainer import run
-
-    return run(load_config(config_path, overrides))
 
 
 def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_afresh(tiny_config, prepared, tmp_path, capsys):

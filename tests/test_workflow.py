@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -239,8 +240,38 @@ def test_an_invalid_config_fails_before_any_job(project):
     assert not (project / "results").exists() and not (project / "data").exists()
 
 
+SLURM_TOOLS = ("sbatch", "srun", "squeue", "sacct", "sinfo", "scontrol", "scancel")
+
+
+@pytest.mark.parametrize(
+    "where, change, key",
+    [
+        ("config/config.yaml", lambda c, marker: c.update(results=f"res$(touch {marker})"), "results"),
+        ("config/config.yaml", lambda c, marker: c["data"].update(prepared_dir=f"data/`touch {marker}`"), "data.prepared_dir"),
+        ("profiles/slurm/site.yaml", lambda c, marker: c.update(account=f"proj;touch {marker}"), "site file: account"),
+    ],
+)
+def test_a_value_that_would_reach_the_login_nodes_shell_is_refused_before_any_submission(project, tmp_path, monkeypatch,
+                                                                                           where, change, key):  # fmt: skip
+    """The Slurm executor submits `sbatch ... --wrap="<job>"` through a shell on the login node: a `$(...)` in a path
+    would run there. Stand-ins for Slurm's commands record every call: no job may be submitted, nothing may run."""
+    stand_ins, calls, marker = tmp_path / "bin", tmp_path / "slurm-calls.log", tmp_path / "code-ran"
+    stand_ins.mkdir()
+    for tool in SLURM_TOOLS:
+        (stand_ins / tool).write_text(f'#!/bin/sh\necho "$0 $*" >> {calls}\n')
+        (stand_ins / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stand_ins}:{os.environ['PATH']}")
+    edit_yaml(project / where, lambda c: change(c, marker))
+    result = snakemake(project, "--profile", "profiles/slurm", timeout=120)
+    assert result.returncode != 0
+    assert f"invalid config: {key}: " in result.stderr and "would hand to the shell" in result.stderr, result.stderr
+    made = calls.read_text().splitlines() if calls.exists() else []  # the executor asks `scontrol show config`
+    assert not [call for call in made if call.split()[0].endswith(("/sbatch", "/srun"))], made
+    assert not marker.exists()
+
+
 def test_lint_and_format_are_clean(project):
-    lint = snakemake(project, "--lint", "--workflow-profile", "none")
+    lint = snakemake(project, "--lint")  # the embedded default: without a site the real matrix exceeds this machine
     assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
     fmt = subprocess.run(["snakefmt", "--check", "workflow"], cwd=project, capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stderr

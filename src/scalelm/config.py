@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -60,9 +61,22 @@ class BatchConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # per_device mode: scale lr with the world size
 
     def sizes(self, dp_size: int) -> tuple[int, int]:
-        """(global batch, sequences per forward/backward on a data-parallel rank) for `dp_size` ranks."""
+        """(global batch, sequences per forward/backward on a data-parallel rank) for `dp_size` ranks; the one
+        place the batch's rules live: a batch that does not split evenly is refused, saying what to change."""
         global_batch = self.size * dp_size if self.mode == "per_device" else self.size
-        return global_batch, self.micro_size or global_batch // dp_size
+        if global_batch % dp_size:  # a global batch smaller than the ranks too
+            raise ConfigError(
+                f"global batch of {global_batch} sequences is not divisible by the {dp_size} data-parallel ranks; "
+                f"choose batch.size as a multiple of {dp_size}"
+            )
+        per_rank = global_batch // dp_size
+        micro = self.micro_size or per_rank
+        if per_rank % micro:
+            raise ConfigError(
+                f"batch.micro_size {micro} does not divide the per-rank share of {per_rank} sequences; "
+                f"choose a divisor of {per_rank}"
+            )
+        return global_batch, micro
 
 
 @dataclass
@@ -170,11 +184,13 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -320,8 +336,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")
     if not 0.0 <= config.model.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {config.model.dropout}")
-    if config.optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be positive, got {config.optim.lr}")
+    if not 0 <= config.seed < SEED_LIMIT:
+        raise ConfigError(f"seed must be an integer from 0 to {SEED_LIMIT - 1}, got {config.seed}")
+    check_optim(config.optim)
     if config.batch.mode == "global" and config.batch.lr_scaling != "none":
         raise ConfigError(
             "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
@@ -337,6 +354,31 @@ def validate(config: Config) -> None:
     parallel = config.parallel
     check_tp(max(parallel.tp or 1, 1), config.model, None, parallel.loss_parallel, config.data.seq_len, parallel.sequence_parallel)
     check_pipeline(max(parallel.pp or 1, 1), parallel, config.model)
+
+
+SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
+
+
+def check_optim(optim: OptimConfig) -> None:
+    """AdamW's and the schedule's constraints, here rather than at the first step of a run."""
+    if optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be positive, got {optim.lr}")
+    if optim.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay must be 0 or positive, got {optim.weight_decay}")
+    for i, beta in enumerate(optim.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas[{i}] must be in [0, 1), got {beta} (AdamW's usual values: [0.9, 0.999])")
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be 0 (no warm-up) or a number of steps, got {optim.warmup_steps}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"optim.min_lr_ratio must be in [0, 1] (the cosine floor as a fraction of the peak rate), got "
+            f"{optim.min_lr_ratio}"
+        )
+    if optim.grad_clip is not None and optim.grad_clip <= 0:
+        raise ConfigError(
+            f"optim.grad_clip must be a positive gradient norm, or null for no clipping, got {optim.grad_clip}"
+        )
 
 
 def dump_config(config: Config, path: str | Path) -> None:

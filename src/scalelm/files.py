@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,9 +61,90 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     publish(partial, final)
 
 
+def check_replaceable(path: Path, marker: str, what: str) -> None:
+    """`path` is about to be replaced whole: refuse unless it is absent, empty, or holds `marker` (scalelm's own)."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ScaleLMError(f"{path} exists and is not a directory; choose another directory for {what}")
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        raise ScaleLMError(
+            f"{path} is a directory with files and no {marker}: it does not hold {what} scalelm wrote, and writing "
+            "them would delete it; empty it, or choose another directory"
+        )
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as partial:
         partial.write_text(text, encoding="utf-8")
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append to a file, never through a symbolic link (O_NOFOLLOW): a link planted in a run directory would
+    otherwise have its target written."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path} is a symbolic link: scalelm does not write through links; remove it") from None
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+class NoSpaceError(ScaleLMError):
+    pass
+
+
+@contextmanager
+def disk_errors(where: str | Path) -> Iterator[None]:
+    """A full disk or quota as one clear error naming the directory: torch's writers report it only as a short write
+    ('unexpected pos', 'file write failed'), and DCP wraps every rank's error in a CheckpointException."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpaceError(no_space_message(where)) from err
+        raise
+    except BaseException as err:  # RuntimeError from torch.save; DCP's CheckpointException is a BaseException
+        text = str(err)
+        short_write = "unexpected pos" in text or "file write failed" in text  # a full disk or quota, in practice
+        if "No space left" in text or "Disk quota" in text or short_write:
+            raise NoSpaceError(no_space_message(where)) from err
+        raise
+
+
+def no_space_message(where: str | Path) -> str:
+    return (
+        f"no space left on device (or quota exceeded) writing {where}: free space there or write elsewhere, then "
+        "run again; complete checkpoints written before are kept and the run resumes from the last"
+    )
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, handle, allowed: Callable[[str, str], bool]):
+        super().__init__(handle)
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not self.allowed(module, name):
+            raise pickle.UnpicklingError(f"{module}.{name} is not among the classes this file may hold")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent references are not allowed")
+
+
+def load_pickle(path: Path, allowed: Callable[[str, str], bool]) -> Any:
+    """Unpickle a file that may name only the globals `allowed(module, name)` admits: a pickle that calls anything
+    else (which is how a pickle runs code) is refused, with the file named, before the call."""
+    try:
+        with Path(path).open("rb") as handle:
+            return _AllowListUnpickler(handle, allowed).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
+        raise UnsafeFileError(
+            f"{path} is damaged or holds more than it may and was not loaded, as loading it could run code "
+            f"({type(err).__name__}: {err}); use a file written by scalelm, or regenerate it"
+        ) from err
 
 
 def load_tensors(path: Path, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ import torch
 
 from scalelm.config import from_dict
 from scalelm.data.prepared import MANIFEST, SPLITS
+from scalelm.files import sha256
 from scalelm.train.trainer import run
 
 
@@ -21,10 +22,13 @@ def write_corpus(path: Path, vocab_size: int = 64) -> None:
     """A repetitive token stream (a learnable pattern), in the layout `scalelm.data.prepare` writes."""
     path.mkdir(parents=True)
     pattern = torch.arange(2, vocab_size, dtype=torch.int32)
+    splits = {}
     for split, repeats in zip(SPLITS, (40, 4, 4)):
         torch.save(pattern.repeat(repeats), path / f"{split}.pt")
+        splits[split] = {"tokens": len(pattern) * repeats, "unk": 0, "sha256": sha256(path / f"{split}.pt")}
     (path / "vocab.txt").write_text("\n".join(["<unk>", "<eos>", *map(str, range(2, vocab_size))]) + "\n")
-    (path / MANIFEST).write_text(json.dumps({"format": 1, "vocab_size": vocab_size, "source": "selftest"}))
+    manifest = {"format": 1, "vocab_size": vocab_size, "source": "selftest", "splits": splits}
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from scalelm.data.prefetch import SOURCE_FILE
 from scalelm.data.prepared import MANIFEST, SPLITS
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
 from scalelm.errors import DataError, friendly_errors
-from scalelm.files import atomic_path, sha256
+from scalelm.files import atomic_path, check_replaceable, sha256
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:
@@ -49,6 +49,7 @@ def read_splits(raw: Path) -> dict[str, list[str]]:
 def prepare(raw: Path, out: Path, lowercase: bool, min_freq: int) -> dict[str, Any]:
     if min_freq < 1:
         raise DataError(f"--min-freq must be at least 1, got {min_freq}")
+    check_replaceable(out, MANIFEST, "the prepared data")
     texts = read_splits(raw)
     tokenized = {split: list(words_of(lines, lowercase)) for split, lines in texts.items()}
     for split, lines in tokenized.items():

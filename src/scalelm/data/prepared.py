@@ -39,6 +39,8 @@ class PreparedData:
 
 
 def load_prepared(path: str | Path) -> PreparedData:
+    """The prepared data at `path`, each token file checked against the manifest's checksum and the vocabulary's
+    range before it is used: a damaged directory is named, with what to do, instead of failing deep in training."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -47,11 +49,39 @@ def load_prepared(path: str | Path) -> PreparedData:
             f"(`snakemake prepare`, or `python -m scalelm.data.prefetch --out RAW` then "
             f"`python -m scalelm.data.prepare --raw RAW --out {path}`); compute nodes have no internet."
         )
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = read_manifest(manifest_path)
     splits = {}
     for name in SPLITS:
         file = path / f"{name}.pt"
         if not file.is_file():
             raise DataError(f"prepared data at {path} is incomplete: {file} is missing; run the prepare step again")
+        expected = manifest["splits"][name].get("sha256")
+        if expected is not None and sha256(file) != expected:
+            raise DataError(
+                f"{file} does not match the checksum in {manifest_path} (truncated or changed since it was "
+                "prepared); run the prepare step again"
+            )
         splits[name] = load_tensors(file, mmap=True)
+        check_tokens(splits[name], int(manifest["vocab_size"]), file)
     return PreparedData(path=path, manifest=manifest, splits=splits)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        vocab_size = manifest["vocab_size"]
+        if not isinstance(vocab_size, int) or vocab_size <= 0 or not all(s in manifest["splits"] for s in SPLITS):
+            raise ValueError("no positive vocab_size or a split missing")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path} is not a readable manifest ({err}); run the prepare step again") from None
+    return manifest
+
+
+def check_tokens(tokens: Any, vocab_size: int, file: Path) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+        raise DataError(f"{file} does not hold a list of token ids; run the prepare step again")
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        raise DataError(
+            f"{file} holds token ids outside the vocabulary of {vocab_size:,} (from {int(tokens.min())} to "
+            f"{int(tokens.max())}); run the prepare step again"
+        )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from scalelm.data.vocab import EOS_ID
-from scalelm.errors import ConfigError, DataError
+from scalelm.errors import DataError
 
 IGNORE_INDEX = -100
 
@@ -45,16 +45,7 @@ class TrainBatches:
     seed: int
 
     def __post_init__(self) -> None:
-        if self.global_batch % self.world_size:
-            raise ConfigError(
-                f"global batch of {self.global_batch} sequences is not divisible by the {self.world_size} "
-                f"data-parallel ranks; choose batch.size as a multiple of {self.world_size}"
-            )
-        if self.per_rank % self.micro_batch:
-            raise ConfigError(
-                f"batch.micro_size {self.micro_batch} does not divide the per-rank share of "
-                f"{self.per_rank} sequences; choose a divisor of {self.per_rank}"
-            )
+        # the batch splits evenly over the ranks and micro-batches: scalelm.config.BatchConfig.sizes
         self.windows = num_windows(self.tokens.numel(), self.seq_len, self.stride)
         if self.steps_per_epoch == 0:
             raise DataError(

@@ -135,12 +135,7 @@ def feasible(work: Workload, dims: ParallelDims) -> None:
     sequence = (config.data.seq_len, options.sequence_parallel)
     check_tp(dims.tp, config.model, work.vocab_size, options.loss_parallel, *sequence)
     check_pipeline(dims.pp, options, config.model)
-    global_batch, micro = config.batch.sizes(dims.dp_size)
-    if global_batch % dims.dp_size or micro < 1:
-        raise ConfigError(
-            f"the global batch of {global_batch} sequences does not split evenly over {dims.dp_size} data-parallel "
-            "ranks; change batch.size"
-        )
+    _, micro = config.batch.sizes(dims.dp_size)
     if dims.pp > 1:
         check_microbatches(microbatches(options, dims.pp), micro)
 

@@ -3,7 +3,8 @@
     python -m scalelm.study.consolidate --run-dir results/runs/fsdp/seed1 [--out FILE]
 
 Writes the model file (default: the run's model.pt) and, beside it, `<out>.json` with its sha256, the checkpoint and
-step it came from.
+step it came from. The checkpoint's seal and contents are verified before it is read (scalelm.train.checkpoint.verify),
+and the model file's sha256 against its `.json` before it is loaded (`load_consolidated`).
 Runs in one process: DCP reshards the checkpoint of N ranks on load.
 """
 
@@ -20,7 +21,7 @@ from scalelm.config import ModelConfig, load_config
 from scalelm.errors import CheckpointError, friendly_errors
 from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
 from scalelm.model import TransformerLM
-from scalelm.train.checkpoint import complete_checkpoints, load_weights, read_trainer_state
+from scalelm.train.checkpoint import complete_checkpoints, load_weights, read_trainer_state, require_usable
 from scalelm.train.rundir import RunDir
 
 
@@ -31,6 +32,12 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     if not found:
         raise CheckpointError(f"no complete checkpoint in {run.checkpoints}: train the run first")
     checkpoint = found[-1]
+    try:
+        require_usable(checkpoint)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"{err}; remove {run.record} and run the training again: it resumes from the last good checkpoint"
+        ) from None
     config = load_config(run.config)
     state = read_trainer_state(checkpoint)
     model = TransformerLM(config.model, state.model_shape["vocab_size"])
@@ -50,12 +57,27 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
 
 
 def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:
-    if not Path(path).is_file():
+    """The model of a consolidated file, once its sha256 matches the one its `.json` recorded."""
+    path, sidecar = Path(path), Path(f"{path}.json")
+    if not path.is_file():
         raise CheckpointError(f"consolidated model {path} does not exist: run the consolidate step first")
+    try:
+        recorded = json.loads(sidecar.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{sidecar}, the record of {path.name}'s checksum, is missing or unreadable ({type(err).__name__}); "
+            "consolidate the run again"
+        ) from None
+    digest = sha256(path)
+    if digest != recorded:
+        raise CheckpointError(
+            f"{path} does not match its record {sidecar} (sha256 {digest[:12]}, recorded {str(recorded)[:12]}): "
+            "the file was replaced or damaged after consolidation; consolidate the run again"
+        )
     payload = load_tensors(path, map_location="cpu")
     model = TransformerLM(ModelConfig(**{**payload["model_config"], "dropout": 0.0}), payload["vocab_size"])
     model.load_state_dict(payload["model"])
-    return model.eval(), {"seq_len": payload["seq_len"], "step": payload["step"], "sha256": sha256(Path(path))}
+    return model.eval(), {"seq_len": payload["seq_len"], "step": payload["step"], "sha256": digest}
 
 
 @friendly_errors

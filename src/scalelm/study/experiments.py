@@ -7,10 +7,11 @@ fails before a single job runs, naming the experiment and the key.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from scalelm.config import Config, from_dict
+from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
 from scalelm.parallel.pipeline import check_microbatches, microbatches
@@ -94,15 +95,47 @@ def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> P
         raise ConfigError(f"experiments.{name} ({nodes} x {procs_per_node} processes): {err}") from None
 
 
-def check_pipeline_batch(name: str, training: Config, dims: ParallelDims) -> None:
-    """A pipeline's micro-batches must cut each replica's batch evenly: refused here, before any job is queued."""
-    if dims.pp == 1:
-        return
-    _, per_replica = training.batch.sizes(dims.dp_size)
+def check_batch(name: str, training: Config, dims: ParallelDims) -> None:
+    """The batch must split evenly over the data-parallel ranks, the micro-batches and a pipeline's pieces: refused
+    here, before any job is queued."""
     try:
-        check_microbatches(microbatches(training.parallel, dims.pp), per_replica)
+        _, per_replica = training.batch.sizes(dims.dp_size)
+        if dims.pp > 1:
+            check_microbatches(microbatches(training.parallel, dims.pp), per_replica)
     except ConfigError as err:
         raise ConfigError(f"experiments.{name}: {err}") from None
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # workflow/schemas/config.schema.yaml says the same
+# Snakemake refuses a wildcard value ending in a part repeated 20 or more times (PeriodicWildcardError)
+PERIODIC = re.compile(r"(.+)\1{19,}$")
+
+
+def check_name(name: Any) -> None:
+    """An experiment's name becomes a directory and a wildcard: refused now, not in a later rule."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ConfigError(
+            f"experiments: the name {name!r} must be 1 to 64 letters, digits, '_' or '-', starting with a letter "
+            "or digit; rename the experiment"
+        )
+    if PERIODIC.search(name):
+        raise ConfigError(
+            f"experiments: the name {name!r} ends in a part repeated 20 or more times, which Snakemake refuses as a "
+            "wildcard value; rename the experiment"
+        )
+
+
+def check_seeds(seeds: Any) -> list[int]:
+    """The study's seeds: a list of distinct integers within the range every layout can derive its streams from."""
+    if not isinstance(seeds, list) or not seeds:
+        raise ConfigError(f"seeds must be a non-empty list of integers, got {seeds!r}")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+            raise ConfigError(f"seeds: {seed!r} is not an integer from 0 to {SEED_LIMIT - 1}")
+    repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+    if repeated:
+        raise ConfigError(f"seeds: {', '.join(map(str, repeated))} listed more than once; list each seed once")
+    return seeds
 
 
 def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
@@ -110,17 +143,21 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
     if not experiments:
         raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
     matrix = []
+    seeds = check_seeds(config.get("seeds", [1]))
     for name, spec in experiments.items():
+        check_name(name)
+        if not isinstance(spec, dict):
+            raise ConfigError(f"experiments.{name}: expected a mapping of settings, got {spec!r}")
         if not isinstance(spec.get("check_memory", True), bool):
             raise ConfigError(f"experiments.{name}.check_memory must be true or false, got {spec['check_memory']!r}")
         for key in ("nodes", "procs_per_node"):
             if not isinstance(spec.get(key), int) or isinstance(spec.get(key), bool) or spec[key] <= 0:
                 raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
-        for seed in config.get("seeds", [1]):
+        for seed in seeds:
             run_dir = str(RunDir.of(results, name, seed).path)
             training = training_config(config, name, seed, run_dir)
             dims = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
-            check_pipeline_batch(name, training, dims)
+            check_batch(name, training, dims)
             geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
             matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims, spec.get("check_memory", True)))
     return matrix

@@ -6,10 +6,13 @@ value a rule needs (its job's arguments and resources). workflow/rules/*.smk onl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shlex
 from typing import Any
+
+import psutil
 
 from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime
@@ -22,16 +25,27 @@ from scalelm.study.scaling import choose_baseline
 from scalelm.train.rundir import RunDir
 
 DEFAULT_STOP_SIGNAL_S = 300
+# What the Slurm executor would hand to a shell: it submits `sbatch ... --wrap="<job command>"` through `sh -c`,
+# escaping only double quotes, so `$(...)` in a path would run on the login node. Braces are Snakemake's wildcards.
+SHELL_META = "$`;|&'\"\\<>{}\n\r"
+PROCS_PER_CORE = 4  # the local default: more processes than this per core would only queue for the cores
+MIB_PER_PROC = 512  # and each training process needs at least this much memory (docs/benchmarks.md)
 
 
 class Study:
     def __init__(self, config: dict[str, Any], on_login_node: bool = True):
         self.config = config
         self.results = config["results"]
+        if not str(self.results).strip():
+            raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
+        check_command_line_values(config)
         self.site = load_site(config.get("site"))
+        check_command_line_values(dataclasses.asdict(self.site), "site file: ")
         self.resources = config["resources"]
         self.stop_signal_s = stop_signal_seconds(self.resources)
         self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results)}
+        if not config.get("site"):
+            check_local_capacity(self.matrix.values())
         for e in self.matrix.values():
             self.site.check_fits(e.name, e.procs_per_node)
             if self.site.peak_tflops and not e.training["train"].get("peak_tflops"):
@@ -157,6 +171,41 @@ class Study:
             # timings that shared cores with another training mean nothing. On a cluster, whole nodes (exclusive).
             "training_run": 0 if self.config.get("site") else 1,
         }
+
+
+def check_command_line_values(values: Any, prefix: str = "") -> None:
+    """Refuse any string in the config that a job's command line would hand to a shell as more than a word."""
+    if isinstance(values, dict):
+        for key, value in values.items():
+            check_command_line_values(key, prefix)
+            check_command_line_values(value, f"{prefix}{key}.")
+    elif isinstance(values, (list, tuple)):
+        for i, value in enumerate(values):
+            check_command_line_values(value, f"{prefix.rstrip('.')}[{i}].")
+    elif isinstance(values, str):
+        found = sorted({c for c in values if c in SHELL_META})
+        if found:
+            shown = " ".join(repr(c)[1:-1] for c in found)
+            raise ConfigError(
+                f"{prefix.rstrip('.') or 'config'}: {values!r} holds {shown}, which a job's command line would hand "
+                "to the shell (on a cluster, the login node's: the Slurm executor submits through `sh -c`); "
+                "use a value without shell metacharacters ($ ` ; | & quotes \\ < > { } newlines)"
+            )
+
+
+def check_local_capacity(experiments) -> None:
+    """Without a site every process of an experiment runs on this machine: refuse what it cannot hold."""
+    cores = os.cpu_count() or 1
+    memory_mib = psutil.virtual_memory().total // 2**20
+    limit = max(1, min(PROCS_PER_CORE * cores, memory_mib // MIB_PER_PROC))
+    for e in experiments:
+        if e.world_size > limit:
+            raise ConfigError(
+                f"experiments.{e.name}: {e.nodes} x {e.procs_per_node} = {e.world_size} processes, but this machine "
+                f"({cores} cores, {memory_mib / 1024:.0f} GiB) holds at most {limit} ({PROCS_PER_CORE} per core, "
+                f"{MIB_PER_PROC} MiB each); lower nodes or procs_per_node in the local overlay (config/local.yaml), "
+                "or run the study on a cluster (--profile profiles/slurm)"
+            )
 
 
 def stop_signal_seconds(resources: dict[str, Any]) -> int:

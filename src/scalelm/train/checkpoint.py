@@ -12,10 +12,16 @@ whole (its shards with their offsets): any checkpoint loads into any layout and 
 is stored flat, its hyperparameters under each parameter's name, so that pipeline stages, which hold different
 parameters, each write and read their own (the nested form keeps one rank's list of parameter names). Checkpoints
 of earlier versions (`state.pt` from rank 0; DCP with the nested optimizer state) still load.
+
+Nothing read from a checkpoint can run code: DCP unpickles `.metadata` with plain pickle and its non-tensor entries
+(the optimizer's hyperparameters) with `torch.load(weights_only=False)`; here `.metadata` goes through an allow-list
+of DCP's own metadata classes and those entries through `weights_only=True` (plain values only), and `verify`
+checks both, after the seal's checksums, before the checkpoint is used (docs/faults.md, "Security").
 """
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -25,6 +31,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from scalelm.errors import CheckpointError
-from scalelm.files import load_tensors, partial_of, publish, remove, sha256
+from scalelm.errors import CheckpointError, ScaleLMError
+from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -45,8 +55,62 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"
+METADATA_FILE = ".metadata"
 MARKER = "COMPLETE"
 PREFIX = "step_"
+
+# What a DCP .metadata file may name: DCP's own metadata records, torch.Size, dtypes and layouts, paths.
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+def metadata_global(module: str, name: str) -> bool:
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    return name in METADATA_GLOBALS.get(module, ())
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled through METADATA_GLOBALS (DCP's own uses plain pickle)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(str(self.path)) / METADATA_FILE
+        metadata = load_pickle(path, metadata_global)
+        if not isinstance(metadata, Metadata):
+            raise UnsafeFileError(f"{path} holds a {type(metadata).__name__}, not a checkpoint's metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+def load_plain(value: io.BytesIO, where: str) -> Any:
+    """A non-tensor DCP entry, read with weights_only=True: plain values and containers, never an object."""
+    try:
+        return torch.load(value, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - an unpickling, zip or type error: the entry is refused whatever it is
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UnsafeFileError(f"{where} holds more than plain values and was not loaded ({reason})") from err
+
+
+class PlainValuePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor entries are read as plain values (DCP: weights_only=False)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        plain = load_plain(value, f"checkpoint entry {fqn}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], plain)
+        else:
+            self.state_dict[fqn] = plain
 
 
 @dataclass
@@ -151,18 +215,48 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def verify(path: Path) -> str | None:
-    """None if every file listed in the marker is present with its checksum, else what is wrong."""
+    """None if the checkpoint can be used, else what is wrong: every file its marker lists present with its checksum
+    (the seal), checked first; then nothing in it that loading could run: `.metadata` and trainer.pt hold only what
+    they may, every non-tensor entry only plain values (the seal alone proves nothing: whoever alters a file can
+    rewrite the marker)."""
     try:
         expected = json.loads((path / MARKER).read_text())
     except (OSError, ValueError) as err:
         return f"unreadable {MARKER} marker ({err})"
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        return f"{MARKER} marker is not a table of checksums"
     for name, digest in expected.items():
         file = path / name
+        if "/" in name or name.startswith(".."):
+            return f"{MARKER} marker names a file outside the checkpoint ({name!r})"
         if not file.is_file():
             return f"{name} is missing"
         if sha256(file) != digest:
             return f"{name} does not match its checksum (truncated or corrupted)"
+    unsealed = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MARKER and p.name not in expected)
+    if unsealed:
+        return f"{', '.join(unsealed)} not covered by its {MARKER} marker"
+    try:
+        if (path / TRAINER_FILE).is_file():
+            load_tensors(path / TRAINER_FILE)
+        if (path / STATE_FILE).is_file():
+            return None  # an earlier version's single file: load_tensors reads it with weights_only=True
+        metadata = SafeReader(path).read_metadata()
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with (path / info.relative_path).open("rb") as handle:
+                    handle.seek(info.offset)
+                    load_plain(io.BytesIO(handle.read(info.length)), f"entry {index.fqn} of {info.relative_path}")
+    except (UnsafeFileError, OSError) as err:
+        return str(err)
     return None
+
+
+def require_usable(path: Path) -> None:
+    """`verify`, as an error naming the checkpoint."""
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
 
 
 def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
@@ -185,14 +279,22 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, saved["optim"], options=options)
         return
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} holds neither {STATE_FILE} nor a Distributed Checkpoint (.metadata)")
+    if not (path / METADATA_FILE).is_file():
+        raise CheckpointError(f"{path} holds neither {STATE_FILE} nor a Distributed Checkpoint ({METADATA_FILE})")
     target = {"model": get_model_state_dict(model)}
     options = None
     if optimizer is not None:
-        options = None if NESTED_MARK in dcp.FileSystemReader(path).read_metadata().state_dict_metadata else FLAT
+        options = None if NESTED_MARK in SafeReader(path).read_metadata().state_dict_metadata else FLAT
         target["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
-    dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())  # reshards to this layout
+    try:  # reshards to this layout
+        dcp.load(target, storage_reader=SafeReader(path), planner=PlainValuePlanner(), no_dist=not is_distributed())
+    except CheckpointException as err:  # DCP wraps every rank's error: ours say what is wrong with the file
+        errors = [failure[0] for failure in err.failures.values()]
+        ours = [error for error in errors if isinstance(error, ScaleLMError)]
+        if ours:
+            raise ours[0] from None
+        reason = str(errors[0]).strip().splitlines()[-1] if errors and str(errors[0]).strip() else "unreadable"
+        raise CheckpointError(f"checkpoint {path} could not be read ({reason}); it is damaged") from None
     set_model_state_dict(model, target["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, target["optim"], options=options)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from scalelm.files import atomic_write_text
+from scalelm.files import append_text, atomic_write_text
 from scalelm.train.rundir import RunDir
 
 
@@ -67,8 +67,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"time": round(time.time() - self.start, 3), **record}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")
         if self.board is not None:
             for tag, value in scalars(record).items():
                 self.board.add_scalar(tag, value, record["step"])

@@ -12,12 +12,22 @@
       run.json         provenance and results, written last: its presence means the training finished
       model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.study.consolidate)
       test.json        the common test evaluation (scalelm.study.evaluate)
-      previous/        the last attempt made with other settings
+      previous/        the last attempt made with other settings that got anywhere
+      .lock            held by the training running here (rank 0), so that no second one writes beside it
+
+scalelm writes nothing through a symbolic link inside a run directory: `start` refuses one (the run directory
+itself, or the results directory above it, may be a link).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,24 +99,102 @@ class RunDir:
     def experiment(self) -> str:
         return self.path.parent.name
 
-    def start(self, run_identity: dict[str, Any]) -> None:
-        """Before training (rank 0): the directory exists and is writable; a finished run is marked unfinished
-        again; an attempt with another identity is moved to previous/ (replacing an older one), so training starts
-        afresh instead of resuming another experiment's checkpoint."""
+    # what one attempt writes: set aside together when the settings change
+    @property
+    def attempt(self) -> tuple[Path, ...]:
+        return (
+            self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.config, self.identity,
+            self.record, self.model, self.model_meta, self.test_result,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Held by the training that writes here (rank 0) from before `start` to its end; a second training in the
+        same directory is refused, naming the first, instead of crashing it mid-checkpoint."""
+        self._make_writable()
+        path = self.path / ".lock"
+        self._refuse_links([path])
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / ".write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"run_dir {self.path} is not writable ({err.strerror}); choose another run_dir") from None
-        if self.identity.is_file() and json.loads(self.identity.read_text()) != run_identity:
-            remove(self.previous)
-            self.previous.mkdir()
-            kept = (self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.config, self.identity)
-            for path in kept:
-                if path.exists():
-                    path.rename(self.previous / path.name)
-            print(f"settings changed since the last attempt in {self.path}: its results moved to {self.previous}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                raise ConfigError(
+                    f"another training is running in {self.path} ({holder}): wait for it to end or stop it; two "
+                    "trainings in one run directory would overwrite each other's checkpoints"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def start(self, run_identity: dict[str, Any]) -> None:
+        """Before training (rank 0, under `lock`): the directory exists, is writable and holds no link; a finished run
+        is marked unfinished again. An attempt with another identity is set aside in previous/ (replacing an older
+        one) if it got anywhere (a checkpoint, a logged step, a result), else dropped, so that an attempt that
+        failed before its first step never costs the one before it; and an attempt in previous/ with this identity
+        comes back, to be resumed rather than retrained."""
+        self._make_writable()
+        self._refuse_links([self.path / ".lock", *self.attempt, self.previous])
+        current = read_identity(self.identity)
+        if current is not None and current != run_identity:
+            earlier = read_identity(self.previous / self.identity.name) == run_identity
+            parked = self.path / ".previous-returning"
+            if earlier:
+                remove(parked)
+                self.previous.rename(parked)
+            if self.holds_work():
+                remove(self.previous)
+                self.previous.mkdir()
+                for path in self.attempt:
+                    if path.exists():
+                        path.rename(self.previous / path.name)
+                print(f"settings changed since the last attempt in {self.path}: its results moved to {self.previous}")
+            else:
+                for path in self.attempt:
+                    remove(path)
+                print(f"settings changed since the last attempt in {self.path}, which stopped before its first step: "
+                      "it was dropped")  # fmt: skip
+            if earlier:
+                for path in parked.iterdir():
+                    path.rename(self.path / path.name)
+                remove(parked)
+                print(f"the attempt with these settings is back from {self.previous}: it resumes")
         atomic_write_text(self.identity, json.dumps(run_identity, indent=1) + "\n")
         self.record.unlink(missing_ok=True)
+
+    def holds_work(self) -> bool:
+        """Whether the attempt here got anywhere: a checkpoint, a logged step or a result."""
+        logged = self.metrics.is_file() and self.metrics.stat().st_size > 0
+        checkpoints = self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+        return logged or checkpoints or self.record.exists() or self.model.exists()
+
+    def _make_writable(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=self.path)  # O_EXCL: never through a link
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as err:
+            raise ConfigError(f"run_dir {self.path} is not writable ({err.strerror}); choose another run_dir") from None
+
+    def _refuse_links(self, paths) -> None:
+        inside = [Path(root) / name for root, dirs, files in os.walk(self.path) for name in dirs + files]
+        links = [p for p in [*paths, *inside] if p.is_symlink()]
+        if links:
+            raise ConfigError(
+                f"{links[0]} is a symbolic link: scalelm writes nothing through links inside a run directory "
+                f"({self.path}); replace it with what it points to, or remove it"
+            )
+
+
+def read_identity(path: Path) -> dict[str, Any] | None:
+    """A run's identity.json; an unreadable one is an identity no run has."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"unreadable": str(path)}

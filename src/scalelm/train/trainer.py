@@ -25,7 +25,7 @@ import torch.distributed as dist
 from scalelm.config import Config, dump_config, load_config
 from scalelm.data import PreparedData, TrainBatches, load_prepared
 from scalelm.errors import ScaleLMError, friendly_errors
-from scalelm.files import atomic_write_text
+from scalelm.files import atomic_write_text, disk_errors
 from scalelm.model import TransformerLM, flops_per_token
 from scalelm.parallel import Parallel
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
@@ -60,26 +60,32 @@ def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return values
 
 
+def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
+    """This rank's training batches: each data-parallel rank takes its share of the global batch, the ranks of a TP
+    group share theirs. A batch the data or the layout cannot take is refused here."""
+    global_batch, micro_batch = config.batch.sizes(parallel.dims.dp_size)
+    batches = TrainBatches(
+        tokens=data.splits["train"],
+        seq_len=config.data.seq_len,
+        stride=config.data.stride or config.data.seq_len,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        rank=parallel.dp_rank,
+        world_size=parallel.dims.dp_size,
+        seed=config.seed,
+    )
+    parallel.check_batch(batches.micro_batch)
+    return batches
+
+
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData):
         self.config, self.env, self.parallel, self.data = config, env, parallel, data
         self.run_dir = RunDir(Path(config.run_dir))
 
-        # Each data-parallel rank takes its share of the global batch; the ranks of a TP group share theirs.
         dp_size = parallel.dims.dp_size
-        global_batch, micro_batch = config.batch.sizes(dp_size)
-        self.batches = TrainBatches(
-            tokens=data.splits["train"],
-            seq_len=config.data.seq_len,
-            stride=config.data.stride or config.data.seq_len,
-            global_batch=global_batch,
-            micro_batch=micro_batch,
-            rank=parallel.dp_rank,
-            world_size=dp_size,
-            seed=config.seed,
-        )
-        parallel.check_batch(self.batches.micro_batch)
-        self.tokens_per_step = global_batch * config.data.seq_len
+        self.batches = train_batches(config, parallel, data)
+        self.tokens_per_step = self.batches.global_batch * config.data.seq_len
         total = config.train.epochs * self.batches.steps_per_epoch
         self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
 
@@ -364,18 +370,23 @@ def run(config: Config) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env = setup(config.device, config.parallel.timeout_s)
     try:
-        parallel = Parallel.start(config, env)  # a layout that does not fit the world fails here, before any work
+        # Everything that can be refused is refused before the run directory is touched: the layout against the
+        # world, the data, the batch against both.
+        parallel = Parallel.start(config, env)
         data = load_prepared(config.data.prepared_dir)
-        if env.is_main:
-            RunDir(Path(config.run_dir)).start(identity(config, data.checksums(), env.world_size))
-        barrier()
-        trainer = Trainer(config, env, parallel, data)
-        with Monitor(trainer.run_dir.monitor, env, config.train.monitor_interval_s, trainer.run_dir.tensorboard):
-            try:
-                record = trainer.fit()
-            finally:
-                trainer.metrics.close()
-        barrier()  # every rank done with every collective before any shuts its process groups down
+        train_batches(config, parallel, data)
+        run_dir = RunDir(Path(config.run_dir))
+        with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
+            if env.is_main:
+                run_dir.start(identity(config, data.checksums(), env.world_size))
+            barrier()
+            trainer = Trainer(config, env, parallel, data)
+            with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
+                try:
+                    record = trainer.fit()
+                finally:
+                    trainer.metrics.close()
+            barrier()  # every rank done with every collective before any shuts its process groups down
         return record
     finally:
         teardown()
