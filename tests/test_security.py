@@ -7,7 +7,7 @@ import pickle
 import re
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import drills
 import pytest
@@ -167,3 +167,36 @@ def test_evaluation_refuses_a_model_that_is_not_the_one_its_record_names(run_cop
     run.model_meta.unlink()
     with pytest.raises(CheckpointError, match=rf"{run.model_meta}, the record of model.pt's checksum, is missing"):
         load_consolidated(run.model)
+
+
+class Reduces:
+    """A pickled call: what a pickle may hold in place of any object."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return (self.call, self.args)
+
+    def __call__(self, *args):  # pickle wants the call's function to be callable; it is never called here
+        raise AssertionError("not to be called")
+
+
+def test_metadata_may_name_an_enum_member_by_getattr_and_nothing_else_through_it(tmp_path):
+    """Python pickles an enum member as getattr(Enum, name) (DCP's metadata holds one): that getattr is admitted
+    for the members of an allowed enum only; a general one reaches any method of any class, and runs it."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from scalelm.files import load_pickle
+    from scalelm.train.checkpoint import metadata_global
+
+    path = tmp_path / "meta"
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    path.write_bytes(pickle.dumps([Reduces(getattr, _MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]))
+    assert load_pickle(path, metadata_global) == [member]
+    victim = tmp_path / "victim.txt"
+    writes = Reduces(Reduces(getattr, PosixPath, "write_text"), victim, "overwritten")  # an allowed class's method
+    path.write_bytes(pickle.dumps(writes))
+    with pytest.raises(UnsafeFileError, match="is not a member of an allowed enum"):
+        load_pickle(path, metadata_global)
+    assert not victim.exists()
