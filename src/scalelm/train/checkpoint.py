@@ -21,10 +21,12 @@ checks both, after the seal's checksums, before the checkpoint is used (docs/fau
 
 from __future__ import annotations
 
+import enum
+import importlib
 import io
 import json
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,27 +61,28 @@ METADATA_FILE = ".metadata"
 MARKER = "COMPLETE"
 PREFIX = "step_"
 
-# What a DCP .metadata file may name: DCP's own metadata records, torch.Size, dtypes and layouts, paths.
+# What a DCP .metadata file may name: DCP's own records (the dataclasses and enums of the modules below, whatever
+# the torch version that wrote them), torch.Size, dtypes and layouts, paths.
+METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath"},
     "collections": {"OrderedDict"},
-}  # fmt: skip
+}
 
 
 def metadata_global(module: str, name: str) -> bool:
     if module == "torch":
         return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    if module in METADATA_MODULES:
+        record = getattr(importlib.import_module(module), name, None)
+        own = isinstance(record, type) and record.__module__.startswith("torch.distributed.checkpoint.")
+        return own and (is_dataclass(record) or issubclass(record, enum.Enum))
     return name in METADATA_GLOBALS.get(module, ())
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled through METADATA_GLOBALS (DCP's own uses plain pickle)."""
+    """DCP's file reader with `.metadata` unpickled through `metadata_global` (DCP's own uses plain pickle)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(str(self.path)) / METADATA_FILE
