@@ -8,11 +8,13 @@ import pytest
 from scalelm.errors import ConfigError
 from scalelm.launch import launcher as launch
 from scalelm.launch import slurm
+from scalelm.launch.container import PASSED_PREFIXES
 
 
 def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8):
     unset = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "GLIBC_TUNABLES")
-    for name in (*unset, *launch.THREAD_VARIABLES):
+    passed_by_prefix = [name for name in launch.os.environ if name.startswith(PASSED_PREFIXES)]
+    for name in (*unset, *launch.THREAD_VARIABLES, *passed_by_prefix):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -95,8 +97,8 @@ def test_container_wraps_each_torchrun(monkeypatch):
     env = {"NCCL_SOCKET_IFNAME": "ib0"}
     [command] = commands(monkeypatch, ["--container", "img.sif", "--bind", "/data", "--gpu"], env)
     prefix = ["apptainer", "exec", "--cleanenv", "--nv", "--bind", "/data"]
-    prefix += ["--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "OMP_NUM_THREADS=2"]  # --cleanenv drops them
-    prefix += ["--env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "img.sif"]
+    prefix += ["--env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "--env", "NCCL_SOCKET_IFNAME=ib0"]
+    prefix += ["--env", "OMP_NUM_THREADS=2", "img.sif"]  # --cleanenv drops them
     assert command[: len(prefix)] == prefix and command[len(prefix)] == "torchrun"
     [command] = commands(monkeypatch, ["--container", "img.sif"], {"SLURM_JOB_ID": "3"}, cpus_per_node=6)
     inside = command[command.index("img.sif") + 1 :]  # the image's Python supervises the image's torchrun

@@ -61,6 +61,8 @@ def project(tmp_path, cluster) -> Path:
         local = config["local"]
         local["training"]["train"].update(max_steps=8, log_every=2, eval_every=4)
         local["training"]["checkpoint"]["every"] = 4
+        # the nodes' GPUs are fake (gres only): train on their CPUs, as asked explicitly (a GPU site would ask for cuda)
+        local["training"]["device"] = "cpu"
         # valid at parse time, fails at run time: the batch is larger than the sample's train split
         local["experiments"]["pp"] = {"nodes": 2, "procs_per_node": 1}  # a stage on each node
         local["experiments"]["broken"] = {
@@ -263,11 +265,12 @@ def test_a_job_whose_node_fails_is_requeued_by_slurm_and_resumes(project):
 
 def test_more_nodes_than_the_partition_has_is_refused_before_any_job(project):
     """Slurm would accept the job and leave it pending for ever (PartitionNodeLimit); the workflow asks sinfo."""
-    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp_multinode"].update(nodes=3))
+    # 4 nodes: their batch of 32 splits over them (3 would be refused first, for the batch)
+    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp_multinode"].update(nodes=4))
     submitted = subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split()
     result = snakemake_on_slurm(project, "results/local/runs/ddp_multinode/seed1/run.json")
     assert result.returncode != 0
-    message = "experiment ddp_multinode asks for 3 nodes but partition scalelm has 2 (sinfo)"
+    message = "experiment ddp_multinode asks for 4 nodes but partition scalelm has 2 (sinfo)"
     assert message in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
     assert subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split() == submitted
     assert not (project / "results").exists()

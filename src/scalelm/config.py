@@ -85,7 +85,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many optimizer steps (smoke runs, benchmarks)
     log_every: int = 50
     eval_every: int | None = None  # steps between validation runs; validation also runs after every epoch
-    eval_batch_size: int = 256
+    eval_batch_size: int = 256  # sequences per evaluation batch, at most eval_batch_tokens tokens
+    # an evaluation batch's logits are tokens x vocabulary: long sequences take fewer sequences per batch
+    eval_batch_tokens: int = 16384
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.train.peak)
     peak_tflops: float | None = None
@@ -121,7 +123,13 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # pp: stages per rank, 2 or more for interleaved_1f1b
     sequence_parallel: bool = False  # tp: norms, residual dropout and additions split along the sequence
     loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
-    reshard_after_forward: bool = True  # fsdp: False keeps gathered weights from forward to backward (ZeRO-2)
+    # fsdp: False keeps gathered weights from forward to backward (ZeRO-2); None: True, but False with a pipeline,
+    # whose every micro-batch would gather them again
+    reshard_after_forward: bool | None = None
+
+    def reshards(self, pp: int) -> bool:
+        """Whether FSDP frees gathered weights after each forward in a layout with `pp` pipeline stages."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else pp == 1
     cpu_offload: bool = False  # fsdp, CUDA only
     # CPU: freed allocations below this many MiB stay in malloc's heap for the next step (fewer page faults), larger
     # ones go back to the system; None: 1024, with FSDP 4 (its buffers would fragment the heap: parallel/hostmemory.py)
@@ -295,6 +303,7 @@ def validate(config: Config) -> None:
         "train.epochs": config.train.epochs,
         "train.log_every": config.train.log_every,
         "train.eval_batch_size": config.train.eval_batch_size,
+        "train.eval_batch_tokens": config.train.eval_batch_tokens,
         "checkpoint.keep": config.checkpoint.keep,
         "parallel.timeout_s": config.parallel.timeout_s,
     }

@@ -30,11 +30,18 @@ class ContainerError(ScaleLMError):
 
 
 RUNTIMES = ("apptainer", "singularity")
-# apptainer --cleanenv drops the host environment; these are what torchrun and NCCL/gloo need from it
+# apptainer --cleanenv drops the host environment; these are what torchrun, NCCL, gloo and CUDA need from it: the
+# named variables, and every one with a prefix (NCCL_IB_TIMEOUT, TORCH_NCCL_*, CUDA_VISIBLE_DEVICES, UCX_*, ...)
 PASSED_ENV = (
-    "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-    "SLURM_JOB_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "GLIBC_TUNABLES",
+    "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "SLURM_JOB_ID",
+    "GLIBC_TUNABLES",
 )  # fmt: skip
+PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_")
+
+
+def passed_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` that go into the container (secrets never match: see docs/faults.md)."""
+    return {name: environ[name] for name in sorted(environ) if name in PASSED_ENV or name.startswith(PASSED_PREFIXES)}
 
 
 def exec_prefix(

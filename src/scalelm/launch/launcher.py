@@ -23,7 +23,7 @@ import sys
 
 from scalelm.errors import ConfigError, friendly_errors
 from scalelm.launch import slurm
-from scalelm.launch.container import PASSED_ENV, exec_prefix
+from scalelm.launch.container import exec_prefix, passed_environment
 from scalelm.launch.supervise import supervise
 from scalelm.parallel.hostmemory import with_huge_pages
 
@@ -65,8 +65,7 @@ def in_image(args: argparse.Namespace) -> list[str]:
     """The container prefix of each torchrun (empty without --container), set after OMP_NUM_THREADS."""
     if not args.container:
         return []
-    passed = {name: os.environ[name] for name in PASSED_ENV if name in os.environ}
-    return exec_prefix(args.container_runtime, args.container, args.bind, args.gpu, passed)
+    return exec_prefix(args.container_runtime, args.container, args.bind, args.gpu, passed_environment(os.environ))
 
 
 def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list[str]]:

@@ -15,6 +15,9 @@ from scalelm.errors import ConfigError
 class SiteConfig:
     account: str | None = None  # sbatch --account
     partition: str | None = None  # sbatch --partition (None: the cluster's default partition)
+    # the partition of jobs that need no GPU (consolidation, evaluation); None: `partition`. A GPU partition may
+    # refuse such jobs, or charge a whole GPU node for them
+    cpu_partition: str | None = None
     reservation: str | None = None  # sbatch --reservation
     qos: str | None = None  # sbatch --qos
     constraint: str | None = None  # sbatch --constraint
@@ -38,20 +41,22 @@ class SiteConfig:
         if not 1024 <= low <= high <= 65535:
             raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")
 
-    def sbatch_resources(self) -> dict[str, str]:
-        """The sbatch options of every job, under the resource names the Slurm executor plugin reads."""
+    def sbatch_resources(self, gpus: bool = True) -> dict[str, str]:
+        """The sbatch options of a job (one that needs no GPU with `gpus=False`), under the resource names the
+        Slurm executor plugin reads."""
         named = {
             "slurm_account": self.account,
-            "slurm_partition": self.partition,
+            "slurm_partition": self.partition if gpus else self.cpu_partition or self.partition,
             "qos": self.qos,
             "constraint": self.constraint,
         }
         return {name: value for name, value in named.items() if value}
 
-    def slurm_extra(self, stop_signal_s: int = 0, training: bool = False) -> str:
-        """Further sbatch flags: the reservation; for training jobs, USR1 `stop_signal_s` before the time limit and,
-        with `exclusive`, whole nodes."""
-        flags = [f"--reservation={self.reservation}"] if self.reservation else []
+    def slurm_extra(self, stop_signal_s: int = 0, training: bool = False, gpus: bool = True) -> str:
+        """Further sbatch flags: the reservation (not for a job sent to `cpu_partition`, which it does not cover);
+        for training jobs, USR1 `stop_signal_s` before the time limit and, with `exclusive`, whole nodes."""
+        reserved = self.reservation and (gpus or not self.cpu_partition)
+        flags = [f"--reservation={self.reservation}"] if reserved else []
         if training and self.exclusive:
             flags.append("--exclusive")
         if stop_signal_s:

@@ -51,11 +51,12 @@ class Dropout(nn.Dropout):
 @contextlib.contextmanager
 def own_random_stream(stream: int, device: torch.device) -> Iterator[None]:
     """Random numbers drawn inside come from a stream of their own when `stream` is nonzero: seeded from one draw of
-    the default generator (which thus advances alike on every rank) and the stream number."""
+    the default CPU generator (which thus advances alike on every rank) and the stream number. The draw is on the
+    CPU whatever the device: reading a CUDA draw would stop the host until the GPU caught up, twice per block."""
     if not stream:
         yield
         return
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=device))
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         torch.manual_seed(hash((seed, stream)) & (2**63 - 1))

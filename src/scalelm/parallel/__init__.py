@@ -46,6 +46,15 @@ from scalelm.parallel.pipeline import (
 from scalelm.parallel.tensor import apply_tp, check_tp
 
 
+def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """fp32 on CUDA runs its matmuls on TF32 tensor cores ("high"), the rate its MFU is measured against (IEEE fp32
+    is several times slower); the CPU keeps IEEE fp32, which its calibrated peak measures. Returns the setting."""
+    setting = "high" if device.type == "cuda" and compute_dtype == torch.float32 else "highest"
+    torch.set_float32_matmul_precision(setting)
+    torch.backends.cudnn.allow_tf32 = setting == "high"
+    return setting
+
+
 class Parallel:
     """This rank's place in the layout, and the hooks through which the trainer uses it."""
 
@@ -60,6 +69,7 @@ class Parallel:
             # bf16 matmuls on CPU are emulated, about 25x slower than fp32: never worth it here
             raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        matmul_precision(env.device, self.compute_dtype)
         self.uses_fsdp = dims.sharded
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and config.parallel.loss_parallel
@@ -169,7 +179,8 @@ class Parallel:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             if options.cpu_offload and device.type != "cuda":
                 raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
-            model = apply_fsdp(model, dp_mesh, self.compute_dtype, options.reshard_after_forward, options.cpu_offload)
+            reshard = options.reshards(self.dims.pp)
+            model = apply_fsdp(model, dp_mesh, self.compute_dtype, reshard, options.cpu_offload)
         return model
 
     # ----------------------------------------------------------------------------------- the step's hooks

@@ -51,9 +51,17 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(preference: str, timeout_s: int) -> DistEnv:
+def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
+    """The process group's backend: gloo on CPU, NCCL on CUDA; with `cpu_collectives` (FSDP's CPU offload keeps
+    gradients on the host, and their norm is all-reduced there) gloo for CPU tensors beside NCCL."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
+def setup(preference: str, timeout_s: int, cpu_collectives: bool = False) -> DistEnv:
     """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device and, for more
-    than one process, start the process group (NCCL on CUDA, gloo on CPU).
+    than one process, start the process group (`backend_for`).
 
     On CPU, host memory freed by one step is kept for the next (scalelm.parallel.hostmemory).
     """
@@ -65,9 +73,10 @@ def setup(preference: str, timeout_s: int) -> DistEnv:
     else:
         keep_freed_memory()
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
+            backend_for(device, cpu_collectives),
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(
         rank=int(os.environ.get("RANK", "0")),

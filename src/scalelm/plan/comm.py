@@ -69,7 +69,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     if dims.sharded:
         shard, replicas = dims.dp_shard, dims.dp_replicate
         add("all-gather weights (FSDP forward)", "dp_shard", passes * ring(shard, params * e))
-        if options.reshard_after_forward:
+        if options.reshards(dims.pp):
             add("all-gather weights (FSDP backward)", "dp_shard", passes * ring(shard, (params - head) * e))
         add("reduce-scatter gradients (FSDP)", "dp_shard", ring(shard, params * 4))
         add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", ring(replicas, -(-params // shard) * 4, True))

@@ -261,7 +261,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             for tensor in tensors:
                 units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
             largest = max(units.values())
-            gathered = 2 * largest if options.reshard_after_forward else sum(units.values())  # + the prefetched
+            gathered = 2 * largest if options.reshards(dims.pp) else sum(units.values())  # + the prefetched
             buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, required=True, help="consolidated model file (scalelm.study.consolidate)")
     parser.add_argument("--data", type=Path, required=True, help="prepared data directory")
     parser.add_argument("--split", default="test", choices=["validation", "test"])
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences per batch (default: %(default)s)")
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="at most this many tokens per batch")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     model, meta = load_consolidated(args.model)
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.model} has a vocabulary of {model.vocab_size:,} but {args.data} has {data.vocab_size:,}: "
             "evaluate with the prepared data the model was trained on"
         )
-    result = evaluate(model, data.splits[args.split], meta["seq_len"], args.batch_size, torch.device("cpu"))
+    split = data.splits[args.split]
+    result = evaluate(model, split, meta["seq_len"], args.batch_size, torch.device("cpu"), max_tokens=args.batch_tokens)
     result.update(split=args.split, model=str(args.model), model_sha256=meta["sha256"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")

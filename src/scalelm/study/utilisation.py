@@ -26,7 +26,8 @@ def device_series(monitor_dir: Path) -> tuple[dict[str, list[tuple[float, float]
                 cost["wall_s"] += record["wall_s"]
             elif record.get("gpus"):
                 for gpu in record["gpus"]:
-                    series.setdefault(f"{node} gpu {gpu['gpu']}", []).append((record["time"], gpu["util_percent"]))
+                    if gpu["util_percent"] is not None:  # null where the GPU cannot say (a MIG slice)
+                        series.setdefault(f"{node} gpu {gpu['gpu']}", []).append((record["time"], gpu["util_percent"]))
             else:
                 for proc in record["procs"]:
                     series.setdefault(f"rank {proc['rank']}", []).append((record["time"], proc["cpu_percent"]))

@@ -50,6 +50,10 @@ class Study:
             self.site.check_fits(e.name, e.procs_per_node)
             if self.site.peak_tflops and not e.training["train"].get("peak_tflops"):
                 e.training["train"]["peak_tflops"] = self.site.peak_tflops
+            if self.site.gpus_per_node and e.training["device"] == "auto":
+                # a job that sees no GPU (no --nv, GPUs not in the step, a CPU-only torch) fails with a clear error
+                # instead of training for hours on the CPU
+                e.training["device"] = "cuda"
         # what the aggregation compares with and checks, refused now rather than after the training
         self.baseline = choose_baseline({e.name: e.world_size for e in self.matrix.values()}, config.get("baseline"))
         self.expectations = parse_expectations(config["experiments"])
@@ -140,8 +144,8 @@ class Study:
 
     # -------------------------------------------------------------------------------------- resources
     def job_resources(self) -> dict[str, Any]:
-        """Every job's sbatch options from the site file."""
-        return {**self.site.sbatch_resources(), "slurm_extra": self.site.slurm_extra()}
+        """The sbatch options of a job that needs no GPU (consolidation, evaluation), from the site file."""
+        return {**self.site.sbatch_resources(gpus=False), "slurm_extra": self.site.slurm_extra(gpus=False)}
 
     def train_threads(self, wildcards, cores: int) -> int:
         """A training job's Snakemake threads: its processes per node on a cluster; without a site, all of this

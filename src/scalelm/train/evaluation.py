@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from scalelm.parallel import Parallel
 
 
+def eval_rows(batch_size: int, seq_len: int, max_tokens: int | None) -> int:
+    """Sequences per evaluation batch: `batch_size`, fewer where they would exceed `max_tokens` (at least one)."""
+    return batch_size if max_tokens is None else max(1, min(batch_size, max_tokens // seq_len))
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -28,11 +33,14 @@ def evaluate(
     device: torch.device,
     parallel: Parallel | None = None,
     should_stop: Callable[[], bool] | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, float]:
     """Mean loss, perplexity and token count over `tokens`, in one process or across the data-parallel ranks of
-    `parallel` (the ranks of a tensor-parallel group score the same windows together). `should_stop` (a
-    collective: every rank runs the same number of batches) is asked between batches; when it says yes,
-    StopRequested is raised on every rank."""
+    `parallel` (the ranks of a tensor-parallel group score the same windows together), `batch_size` sequences at a
+    time, or fewer where they would hold more than `max_tokens` tokens (the logits of a batch are tokens x
+    vocabulary). `should_stop` (a collective: every rank runs the same number of batches) is asked between
+    batches; when it says yes, StopRequested is raised on every rank."""
+    batch_size = eval_rows(batch_size, seq_len, max_tokens)
     rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
     forward = (lambda inputs: parallel.forward(model, inputs)) if parallel else model
     loss_context = parallel.loss_context if parallel else contextlib.nullcontext

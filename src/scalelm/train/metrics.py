@@ -97,22 +97,42 @@ def progress_line(record: dict[str, Any]) -> str:
     )
 
 
-class Stopwatch:
-    """Training time between laps, excluding the spans run inside `paused()` (evaluation, checkpoints)."""
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new CUDA peak (at each logged interval and after each evaluation or checkpoint): since the process
+    started, every later interval's peak would include the largest evaluation. CPU: the peak RSS cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
-    def __init__(self) -> None:
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work: the host runs steps ahead of it, and a clock read without this would count
+    that work in the next interval, or in a paused span (an evaluation) not at all."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Training time between laps, excluding the spans run inside `paused()` (evaluation, checkpoints). On CUDA
+    the device's queued work is waited for at every boundary, so each span has its own work."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
         self.started = self.lap_start = time.perf_counter()
         self.paused_s = 0.0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
+        synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
+            synchronize(self.device)
             self.paused_s += time.perf_counter() - start
+            reset_peak_memory(self.device)
 
     def lap(self) -> float:
+        synchronize(self.device)
         now = time.perf_counter()
         elapsed = now - self.lap_start - self.paused_s
         self.lap_start, self.paused_s = now, 0.0

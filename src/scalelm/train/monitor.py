@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class GpuSampler:
-    """NVML readings of the node's GPUs, by index or UUID (what CUDA_VISIBLE_DEVICES names)."""
+    """NVML readings of the node's GPUs, by UUID (each rank's `device_uuid`) or NVML index."""
 
     def __init__(self, devices: list[str]):
         import pynvml  # nvidia-ml-py; imported only where there are GPUs
@@ -48,18 +48,23 @@ class GpuSampler:
         self.devices = devices
 
     def sample(self) -> list[dict[str, Any]]:
+        """One reading per GPU; a reading the GPU does not support (a MIG slice has no utilisation or power, some
+        GPUs no power) is null, and the others go on."""
+        nvml = self.nvml
+        readers = {
+            "util_percent": lambda handle: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+            "memory_used_mb": lambda handle: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+            "power_w": lambda handle: nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+        }
         readings = []
         for device, handle in zip(self.devices, self.handles):
-            util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-            memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-            readings.append(
-                {
-                    "gpu": device,
-                    "util_percent": float(util.gpu),
-                    "memory_used_mb": memory.used / 2**20,
-                    "power_w": self.nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-                }
-            )
+            reading: dict[str, Any] = {"gpu": device}
+            for key, read in readers.items():
+                try:
+                    reading[key] = read(handle)
+                except nvml.NVMLError:
+                    reading[key] = None
+            readings.append(reading)
         return readings
 
 
@@ -101,7 +106,7 @@ class Board:
             values[f"utilisation/rank{proc['rank']}_cpu_percent"] = proc["cpu_percent"]
             values[f"memory/rank{proc['rank']}_rss_mb"] = proc["rss_mb"]
         for gpu in record.get("gpus", []):
-            values |= {f"gpu{gpu['gpu']}/{key}": value for key, value in gpu.items() if key != "gpu"}
+            values |= {f"gpu{gpu['gpu']}/{k}": v for k, v in gpu.items() if k != "gpu" and v is not None}
         summary = self.summary(value=[self.summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
         self.writer.add_event(self.event(wall_time=record["time"], step=self.step, summary=summary))
         self.writer.flush()
@@ -154,7 +159,7 @@ class Monitor:
         self.process: subprocess.Popen | None = None
         if not interval_s:
             return
-        mine = (env.hostname, env.node_rank, env.local_rank, env.rank, os.getpid(), env.device)
+        mine = (env.hostname, env.node_rank, env.local_rank, env.rank, os.getpid(), device_uuid(env.device))
         everyone = all_gather_object(mine) if is_distributed() else [mine]
         if env.local_rank != 0:
             return
@@ -163,7 +168,7 @@ class Monitor:
         command += ["--interval", str(interval_s)]
         command += ["--board", str(board / f"node{env.node_rank}")] if board else []
         command += [arg for *_, rank, pid, _ in node for arg in ("--proc", f"{rank}:{pid}")]
-        command += [arg for device in gpu_ids([d for *_, d in node]) for arg in ("--gpu", device)]
+        command += [arg for uuid in sorted({u for *_, u in node if u}) for arg in ("--gpu", uuid)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
 
     def __enter__(self) -> Monitor:
@@ -182,11 +187,15 @@ class Monitor:
             self.process.kill()
 
 
-def gpu_ids(devices: list) -> list[str]:
-    """NVML's names for the node's CUDA devices: CUDA_VISIBLE_DEVICES renumbers them, NVML does not."""
-    indices = sorted({d.index for d in devices if getattr(d, "type", None) == "cuda"})
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return [visible[i] if i < len(visible) else str(i) for i in indices]
+def device_uuid(device) -> str | None:
+    """NVML's name for a rank's CUDA device: its UUID, which neither CUDA_VISIBLE_DEVICES (renumbering, dropped by
+    the container's --cleanenv), a cgroup-constrained Slurm step nor CUDA's device order can change."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
 def main(argv: list[str] | None = None) -> None:

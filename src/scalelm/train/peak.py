@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import time
 from pathlib import Path
@@ -23,10 +24,12 @@ import torch
 from scalelm.files import atomic_write_text
 from scalelm.train.hostload import OtherWork
 
-# Dense TFLOP/s per GPU by the device name torch reports (matched by substring, first match wins) and precision.
-# fp32 is the TF32 tensor-core rate where the GPU has one: PyTorch's matmuls may use it.
+# Dense TFLOP/s per GPU by the device name torch reports (matched as whole words, first match wins) and precision.
+# fp32 is the TF32 tensor-core rate where the GPU has one: scalelm turns TF32 on for fp32 runs on CUDA
+# (scalelm.parallel.matmul_precision).
 CUDA_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("GH200", {"bf16": 989.0, "fp32": 494.0}),  # JUPITER, JEDI
+    ("H200 NVL", {"bf16": 835.0, "fp32": 418.0}),
     ("H200", {"bf16": 989.0, "fp32": 494.0}),
     ("H100 NVL", {"bf16": 835.0, "fp32": 418.0}),
     ("H100 PCIe", {"bf16": 756.0, "fp32": 378.0}),
@@ -42,9 +45,14 @@ QUIET_CORES = 0.25  # other work beside a calibration up to this many cores: the
 
 
 def cuda_peak_flops(device_name: str, precision: str) -> float | None:
-    """The table's peak for this GPU and precision, or None (with the reason printed) for a GPU it does not know."""
+    """The table's peak for this GPU and precision, or None (with the reason printed) for a GPU it does not know,
+    and for a MIG slice (a share of a GPU the table cannot know)."""
+    if re.search(r"\bMIG\b", device_name):
+        print(f"scalelm: {device_name!r} is a MIG slice of a GPU: MFU is left empty. Set train.peak_tflops (the "
+              "slice's share of the GPU's dense TFLOP/s) to report it", flush=True)  # fmt: skip
+        return None
     for key, peaks in CUDA_PEAK_TFLOPS:
-        if key.lower() in device_name.lower() and peaks.get(precision):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.I) and peaks.get(precision):
             return peaks[precision] * 1e12
     print(
         f"scalelm: no peak FLOP/s known for {device_name!r} in {precision}: MFU is left empty. "

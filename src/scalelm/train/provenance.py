@@ -56,6 +56,16 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def device_facts() -> dict[str, Any]:
+    """What a GPU figure depends on: the device, NCCL, and whether fp32 matmuls ran on TF32 tensor cores."""
+    facts: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        facts["name"] = torch.cuda.get_device_name()
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        facts["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return facts
+
+
 def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Call on every rank (gathers the host names); the result matters on rank 0."""
     hosts = all_gather_object(socket.gethostname())
@@ -76,6 +86,7 @@ def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
         },
         "hostnames": hosts,
         "nodes": sorted(set(hosts)),
+        "device": device_facts(),
         "container": container(),
         "environment": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
         "start_time": now(),

@@ -44,6 +44,7 @@ NOT_IDENTITY = (
     "train.log_every",
     "train.eval_every",
     "train.eval_batch_size",
+    "train.eval_batch_tokens",
     "train.peak_tflops",
     "train.monitor_interval_s",
     "train.comm_profile_steps",

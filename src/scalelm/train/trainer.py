@@ -35,7 +35,7 @@ from scalelm.train.checkpoint import Checkpointer, TrainerState
 from scalelm.train.comm import CommProfile
 from scalelm.train.evaluation import evaluate
 from scalelm.train.hostload import HostLoad
-from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb
+from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb, reset_peak_memory
 from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.peak import mfu, peak_flops
@@ -169,7 +169,7 @@ class Trainer:
                 flush=True,
             )
         record = provenance.collect(config.to_dict(), env.world_size)
-        clock = Stopwatch()  # training time only: evaluation and checkpoints run with the clock paused
+        clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
         host_load = HostLoad()
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
         try:
@@ -186,6 +186,7 @@ class Trainer:
                         self.log_train(loss_acc, steps_acc, clock.lap())
                         loss_acc.zero_()
                         steps_acc = 0
+                        reset_peak_memory(env.device)  # each interval's peak is its own
                     with clock.paused():
                         if config.train.eval_every and state.step % config.train.eval_every == 0:
                             self.evaluate_split("validation")
@@ -270,6 +271,7 @@ class Trainer:
                 self.env.device,
                 self.parallel,
                 should_stop=self.stop.raised,
+                max_tokens=self.config.train.eval_batch_tokens,
             )
             self.evaluations[key] = result
             self.metrics.log(
@@ -294,7 +296,9 @@ class Trainer:
         """Never checkpoint non-finite weights, nor weights after a non-finite loss not yet logged."""
         tensors = [pending_loss.detach().reshape(1)]
         tensors += [self.parallel.local_tensor(p).detach().reshape(-1) for p in self.model.parameters()]
-        bad = self.ranks_where(~torch.cat([t.isfinite().all().reshape(1) for t in tensors]).all())
+        # one flag per tensor, on the device: with FSDP's CPU offload the parameters live on the host
+        flags = [t.isfinite().all().reshape(1).to(self.env.device) for t in tensors]
+        bad = self.ranks_where(~torch.cat(flags).all())
         if bad:
             raise TrainingError(
                 f"non-finite loss or weights at step {self.state.step} on rank(s) {bad}; not checkpointing, the last "
@@ -368,7 +372,9 @@ def run(config: Config) -> dict[str, Any]:
     # Compute nodes have no internet: never let a library try it (and wait for its retries).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env = setup(config.device, config.parallel.timeout_s)
+    if config.train.deterministic:  # cuBLAS refuses deterministic mode without a fixed workspace, read at its start
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env = setup(config.device, config.parallel.timeout_s, cpu_collectives=config.parallel.cpu_offload)
     try:
         # Everything that can be refused is refused before the run directory is touched: the layout against the
         # world, the data, the batch against both.

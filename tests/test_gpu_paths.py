@@ -1,0 +1,249 @@
+"""The CUDA/NCCL paths, tested on CPU wherever their condition can be produced: CUDA's optimizer kernels forced on a
+tensor-parallel model, the process group's backend string, the container's environment, the peak table, TF32, the
+evaluation batch, the device a GPU site asks for (../shared/notes/gpu-review.md names each finding)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import train_here
+from test_study import local_config
+
+from scalelm.config import ModelConfig, OptimConfig
+from scalelm.launch.container import passed_environment
+from scalelm.model import TransformerLM
+from scalelm.parallel import matmul_precision
+from scalelm.parallel.env import backend_for
+from scalelm.parallel.tensor import apply_tp
+from scalelm.study.workflow import Study
+from scalelm.train.evaluation import eval_rows
+from scalelm.train.optim import build_optimizer
+from scalelm.train.peak import cuda_peak_flops
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of one rank (gloo) in this process, as torchrun would start it."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_without_fsdp_steps_with_cudas_optimizer_kernels(one_rank_group):
+    """Finding 1: TP leaves the embedding, norms and head plain beside DTensor blocks; CUDA's default AdamW kernel
+    (foreach) got both in one call and failed at the first step. One group per tensor type takes either kernel."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0), 40)
+    apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), False, False)
+    inputs = torch.randint(0, 40, (2, 8))
+
+    def step(optimizer) -> None:
+        model(inputs, inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    mixed = torch.optim.AdamW(model.parameters(), foreach=True)  # what AdamW did on CUDA before
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        step(mixed)
+    optimizer = build_optimizer(model, OptimConfig(), 1e-3)
+    kinds = [{type(p).__name__ for p in group["params"]} for group in optimizer.param_groups]
+    assert sorted(map(sorted, kinds)) == [["DTensor"], ["Parameter"]] and optimizer.defaults["fused"]
+    step(optimizer)
+    for group in optimizer.param_groups:  # CUDA's default kernel, forced
+        group.update(fused=False, foreach=True)
+    step(optimizer)
+
+
+def test_the_backend_string_follows_the_device_and_cpu_offload():
+    """Finding 2: FSDP's CPU offload keeps gradients on the host; their norm needs a CPU backend beside NCCL."""
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+    assert backend_for(torch.device("cuda", 1), cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+
+
+def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch):
+    """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
+    reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that the test's end removes what the training sets
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    train_here(tiny_config("deterministic", train__deterministic=True, train__max_steps=2))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    host = {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_IB_TIMEOUT": "22", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "UCX_TLS": "rc",
+        "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8",
+        "WANDB_API_KEY": "secret", "HF_TOKEN": "secret", "HOME": "/home/u", "LD_PRELOAD": "/tmp/x.so",
+    }  # fmt: skip
+    passed = passed_environment(host)
+    assert sorted(passed) == sorted(set(host) - {"WANDB_API_KEY", "HF_TOKEN", "HOME", "LD_PRELOAD"})
+
+
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA H200 NVL", "bf16", 835.0),  # once matched "H200"
+        ("NVIDIA GH200 480GB", "fp32", 494.0),
+        ("NVIDIA A100-SXM4-40GB", "bf16", 312.0),
+        ("NVIDIA A40", "bf16", 150.0),
+        ("NVIDIA RTX A4000", "bf16", None),  # once matched "A40"
+        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16", None),  # a slice: once the whole GPU's peak
+    ],
+)
+def test_the_peak_table_matches_whole_names_and_knows_no_mig_slice(name, precision, tflops):
+    """Finding 16."""
+    peak = cuda_peak_flops(name, precision)
+    assert (peak / 1e12 if peak else None) == tflops
+
+
+def test_fp32_on_cuda_runs_on_tf32_tensor_cores_and_the_cpu_keeps_ieee_fp32():
+    """Finding 5: MFU divides by the TF32 peak, so the matmuls must use it; the CPU calibration measures IEEE fp32."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert matmul_precision(torch.device("cuda", 0), torch.float32) == "high"
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        assert matmul_precision(torch.device("cuda", 0), torch.bfloat16) == "highest"
+        assert matmul_precision(torch.device("cpu"), torch.float32) == "highest"
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_an_evaluation_batch_is_bounded_in_tokens():
+    """Finding 7: 256 sequences of 1024 tokens and a 33k vocabulary made logits of about 90 GB."""
+    assert eval_rows(256, 32, 16384) == 256  # the course's evaluation is unchanged
+    assert eval_rows(256, 1024, 16384) == 16
+    assert eval_rows(8, 100_000, 16384) == 1
+    assert eval_rows(256, 1024, None) == 256
+
+
+def test_a_site_with_gpus_asks_every_experiment_for_cuda(tmp_path):
+    """Finding 10: `device: auto` trained on the CPU, for hours, when a job saw no GPU; a GPU site asks for CUDA, so
+    such a job fails at once with a clear error."""
+    import yaml
+
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"gpus_per_node": 4}))
+    config = local_config()
+    config["site"] = str(site)
+    study = Study(config, on_login_node=False)
+    assert {e.training["device"] for e in study.matrix.values()} == {"cuda"}
+    assert {e.training["device"] for e in Study(local_config()).matrix.values()} == {"auto"}
+
+
+def test_on_cuda_each_timed_span_waits_for_its_work_and_each_peak_is_its_own(monkeypatch):
+    """Findings 6 and 8: the host runs ahead of the GPU, so a clock read needs the queued work done first; and the
+    CUDA peak is reset after an evaluation or checkpoint, which would otherwise be every later interval's peak."""
+    from scalelm.train.metrics import Stopwatch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    clock = Stopwatch(torch.device("cuda", 0))
+    with clock.paused():
+        calls.append("evaluate")
+    clock.lap()
+    assert calls == ["sync", "evaluate", "sync", "reset", "sync"]
+    calls.clear()
+    with Stopwatch(torch.device("cpu")).paused():
+        pass
+    assert calls == []
+
+
+def test_a_tp_ranks_own_dropout_stream_never_reads_a_number_back_from_the_gpu(monkeypatch):
+    """Finding 4: the stream's seed was drawn on the device and read back, a GPU->host synchronisation twice per
+    block. It is drawn from the CPU generator, which every rank of a TP group holds alike."""
+    from scalelm.model import cpu_ops
+
+    draws, seeds = [], []
+    randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: draws.append(k.get("device")) or randint(*a, **k))
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **k: contextlib.nullcontext())  # no CUDA generator here
+    monkeypatch.setattr(torch, "manual_seed", seeds.append)
+    with cpu_ops.own_random_stream(2, torch.device("cuda", 0)):
+        pass
+    assert draws == [None] and len(seeds) == 1
+
+
+class FakeNvml:
+    """pynvml as a MIG slice answers it: memory yes, utilisation and power NOT_SUPPORTED."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.opened = []
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.opened.append(uuid)
+        return uuid
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        raise self.NVMLError("Not Supported")
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return type("Memory", (), {"used": 3 * 2**20})()
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        raise self.NVMLError("Not Supported")
+
+
+def test_the_gpu_sampler_survives_unsupported_readings_and_names_gpus_by_uuid(monkeypatch):
+    """Finding 12: one unsupported reading ended the sampler for the rest of the run; and GPUs were found by CUDA
+    index through CUDA_VISIBLE_DEVICES, which the container drops and Slurm's cgroups renumber."""
+    import sys
+
+    from scalelm.train import monitor
+
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sampler = monitor.GpuSampler(["GPU-5c0e", "MIG-77aa"])
+    assert sampler.sample() == [
+        {"gpu": "GPU-5c0e", "util_percent": None, "memory_used_mb": 3.0, "power_w": None},
+        {"gpu": "MIG-77aa", "util_percent": None, "memory_used_mb": 3.0, "power_w": None},
+    ]
+    assert fake.opened == ["GPU-5c0e", "MIG-77aa"]
+
+    properties = type("Properties", (), {"uuid": "5c0e1d2a-0000-1111-2222-333344445555"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # whatever it says, the UUID names the device
+    assert monitor.device_uuid(torch.device("cuda", 0)) == "GPU-5c0e1d2a-0000-1111-2222-333344445555"
+    assert monitor.device_uuid(torch.device("cpu")) is None
+
+
+def test_jobs_that_need_no_gpu_go_to_the_sites_cpu_partition(tmp_path):
+    """Finding 20: consolidation and evaluation on a GPU partition are refused by some sites, charged a whole GPU
+    node by others."""
+    import yaml
+
+    site = tmp_path / "site.yaml"
+    site.write_text(yaml.safe_dump({"gpus_per_node": 4, "partition": "dc-gpu", "cpu_partition": "dc-cpu",
+                                    "reservation": "course"}))  # fmt: skip
+    config = local_config()
+    config["site"] = str(site)
+    study = Study(config, on_login_node=False)
+    assert study.job_resources() == {"slurm_partition": "dc-cpu", "slurm_extra": ""}
+    training = study.train_resources()
+    assert training["slurm_partition"] == "dc-gpu" and "--reservation=course" in training["slurm_extra"]
+
+
+def test_fsdp_in_a_pipeline_keeps_its_gathered_weights_unless_told_otherwise():
+    """Finding 13: resharding after each forward made every micro-batch of a pipeline gather the weights again."""
+    from scalelm.config import ParallelConfig
+
+    assert ParallelConfig().reshards(1) and not ParallelConfig().reshards(2)
+    assert ParallelConfig(reshard_after_forward=True).reshards(2)
+    assert not ParallelConfig(reshard_after_forward=False).reshards(1)
