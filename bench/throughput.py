@@ -38,11 +38,12 @@ import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
 from scalelm.data import load_prepared
+from scalelm.data.prepared import write_prepared
 from scalelm.model import count_parameters, flops_per_token
 from scalelm.model.cpu_ops import LinearCrossEntropy
 from scalelm.parallel import Parallel
 from scalelm.parallel.env import setup, teardown
-from scalelm.train.trainer import Trainer
+from scalelm.train.trainer import Trainer, train_batches
 
 VOCAB = 33_278  # WikiText-2 (raw, min-freq 1) vocabulary, as prepared by scalelm.data.prepare
 TRAIN_TOKENS = 2_088_628  # the size of WikiText-2's train split
@@ -135,12 +136,9 @@ def make_prepared(directory: Path, seed: int = 0) -> Path:
     """A prepared-data directory as scalelm.data.prepare writes it, holding random ids of the WikiText-2 vocabulary."""
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    splits = {"train": TRAIN_TOKENS, "validation": 10_000, "test": 10_000}
-    for split, n in splits.items():
-        torch.save(torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32), directory / f"{split}.pt")
-    (directory / "vocab.txt").write_text("\n".join(f"w{i}" for i in range(VOCAB)) + "\n")
-    manifest = {"format": 1, "source": {"benchmark": "random"}, "vocab_size": VOCAB, "splits": {}}
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    sizes = {"train": TRAIN_TOKENS, "validation": 10_000, "test": 10_000}
+    tokens = {split: torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32) for split, n in sizes.items()}
+    write_prepared(directory, tokens, [f"w{i}" for i in range(VOCAB)], {"benchmark": "random"})
     return directory
 
 
@@ -160,7 +158,8 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
     spec = MODELS[name]
     config = build_config(spec, prepared, workdir / f"run-{name}", warmup + steps)
     env = setup("cpu", timeout_s=60)
-    trainer = Trainer(config, env, Parallel.start(config, env), load_prepared(prepared))
+    parallel, data = Parallel.start(config, env), load_prepared(prepared)
+    trainer = Trainer(config, env, parallel, data, train_batches(config, parallel, data))
     trainer.stop.restore()
     batches = trainer.batches.epoch(0)
     data_s, step_s, losses = [], [], []

@@ -174,3 +174,23 @@ def test_damaged_prepared_data_is_named_with_what_to_do(tmp_path, prepared):
     (copy / "manifest.json").write_text('{"vocab_size": 50')
     with pytest.raises(DataError, match=rf"{copy / 'manifest.json'} is not a readable manifest .*run the prepare step"):
         load_prepared(copy)
+
+
+def test_every_writer_of_prepared_data_writes_what_load_prepared_checks(tmp_path):
+    """prepare, the self-test's corpus and the benchmarks' random data all go through write_prepared: each loads, its
+    token files checked against their manifest."""
+    import sys
+
+    from conftest import REPO
+
+    from scalelm.selftest import write_corpus
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from throughput import VOCAB, make_prepared
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert load_prepared(make_prepared(tmp_path / "bench")).vocab_size == VOCAB
+    write_corpus(tmp_path / "selftest", vocab_size=64)
+    data = load_prepared(tmp_path / "selftest")
+    assert data.vocab_size == 64 and data.manifest["splits"]["train"]["tokens"] == 62 * 40

@@ -20,6 +20,8 @@ import yaml
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
 
+SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
+
 
 @dataclass
 class DataConfig:
@@ -126,15 +128,15 @@ class ParallelConfig:
     # fsdp: False keeps gathered weights from forward to backward (ZeRO-2); None: True, but False with a pipeline,
     # whose every micro-batch would gather them again
     reshard_after_forward: bool | None = None
-
-    def reshards(self, pp: int) -> bool:
-        """Whether FSDP frees gathered weights after each forward in a layout with `pp` pipeline stages."""
-        return self.reshard_after_forward if self.reshard_after_forward is not None else pp == 1
     cpu_offload: bool = False  # fsdp, CUDA only
     # CPU: freed allocations below this many MiB stay in malloc's heap for the next step (fewer page faults), larger
     # ones go back to the system; None: 1024, with FSDP 4 (its buffers would fragment the heap: parallel/hostmemory.py)
     host_reuse_below_mb: float | None = None
     timeout_s: int = 600  # collective timeout: a lost rank fails the job instead of hanging it
+
+    def reshards(self, pp: int) -> bool:
+        """Whether FSDP frees gathered weights after each forward in a layout with `pp` pipeline stages."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else pp == 1
 
 
 @dataclass
@@ -363,9 +365,6 @@ def validate(config: Config) -> None:
     parallel = config.parallel
     check_tp(max(parallel.tp or 1, 1), config.model, None, parallel.loss_parallel, config.data.seq_len, parallel.sequence_parallel)
     check_pipeline(max(parallel.pp or 1, 1), parallel, config.model)
-
-
-SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
 
 def check_optim(optim: OptimConfig) -> None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -13,8 +12,7 @@ from pathlib import Path
 import torch
 
 from scalelm.config import from_dict
-from scalelm.data.prepared import MANIFEST, SPLITS
-from scalelm.files import sha256
+from scalelm.data.prepared import SPLITS, write_prepared
 from scalelm.train.trainer import run
 
 
@@ -22,13 +20,8 @@ def write_corpus(path: Path, vocab_size: int = 64) -> None:
     """A repetitive token stream (a learnable pattern), in the layout `scalelm.data.prepare` writes."""
     path.mkdir(parents=True)
     pattern = torch.arange(2, vocab_size, dtype=torch.int32)
-    splits = {}
-    for split, repeats in zip(SPLITS, (40, 4, 4)):
-        torch.save(pattern.repeat(repeats), path / f"{split}.pt")
-        splits[split] = {"tokens": len(pattern) * repeats, "unk": 0, "sha256": sha256(path / f"{split}.pt")}
-    (path / "vocab.txt").write_text("\n".join(["<unk>", "<eos>", *map(str, range(2, vocab_size))]) + "\n")
-    manifest = {"format": 1, "vocab_size": vocab_size, "source": "selftest", "splits": splits}
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    tokens = {split: pattern.repeat(repeats) for split, repeats in zip(SPLITS, (40, 4, 4))}
+    write_prepared(path, tokens, ["<unk>", "<eos>", *map(str, range(2, vocab_size))], {"selftest": "pattern"})
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
     python -m scalelm.data.prepare --raw data/raw --out data/prepared [--lowercase] [--min-freq 1]
 
 Writes `{train,validation,test}.pt` (int32 token ids), `vocab.txt` (one token per line, id = line number) and
-`manifest.json` (source, options, token and <unk> counts, vocabulary size, sha256 of every file).
+`manifest.json` (source, options, token and <unk> counts, vocabulary size, sha256 of every file):
+scalelm.data.prepared.write_prepared.
 Words outside the vocabulary become <unk> and every non-blank line ends with <eos>: no word is dropped.
 """
 
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 
 from scalelm.data.prefetch import SOURCE_FILE
-from scalelm.data.prepared import MANIFEST, SPLITS
+from scalelm.data.prepared import MANIFEST, SPLITS, write_prepared
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
 from scalelm.errors import DataError, friendly_errors
-from scalelm.files import atomic_path, check_replaceable, sha256
+from scalelm.files import atomic_path, check_replaceable
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:
@@ -64,31 +65,17 @@ def prepare(raw: Path, out: Path, lowercase: bool, min_freq: int) -> dict[str, A
         )
     ids = {word: i for i, word in enumerate(vocab)}
 
+    source_file = raw / SOURCE_FILE
+    source = json.loads(source_file.read_text()) if source_file.is_file() else {"path": str(raw)}
+    tokens = {
+        split: torch.tensor([ids.get(w, UNK_ID) for line in lines for w in line], dtype=torch.int32)
+        for split, lines in tokenized.items()
+    }
+    options = {"lowercase": lowercase, "min_freq": min_freq}
+    line_counts = {split: len(lines) for split, lines in tokenized.items()}
     with atomic_path(out) as partial:
         partial.mkdir(parents=True)
-        split_info = {}
-        for split, lines in tokenized.items():
-            tokens = torch.tensor([ids.get(w, UNK_ID) for line in lines for w in line], dtype=torch.int32)
-            file = partial / f"{split}.pt"
-            torch.save(tokens, file)
-            split_info[split] = {
-                "tokens": tokens.numel(),
-                "unk": int((tokens == UNK_ID).sum()),
-                "lines": len(lines),
-                "sha256": sha256(file),
-            }
-        (partial / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-        source_file = raw / SOURCE_FILE
-        manifest = {
-            "format": 1,
-            "source": json.loads(source_file.read_text()) if source_file.is_file() else {"path": str(raw)},
-            "options": {"lowercase": lowercase, "min_freq": min_freq},
-            "vocab_size": len(vocab),
-            "specials": list(SPECIALS),
-            "vocab_sha256": sha256(partial / "vocab.txt"),
-            "splits": split_info,
-        }
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        manifest = write_prepared(partial, tokens, vocab, source, options, line_counts)
     return manifest
 
 

@@ -1,4 +1,6 @@
-"""Loading the prepared token ids that every training job reads (never the raw text)."""
+"""The prepared token ids that every training job reads (never the raw text): written in one layout by
+`write_prepared` (scalelm.data.prepare, the self-test and the benchmarks' synthetic data alike), loaded and checked
+by `load_prepared`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from scalelm.data.vocab import SPECIALS, UNK_ID
 from scalelm.errors import DataError
 from scalelm.files import load_tensors, sha256
 
@@ -36,6 +39,37 @@ class PreparedData:
 
     def vocab(self) -> list[str]:
         return (self.path / "vocab.txt").read_text(encoding="utf-8").split("\n")[: self.vocab_size]
+
+
+def write_prepared(
+    directory: Path,
+    tokens: dict[str, torch.Tensor],
+    vocab: list[str],
+    source: dict[str, Any],
+    options: dict[str, Any] | None = None,
+    lines: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Write the token ids of every split (int32), `vocab.txt` (id = line number) and the manifest (source, options,
+    token and <unk> counts, vocabulary size, sha256 of every file) into the existing `directory`; return the manifest."""
+    splits = {}
+    for split in SPLITS:
+        file = directory / f"{split}.pt"
+        torch.save(tokens[split].to(torch.int32), file)
+        splits[split] = {"tokens": tokens[split].numel(), "unk": int((tokens[split] == UNK_ID).sum())}
+        splits[split] |= {"lines": lines[split]} if lines else {}
+        splits[split]["sha256"] = sha256(file)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    manifest = {
+        "format": 1,
+        "source": source,
+        "options": options or {},
+        "vocab_size": len(vocab),
+        "specials": list(SPECIALS),
+        "vocab_sha256": sha256(directory / "vocab.txt"),
+        "splits": splits,
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
 
 
 def load_prepared(path: str | Path) -> PreparedData:

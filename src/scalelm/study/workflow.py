@@ -36,7 +36,7 @@ class Study:
     def __init__(self, config: dict[str, Any], on_login_node: bool = True):
         self.config = config
         self.results = config["results"]
-        if not str(self.results).strip():
+        if not isinstance(self.results, str) or not self.results.strip():
             raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
         check_command_line_values(config)
         self.site = load_site(config.get("site"))

@@ -79,12 +79,11 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData):
-        self.config, self.env, self.parallel, self.data = config, env, parallel, data
+    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches):
+        self.config, self.env, self.parallel, self.data, self.batches = config, env, parallel, data, batches
         self.run_dir = RunDir(Path(config.run_dir))
 
         dp_size = parallel.dims.dp_size
-        self.batches = train_batches(config, parallel, data)
         self.tokens_per_step = self.batches.global_batch * config.data.seq_len
         total = config.train.epochs * self.batches.steps_per_epoch
         self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
@@ -380,13 +379,13 @@ def run(config: Config) -> dict[str, Any]:
         # world, the data, the batch against both.
         parallel = Parallel.start(config, env)
         data = load_prepared(config.data.prepared_dir)
-        train_batches(config, parallel, data)
+        batches = train_batches(config, parallel, data)
         run_dir = RunDir(Path(config.run_dir))
         with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
             if env.is_main:
                 run_dir.start(identity(config, data.checksums(), env.world_size))
             barrier()
-            trainer = Trainer(config, env, parallel, data)
+            trainer = Trainer(config, env, parallel, data, batches)
             with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
                 try:
                     record = trainer.fit()
