@@ -5,18 +5,22 @@ evaluation batch, the device a GPU site asks for (../shared/notes/gpu-review.md 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import train_here
+from conftest import REPO, train_here
 from test_study import local_config
 
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.launch.container import passed_environment
-from scalelm.model import TransformerLM
+from scalelm.model import TransformerLM, gpu_ops
 from scalelm.parallel import matmul_precision
+from scalelm.parallel.data import materialise
 from scalelm.parallel.env import backend_for
 from scalelm.parallel.tensor import apply_tp
 from scalelm.study.workflow import Study
@@ -139,6 +143,10 @@ def test_a_site_with_gpus_asks_every_experiment_for_cuda(tmp_path):
     study = Study(config, on_login_node=False)
     assert {e.training["device"] for e in study.matrix.values()} == {"cuda"}
     assert {e.training["device"] for e in Study(local_config()).matrix.values()} == {"auto"}
+    # finding 11: the launcher's srun step asks for the GPUs, with or without a container
+    wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
+    assert "--gpu" in study.launch_args(wildcards).split()
+    assert "--gpu" not in Study(local_config()).launch_args(wildcards).split()
 
 
 def test_on_cuda_each_timed_span_waits_for_its_work_and_each_peak_is_its_own(monkeypatch):
@@ -247,3 +255,68 @@ def test_fsdp_in_a_pipeline_keeps_its_gathered_weights_unless_told_otherwise():
     assert ParallelConfig().reshards(1) and not ParallelConfig().reshards(2)
     assert ParallelConfig(reshard_after_forward=True).reshards(2)
     assert not ParallelConfig(reshard_after_forward=False).reshards(1)
+
+
+def test_with_cpu_offload_parameters_are_materialised_on_the_host_and_buffers_on_the_device():
+    """FSDP refuses CPU offload unless the parameters start on the host (found by the proof kit on an H200); the
+    buffers it leaves alone must be on the device. `meta` stands in for a device that is not the CPU."""
+    with torch.device("meta"):
+        model = TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32), 50)
+    materialise(model, torch.device("meta"), cpu_offload=True)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    materialise(model, torch.device("cpu"), cpu_offload=False)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
+
+
+def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable(tmp_path):
+    """bench/gpu_probe.py and bench/gpu_smoke.sh in --cpu mode, as CI runs them so the kit cannot rot: every check
+    that a CPU can run passes, every CUDA-only one says N/A (never PASS)."""
+    env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    probe = subprocess.run(
+        [sys.executable, "bench/gpu_probe.py", "--cpu", "--out", str(tmp_path / "probe")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    smoke = subprocess.run(
+        ["bash", "bench/gpu_smoke.sh", str(tmp_path / "smoke"), "--cpu"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    probed = {r["check"]: r["status"] for r in json.loads((tmp_path / "probe/probe.json").read_text())}
+    cuda_only = {"a.ceilings", "d.sync_audit", "f.deterministic", "i.memory", "j.nvml", "l.step_profile"}
+    assert {name for name, status in probed.items() if status == "N/A"} == cuda_only
+    assert {name for name, status in probed.items() if status == "PASS"} == set(probed) - cuda_only
+    smoked = {r["check"]: r["status"] for r in json.loads((tmp_path / "smoke/smoke.json").read_text())}
+    assert smoked == {
+        "course": "PASS", "fp32": "N/A", "course_compiled": "N/A", "stop_resume": "PASS", "evaluate_on_cpu": "PASS", "gpt2": "N/A",
+        "compiled_cpu": "PASS",
+    }  # fmt: skip
+    for output in (probe.stdout, smoke.stdout):  # one line per check, its status first
+        assert all(line.split()[0] in ("PASS", "N/A") for line in output.splitlines() if line.startswith(("PASS", "N/A", "FAIL")))
+
+
+def test_the_output_projection_pads_its_rows_on_cuda_and_computes_the_same(monkeypatch):
+    """The vocabulary's 33,278 rows are padded to a multiple of 64 for cuBLAS's Hopper kernels (the proof kit found
+    the head's matmuls on older ones); logits and every gradient are those of the plain F.linear. The padding is
+    forced onto the CPU here; elsewhere it is off (so the CPU's exact parity and resume tests see no change)."""
+    monkeypatch.setattr(gpu_ops, "PADDED_DEVICES", ("cpu",))
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    weight, bias = torch.randn(33_278 // 100, 16, requires_grad=True), torch.randn(33_278 // 100, requires_grad=True)
+    padded = gpu_ops.aligned_linear(x, weight, bias)
+    assert padded.shape == (3, 5, 332)
+    grads = torch.autograd.grad(padded.square().sum(), (x, weight, bias))
+    plain = torch.nn.functional.linear(x, weight, bias)
+    expected = torch.autograd.grad(plain.square().sum(), (x, weight, bias))
+    torch.testing.assert_close(padded, plain)
+    for mine, theirs in zip(grads, expected):  # to fp32 rounding: the padded products sum in another order
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-4)
+    # the model's head takes it for logits and for the loss
+    model = TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0), 100).eval()
+    tokens = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        logits = model(tokens)
+        loss = model(tokens, tokens)
+    assert logits.shape == (2, 8, 100)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))

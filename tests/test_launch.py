@@ -45,6 +45,11 @@ def test_one_node_in_slurm_is_a_supervised_torchrun_in_an_srun_step_that_the_sto
     assert command[:6] == ["srun", "--jobid=9", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=8"]
     supervised = command[command.index("scalelm.launch.supervise") + 2 :]
     assert supervised[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone"]
+    assert not any(arg.startswith(("--gres", "--gpu-bind")) for arg in command)
+    # on a site with GPUs the step asks for the node's (a step gets none it did not ask for) and binds none to the
+    # one task: its torchrun's processes see every GPU and each takes its LOCAL_RANK's
+    [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4", "--gpu"], {"SLURM_JOB_ID": "9"}, hosts=["c07"])
+    assert command[6:9] == ["--gres=gpu:4", "--gpu-bind=none", "--kill-on-bad-exit=1"]
 
 
 def test_two_jobs_sharing_a_node_get_different_ports():
@@ -167,3 +172,40 @@ def test_the_shipped_site_file_loads():
 
     site = load_site(REPO / "profiles/slurm/site.yaml")
     assert site.gpus_per_node == 4 and site.port_range == (29500, 29999)
+
+
+def test_a_stop_goes_to_the_training_processes_not_to_torchrun_which_would_kill_them_after_30_s(tmp_path):
+    """The supervisor passes a stop signal to the workers under torchrun (SIGUSR1: checkpoint, exit 75) and leaves
+    torchrun alone; torchrun ends because they did. Stand-ins: a "torchrun" that notes any SIGTERM and waits for its
+    worker, a worker (`scalelm.train` in its command line) that notes the SIGUSR1 and exits 75."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from scalelm.launch import supervise
+
+    worker = (
+        "import pathlib, signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    pathlib.Path({str(tmp_path / 'worker')!r}).write_text('SIGUSR1'); sys.exit(75)\n"
+        "signal.signal(signal.SIGUSR1, stop)\n"
+        f"pathlib.Path({str(tmp_path / 'ready')!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    torchrun = (
+        "import pathlib, signal, subprocess, sys\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: pathlib.Path({str(tmp_path / 'torchrun')!r}).write_text('SIGTERM'))\n"
+        f"sys.exit(1 if subprocess.call([sys.executable, '-c', {worker!r}, 'scalelm.train']) else 0)\n"
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from scalelm.launch.supervise import supervise; sys.exit(supervise([sys.argv[1:]]))",
+         sys.executable, "-c", torchrun],
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert time.monotonic() < deadline and supervisor.poll() is None
+        time.sleep(0.05)
+    supervisor.send_signal(signal.SIGUSR1)
+    assert supervisor.wait(timeout=60) == supervise.EXIT_PREEMPTED
+    assert (tmp_path / "worker").read_text() == "SIGUSR1" and not (tmp_path / "torchrun").exists()

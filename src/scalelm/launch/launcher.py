@@ -105,7 +105,7 @@ def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) 
     inside = in_image(args)
     python = "python" if inside else sys.executable  # the image's own Python, or this one
     supervisor = [python, "-m", "scalelm.launch.supervise", "--"]
-    step = slurm.srun_step(job_id, args.nodes, allocation.cpus_per_node)
+    step = slurm.srun_step(job_id, args.nodes, allocation.cpus_per_node, args.procs_per_node if args.gpu else 0)
     return [*step, *inside, *supervisor, *torchrun(args.nodes, args.procs_per_node, rendezvous), *TRAIN, *train_args]
 
 
@@ -119,7 +119,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--container", help="Apptainer image to run torchrun in (default: none)")
     parser.add_argument("--container-runtime", default="apptainer", help="apptainer or singularity")
     parser.add_argument("--bind", action="append", default=[], help="apptainer --bind (repeatable)")
-    parser.add_argument("--gpu", action="store_true", help="pass the GPUs into the container (--nv)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="one GPU per process: the Slurm step asks for them, the container gets them (--nv)"
+    )
     parser.add_argument("--host-suffix", default="", help="appended to the head node's name, e.g. 'i' at JSC")
     parser.add_argument("--port-range", type=int, nargs=2, default=(29500, 29999), metavar=("LOW", "HIGH"))
     args = parser.parse_args(argv)

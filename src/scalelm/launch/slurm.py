@@ -68,11 +68,13 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def srun_step(job_id: str, nodes: int, cpus_per_node: int) -> list[str]:
-    """A job step of one task per node with all of the node's CPUs of the job; one failing task ends the step."""
+def srun_step(job_id: str, nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> list[str]:
+    """A job step of one task per node with all of the node's CPUs and GPUs of the job; one failing task ends the
+    step. A step gets only the GPUs it asks for (Slurm 20.11 on), and its one task must see them all: no binding."""
+    gpus = [f"--gres=gpu:{gpus_per_node}", "--gpu-bind=none"] if gpus_per_node else []
     return [
         "srun", f"--jobid={job_id}", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-        f"--cpus-per-task={cpus_per_node}", "--kill-on-bad-exit=1",
+        f"--cpus-per-task={cpus_per_node}", *gpus, "--kill-on-bad-exit=1",
     ]  # fmt: skip
 
 

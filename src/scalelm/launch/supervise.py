@@ -4,10 +4,11 @@
 
 `scalelm.launch` supervises the torchrun(s) it starts on its own host; under Slurm it starts this module on every
 node of its `srun` step instead, because Slurm's `--signal` and `scancel --signal` reach the processes of job steps,
-not the batch shell the launcher runs in. A stop signal (SIGTERM, SIGUSR1, SIGINT) is passed to torchrun as SIGTERM,
-which torchrun turns into a graceful stop of its workers; they checkpoint (scalelm.train.preemption) and the supervisor
-exits EXIT_PREEMPTED. torchrun itself ignores SIGUSR1: it has no handler for it and would die of it, leaving its
-workers behind.
+not the batch shell the launcher runs in. A stop signal (SIGTERM, SIGUSR1, SIGINT) is passed on as SIGUSR1 to the
+training processes themselves, not to torchrun: they checkpoint together (scalelm.train.preemption) and exit 75,
+torchrun ends because they did, and the supervisor exits EXIT_PREEMPTED. Asked to stop, torchrun would give its
+workers 30 seconds and kill them, whatever the checkpoint's size (torch < 2.12 has no setting for it). torchrun
+itself ignores SIGUSR1: it has no handler for it and would die of it, leaving its workers behind.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from scalelm.train.preemption import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -28,12 +31,43 @@ def ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept across exec; the workers install their own handler
 
 
+def training_processes(pid: int) -> list[psutil.Process]:
+    """The training processes (`-m scalelm.train`) started under process `pid`: a torchrun's workers, or a
+    container's. Not the utilisation monitor they start (`-m scalelm.train.monitor`)."""
+    try:
+        found = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    workers = []
+    for process in found:
+        try:
+            if "scalelm.train" in process.cmdline():
+                workers.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return workers
+
+
+def pass_stop(process: subprocess.Popen) -> None:
+    """Ask the training under `process` to checkpoint and stop; before it has started (torchrun still meeting its
+    other nodes) there is nothing to save, and torchrun is asked to stop."""
+    workers = training_processes(process.pid)
+    for worker in workers:
+        try:
+            worker.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            continue
+    if not workers and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+
+
 def supervise(commands: list[list[str]]) -> int:
     """Run the commands concurrently; when one fails, stop the others; return the first non-zero status,
     or EXIT_PREEMPTED after a stop signal (the workers have checkpointed; rerunning resumes)."""
-    threads = os.environ.get("OMP_NUM_THREADS")
+    # what the processes inherit and a failure is first read from: their threads and the GPUs this step was given
+    shown = [f"{name}={os.environ[name]}" for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if name in os.environ]
     for command in commands:
-        print("+", *([f"OMP_NUM_THREADS={threads}"] if threads else []), shlex.join(command), flush=True)
+        print("+", *shown, shlex.join(command), flush=True)
     processes = [subprocess.Popen(c, preexec_fn=ignore_usr1) for c in commands]
     stop_signals = []
 
@@ -41,7 +75,7 @@ def supervise(commands: list[list[str]]) -> int:
         stop_signals.append(signum)
         for p in processes:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                pass_stop(p)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelm.data.windows import IGNORE_INDEX
+from scalelm.model.gpu_ops import aligned_linear
 
 
 class Dropout(nn.Dropout):
@@ -38,6 +39,8 @@ class Dropout(nn.Dropout):
         if not (self.training and 0.0 < self.p < 1.0):
             return x
         if not (x.device.type == "cpu" and x.dtype == torch.float32):
+            if not self.stream:  # torch's own dropout, which torch.compile traces into its graph
+                return super().forward(x)
             with own_random_stream(self.stream, x.device):
                 return super().forward(x)
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
@@ -82,7 +85,7 @@ def linear_cross_entropy(
     )
     if fusable:
         return LinearCrossEntropy.apply(hidden, weight, bias, targets)
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(aligned_linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

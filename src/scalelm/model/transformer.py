@@ -13,7 +13,6 @@ its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the p
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 from scalelm.config import ModelConfig
 from scalelm.data.windows import IGNORE_INDEX
 from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, own_random_stream
+from scalelm.model.gpu_ops import aligned_linear
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -51,7 +51,10 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)  # under tensor parallelism: this rank's heads only
         q, k, v = qkv.view(batch, seq, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         p = self.dropout if self.training else 0.0
-        with own_random_stream(self.dropout_stream, x.device) if p else contextlib.nullcontext():
+        if p and self.dropout_stream:
+            with own_random_stream(self.dropout_stream, x.device):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:  # no context manager on the common path: nothing for torch.compile to trace through
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -85,7 +88,7 @@ class OutputHead(nn.Linear):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
-            return super().forward(x)
+            return aligned_linear(x, self.weight, self.bias)
         return linear_cross_entropy(x.flatten(0, -2), self.weight, self.bias, targets.flatten())
 
 

@@ -30,7 +30,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scalelm.config import Config
 from scalelm.errors import ConfigError
-from scalelm.parallel.data import apply_ddp, apply_fsdp
+from scalelm.parallel.compile import apply_compile
+from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims, degrees_of, resolve_dims
 from scalelm.parallel.env import DistEnv, all_gather_object
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
@@ -128,7 +129,10 @@ class Parallel:
             keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
         if self.mesh is None:
             torch.manual_seed(seed)
-            return make().to(device)
+            model = make().to(device)
+            if self.config.train.compile:
+                apply_compile(model, device)
+            return model
         initial = {}
         if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
             torch.manual_seed(seed)
@@ -142,7 +146,7 @@ class Parallel:
                 parts = [make()]
         parts = [self.parallelize(part) for part in parts]
         for part in parts:
-            part.to_empty(device=device)
+            materialise(part, device, self.uses_fsdp and options.cpu_offload)
             part.init_buffers()
         model = StageParts(parts) if stage_ids else parts[0]
         # rank 0 sends every tensor; each rank keeps those of its own stages (hence not strict with a pipeline)
@@ -171,10 +175,13 @@ class Parallel:
         return list(range(pp_rank, self.num_stages, self.dims.pp))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Tensor parallelism, then FSDP/HSDP, on a model (or pipeline stage) still on the meta device."""
+        """Tensor parallelism, compilation, then FSDP/HSDP, on a model (or pipeline stage) still on the meta
+        device."""
         options, device = self.config.parallel, self.env.device
         if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
+        if self.config.train.compile:
+            apply_compile(model, device)
         if self.uses_fsdp:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             if options.cpu_offload and device.type != "cuda":

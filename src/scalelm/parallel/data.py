@@ -44,6 +44,17 @@ def apply_fsdp(
     return fully_shard(model, **options)
 
 
+def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Storage for a model built on the meta device, on `device`; with FSDP's CPU offload the parameters on the host
+    (FSDP copies each to the device when it gathers it, and refuses to start otherwise) and the buffers, which it
+    leaves alone, on the device."""
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
     # DDP broadcasts rank 0's weights at construction: every rank already holds them. Gradients are views into

@@ -4,8 +4,8 @@ Memory (rule `plan`, before every training): scalelm.plan predicts the experimen
 GPUs (site.gpu_memory_gb); one that cannot fit is refused by name with the predicted figures, and no training is
 submitted, unless the experiment sets `check_memory: false`. The plan is written beside the run (plan.json).
 
-Wiring (`snakemake preflight`, optional): every experiment's layout runs PREFLIGHT_STEPS steps on this machine's
-CPU, all its processes on one node, on a slice of the prepared data, with dropout off and one global batch every
+Wiring (`snakemake preflight`, optional): every experiment of several processes runs PREFLIGHT_STEPS steps on this
+machine's CPU, all its processes on one node, on a slice of the prepared data, with dropout off and one global batch every
 layout divides; a single process runs the same settings. Every layout trains the same model on the same data, so
 their losses must agree step by step (to LOSS_TOLERANCE, fp32's reordered sums): a mismatch names the experiment
 within minutes, before hours of GPU time.
@@ -109,13 +109,14 @@ def preflight_settings(training: dict, dims: ParallelDims, batch: int, data_dir:
 
 
 def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str, Any]]:
-    """name -> {settings, world_size, reference}: every experiment (its first seed), and one single process
-    ("reference.<i>") per distinct settings among their preflight runs but the layout."""
+    """name -> {settings, world_size, reference}: every experiment of several processes (its first seed; one of a
+    single process has no wiring to check), and one single process ("reference.<i>") per distinct settings among
+    their preflight runs but the layout."""
     batch = preflight_batch(matrix)
     data, runs_dir = f"{results}/preflight/data", f"{results}/preflight/runs"
     runs, references = {}, {}
     for e in matrix:
-        if e.name in runs:
+        if e.name in runs or e.world_size == 1:
             continue
         settings = preflight_settings(e.training, e.dims, batch, data, f"{runs_dir}/{e.name}")
         same = json.dumps({k: v for k, v in settings.items() if k not in ("parallel", "run_dir")}, sort_keys=True)

@@ -95,7 +95,7 @@ class Study:
     def preflight_tokens(self) -> int:
         """Tokens per split of the preflight's data slice: every step's batch, and one more window to spare."""
         runs = [run["settings"] for run in self.preflight.values()]
-        return max((preflight.PREFLIGHT_STEPS + 1) * s["batch"]["size"] * s["data"]["seq_len"] + 1 for s in runs)
+        return max((preflight.PREFLIGHT_STEPS + 1) * s["batch"]["size"] * s["data"]["seq_len"] + 1 for s in runs) if runs else 1
 
     def preflight_args(self) -> str:
         """`compare`'s arguments: each experiment's run directory with its reference's."""
@@ -122,7 +122,7 @@ class Study:
         if self.image:
             args += ["--container", self.image, "--container-runtime", self.runtime]
             args += [arg for bind in self.binds() for arg in ("--bind", bind)]
-            args += ["--gpu"] if self.site.gpus_per_node else []
+        args += ["--gpu"] if self.site.gpus_per_node else []
         return shlex.join([*args, *self.site.launch_flags()])
 
     def aggregate_args(self) -> str:

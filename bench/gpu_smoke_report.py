@@ -1,0 +1,166 @@
+"""The checks of bench/gpu_smoke.sh, read from what its runs left: one `PASS|FAIL|N/A  name  figure` line each,
+OUTDIR/smoke.json with them all; exit status 1 if any failed.
+
+    python3 bench/gpu_smoke_report.py OUTDIR [--cpu]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from scalelm.train.metrics import read_metrics
+from scalelm.train.preemption import EXIT_PREEMPTED
+
+
+class NotApplicable(Exception):
+    pass
+
+
+def steady(run: Path) -> dict:
+    """Median step figures of a run's logged intervals, the first (start-up, compilation) and profiled ones left
+    out; with the run's own results."""
+    train = [r for r in read_metrics(run) if r["kind"] == "train"]
+    kept = [r for r in train[1:] if not r.get("profiled")] or train[-1:]
+    record = json.loads((run / "run.json").read_text())
+    figures = {k: statistics.median(r[k] for r in kept) for k in ("tokens_per_s", "step_time_s", "peak_mem_mb")}
+    mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
+    return {**figures, "mfu": statistics.median(mfu) if mfu else None, "record": record, "train": train}
+
+
+def describe(figures: dict) -> str:
+    mfu = f", MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else ", MFU n/a"
+    return (
+        f"{figures['tokens_per_s']:,.0f} tokens/s, {figures['step_time_s'] * 1e3:.1f} ms/step{mfu}, "
+        f"peak {figures['peak_mem_mb']:,.0f} MB"
+    )
+
+
+class Report:
+    def __init__(self, out: Path, cpu: bool):
+        self.out, self.cpu, self.runs = out, cpu, out / "runs"
+        self.status = {}
+        for line in (out / "status").read_text().splitlines():
+            name, code, seconds = line.split()
+            self.status[name] = (int(code), int(seconds))
+        self.results: list[dict] = []
+
+    def exited(self, name: str, expected: int = 0) -> None:
+        if name not in self.status:
+            raise AssertionError(f"step {name} did not run")
+        code, _ = self.status[name]
+        if code != expected:
+            log = self.out / f"{name}.log"
+            tail = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+            raise AssertionError(f"{name} exited {code}, expected {expected}: {tail[0][:200]}")
+
+    def gpu_only(self) -> None:
+        if self.cpu:
+            raise NotApplicable("GPU only")
+
+    def check(self, name: str, check: Callable[[], str]) -> None:
+        try:
+            status, figure = "PASS", check()
+        except NotApplicable as why:
+            status, figure = "N/A", str(why)
+        except Exception as error:
+            status, figure = "FAIL", f"{type(error).__name__}: {error}"[:400]
+        self.results.append({"check": name, "status": status, "figure": figure})
+        print(f"{status:<4}  {name:<22} {figure}", flush=True)
+
+    # ------------------------------------------------------------------------------------------- checks
+    def course(self) -> str:
+        """The course model in the device's precision: MFU against a named peak, the plan beside the measured
+        state, the monitor's GPU readings, the peak after an evaluation no higher than before it."""
+        self.exited("course")
+        figures = steady(self.runs / "course")
+        results = figures["record"]["results"]
+        source = results["peak_flops_source"]
+        assert results["mfu"] is not None, f"no MFU (peak source: {source})"
+        if not self.cpu:
+            assert source.startswith("datasheet"), f"peak not from the GPU table: {source}"
+            samples = [json.loads(line) for line in (self.runs / "course/monitor/node0.jsonl").open()]
+            gpus = [s["gpus"] for s in samples if s.get("gpus")]
+            assert gpus, "the monitor recorded no GPU readings"
+        plan, state = results["plan_mb_per_rank"], results["state_mb_per_rank"]
+        return (
+            f"{describe(figures)}; peak source {source}; state {state['total']:.0f} MiB vs plan "
+            f"{plan.get('state', plan.get('total', float('nan'))):.0f} MiB; test loss {results['test']['loss']:.4f}"
+        )
+
+    def fp32(self) -> str:
+        self.gpu_only()
+        self.exited("fp32")
+        fp32, bf16 = steady(self.runs / "fp32"), steady(self.runs / "course")
+        device = fp32["record"]["device"]
+        assert device.get("float32_matmul_precision") == "high", f"fp32 without TF32: {device}"
+        return f"{describe(fp32)}; bf16/fp32 tokens/s {bf16['tokens_per_s'] / fp32['tokens_per_s']:.2f}x"
+
+    def course_compiled(self) -> str:
+        """The course model compiled (train.compile) beside eager, both bf16."""
+        self.gpu_only()
+        self.exited("course_compiled")
+        compiled, eager = steady(self.runs / "course_compiled"), steady(self.runs / "course")
+        return f"{describe(compiled)}; compiled/eager tokens/s {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x"
+
+    def stop_resume(self) -> str:
+        """SIGUSR1 -> a checkpoint and exit 75; the rerun resumes from it and finishes."""
+        self.exited("stop", EXIT_PREEMPTED)
+        self.exited("resume")
+        log = (self.out / "resume.log").read_text()
+        resumed = [line for line in log.splitlines() if line.startswith("resumed from step")]
+        assert resumed, "the rerun did not resume"
+        record = json.loads((self.runs / "stop/run.json").read_text())
+        return f"stopped with exit {EXIT_PREEMPTED}; {resumed[0].split(' in ')[0]}; finished {record['results']['steps']} steps"
+
+    def evaluate_on_cpu(self) -> str:
+        """The device-trained model consolidated and evaluated on the CPU: the same test loss as the run's own
+        (bf16 evaluation on the GPU against fp32 here: within 1e-2 relative; fp32 on both: 1e-4)."""
+        self.exited("consolidate")
+        self.exited("evaluate")
+        mine = json.loads((self.out / "evaluate_test.json").read_text())["loss"]
+        record = json.loads((self.runs / "course/run.json").read_text())
+        theirs = record["results"]["test"]["loss"]
+        relative = abs(mine - theirs) / theirs
+        tolerance = 1e-4 if self.cpu else 1e-2
+        assert relative < tolerance, f"CPU evaluation {mine:.5f} vs the run's {theirs:.5f}: {relative:.1e}"
+        return f"test loss on CPU {mine:.5f}, in the run {theirs:.5f} ({relative:.1e} relative)"
+
+    def gpt2(self) -> str:
+        """The gpt2_small experiment, compiled (as configured) and eager: tokens/s and MFU of each."""
+        self.gpu_only()
+        self.exited("gpt2_compiled")
+        self.exited("gpt2_eager")
+        compiled, eager = steady(self.runs / "gpt2_compiled"), steady(self.runs / "gpt2_eager")
+        first = compiled["train"][0]["step_time_s"] * compiled["train"][0]["step"]
+        return (
+            f"compiled: {describe(compiled)} (first interval {first:.0f} s with compilation); eager: "
+            f"{describe(eager)}; compiled/eager {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x"
+        )
+
+    def compiled_cpu(self) -> str:
+        """On CPU: the tiny model trained compiled end to end, its loss beside the eager course run's."""
+        if not self.cpu:
+            raise NotApplicable("CPU mode only (the GPU runs gpt2_small compiled)")
+        self.exited("compiled")
+        compiled, eager = steady(self.runs / "compiled"), steady(self.runs / "course")
+        a, b = compiled["record"]["results"]["final_train_loss"], eager["record"]["results"]["final_train_loss"]
+        return f"{describe(compiled)}; final train loss {a:.4f} (eager run with evaluations and checkpoints: {b:.4f})"
+
+
+def main(argv: list[str]) -> int:
+    out, cpu = Path(argv[0]), "--cpu" in argv[1:]
+    report = Report(out, cpu)
+    for name in ("course", "fp32", "course_compiled", "stop_resume", "evaluate_on_cpu", "gpt2", "compiled_cpu"):
+        report.check(name, getattr(report, name))
+    (out / "smoke.json").write_text(json.dumps(report.results, indent=2) + "\n")
+    counts = {s: sum(r["status"] == s for r in report.results) for s in ("PASS", "FAIL", "N/A")}
+    print(f"smoke ({'cpu' if cpu else 'gpu'}): {counts['PASS']} passed, {counts['FAIL']} failed, {counts['N/A']} n/a")
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
