@@ -48,7 +48,7 @@ $py -c "import sys; from pathlib import Path; from bench.throughput import make_
 
 if [ "$mode" = --cpu ]; then
     device=(device=cpu train.precision=fp32 model.d_model=64 model.n_heads=2 model.n_layers=1 model.d_ff=128 batch.size=16)
-    steps=20 stop_steps=60 stop_after=20
+    steps=12 stop_steps=40 stop_after=12
 else
     device=(device=cuda)
     steps=300 stop_steps=2000 stop_after=200
@@ -84,8 +84,8 @@ step consolidate env CUDA_VISIBLE_DEVICES= $py -m scalelm.study.consolidate --ru
 step evaluate env CUDA_VISIBLE_DEVICES= $py -m scalelm.study.evaluate --model "$runs/course/model.pt" \
     --data "$out/prepared" --split test --out "$out/evaluate_test.json"
 
-# 5. the gpt2_small experiment of config/config.yaml (GPT-2 small's shape), compiled as it is there and eager; on CPU
-#    a tiny model compiled
+# 5. the gpt2_small experiment of config/config.yaml (GPT-2 small's shape), compiled as it is there, eager, and
+#    compiled with selective activation checkpointing; on CPU a tiny model compiled
 if [ "$mode" != --cpu ]; then
     $py -c "import sys, yaml; config = yaml.safe_load(open('config/config.yaml'))
 yaml.safe_dump(config['experiments']['gpt2_small']['training'], open(sys.argv[1], 'w'))" "$out/gpt2_small.yaml"
@@ -93,6 +93,7 @@ yaml.safe_dump(config['experiments']['gpt2_small']['training'], open(sys.argv[1]
         checkpoint.every=null train.monitor_interval_s=0.5)
     step gpt2_compiled train gpt2_compiled "${gpt2[@]}"
     step gpt2_eager train gpt2_eager "${gpt2[@]}" train.compile=false
+    step gpt2_recompute train gpt2_recompute "${gpt2[@]}" train.activation_checkpointing=selective
 else
     step compiled train compiled "${common[@]}" train.max_steps=$steps train.compile=true checkpoint.every=null \
         train.comm_profile_steps=0

@@ -141,6 +141,18 @@ class Report:
             f"{describe(eager)}; compiled/eager {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x"
         )
 
+    def gpt2_recompute(self) -> str:
+        """gpt2_small compiled with selective activation checkpointing: the memory it saves, the time it costs."""
+        self.gpu_only()
+        self.exited("gpt2_recompute")
+        recompute, compiled = steady(self.runs / "gpt2_recompute"), steady(self.runs / "gpt2_compiled")
+        planned = recompute["record"]["results"]["plan_mb_per_rank"]["total"]
+        return (
+            f"{describe(recompute)} (plan {planned:,.0f} MiB); against compiled without: peak "
+            f"{recompute['peak_mem_mb'] / compiled['peak_mem_mb']:.2f}x, tokens/s "
+            f"{recompute['tokens_per_s'] / compiled['tokens_per_s']:.2f}x"
+        )
+
     def compiled_cpu(self) -> str:
         """On CPU: the tiny model trained compiled end to end, its loss beside the eager course run's."""
         if not self.cpu:
@@ -154,7 +166,7 @@ class Report:
 def main(argv: list[str]) -> int:
     out, cpu = Path(argv[0]), "--cpu" in argv[1:]
     report = Report(out, cpu)
-    for name in ("course", "fp32", "course_compiled", "stop_resume", "evaluate_on_cpu", "gpt2", "compiled_cpu"):
+    for name in ("course", "fp32", "course_compiled", "stop_resume", "evaluate_on_cpu", "gpt2", "gpt2_recompute", "compiled_cpu"):
         report.check(name, getattr(report, name))
     (out / "smoke.json").write_text(json.dumps(report.results, indent=2) + "\n")
     counts = {s: sum(r["status"] == s for r in report.results) for s in ("PASS", "FAIL", "N/A")}

@@ -124,6 +124,9 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     assert {"gloo:send", "gloo:recv"} <= set(record["results"]["comm"]["ops_s_per_step_rank0"])
     single = json.loads((runs / "ddp/seed1/run.json").read_text())
     assert len(set(single["hostnames"])) == 1 and single["world_size"] == 2
+    # the launcher's step asks for the job's GPUs (a step gets none it did not ask for) and binds none to its task
+    launched = (project / "results/local/logs/train/ddp/seed1.log").read_text()
+    assert "--gres=gpu:2 --gpu-bind=none" in launched, launched[:2000]
 
     # the matrix without the broken experiment aggregates: summary and plots
     edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"].pop("broken"))

@@ -99,6 +99,9 @@ class TrainConfig:
     comm_profile_steps: int = 2
     wandb: bool = False  # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
     deterministic: bool = False
+    # blocks keep less of the forward pass and recompute the rest in the backward: less memory for more compute; full:
+    # their inputs only, selective: their matrix products' and attention's outputs (scalelm.parallel.activation_checkpoint)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     # torch.compile each block (and on CUDA the head with its loss): fewer kernel launches, fused element-wise work;
     # the first steps pay the compilation (scalelm.parallel.compile)
     compile: bool = False

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scalelm.config import Config
 from scalelm.errors import ConfigError
+from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims, degrees_of, resolve_dims
@@ -130,8 +131,7 @@ class Parallel:
         if self.mesh is None:
             torch.manual_seed(seed)
             model = make().to(device)
-            if self.config.train.compile:
-                apply_compile(model, device)
+            self.apply_recompute_and_compile(model)
             return model
         initial = {}
         if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
@@ -175,13 +175,12 @@ class Parallel:
         return list(range(pp_rank, self.num_stages, self.dims.pp))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Tensor parallelism, compilation, then FSDP/HSDP, on a model (or pipeline stage) still on the meta
-        device."""
+        """Tensor parallelism, activation checkpointing and compilation, then FSDP/HSDP, on a model (or pipeline
+        stage) still on the meta device."""
         options, device = self.config.parallel, self.env.device
         if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
-        if self.config.train.compile:
-            apply_compile(model, device)
+        self.apply_recompute_and_compile(model)
         if self.uses_fsdp:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             if options.cpu_offload and device.type != "cuda":
@@ -189,6 +188,11 @@ class Parallel:
             reshard = options.reshards(self.dims.pp)
             model = apply_fsdp(model, dp_mesh, self.compute_dtype, reshard, options.cpu_offload)
         return model
+
+    def apply_recompute_and_compile(self, model: nn.Module) -> None:
+        apply_activation_checkpointing(model, self.config.train.activation_checkpointing)
+        if self.config.train.compile:
+            apply_compile(model, self.env.device)
 
     # ----------------------------------------------------------------------------------- the step's hooks
     def forward_backward(

@@ -35,7 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-gb", type=float, help="one GPU's memory in GB (1e9 bytes): 40 for an A100 40GB")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of a GPU's memory kept free (default 0.1)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the kernels to plan for")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="blocks keep only their inputs")
+    parser.add_argument(
+        "--activation-checkpointing", nargs="?", const="full", choices=("none", "full", "selective"),
+        help="full (the default of the bare flag): blocks keep only their inputs; selective: their products' outputs "
+        "too; default: the config's train.activation_checkpointing",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="a JSON list of the layouts instead of a table")
     return parser.parse_args(argv)
 

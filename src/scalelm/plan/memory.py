@@ -23,10 +23,13 @@ without dropout), t = tp, u = tp with sequence parallelism (1 without):
 2d: the inputs of the qkv and FFN-in matrices (whole on every TP rank); 2d/u: the two norms' inputs; 4d/t: q, k, v
 and the attention's output; 2f/t: the FFN's hidden activation before and after its dropout; the masks of the two
 residual dropouts and the FFN's. Attention keeps its (a x s) scores only on CPU with dropout (the math kernel); the
-fused kernels keep a few numbers per row. With activation checkpointing a block keeps only its input (e d/u) and one
-block at a time is recomputed whole. The embedding adds its dropout's mask, the last stage the final norm's and the
+fused kernels keep a few numbers per row. With full activation checkpointing a block keeps only its input (e d/u),
+with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
+attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
+is recomputed. The embedding adds its dropout's mask, the last stage the final norm's and the
 head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
-with the logits and their fp32 copy beside them while the loss is computed; on CPU in fp32 the fused loss keeps its
+and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
+gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
 gradients (scalelm.model.cpu_ops). A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
 GPipe, pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
 
@@ -50,6 +53,7 @@ STATE_PARTS = PARTS[:3]
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter: fp32 weights, gradients, AdamW's moments
 BLOCK_FORMULA = "e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)"  # activation bytes per token and block
 SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
+SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
 
 
@@ -100,7 +104,11 @@ class Workload:
     config: Config
     vocab_size: int
     device: str = "cuda"  # "cuda" or "cpu": the kernels (and so the activations) differ
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | None = None  # none, full or selective; None: the config's
+
+    @property
+    def checkpointing(self) -> str:
+        return self.activation_checkpointing or self.config.train.activation_checkpointing
 
     @property
     def precision(self) -> str:
@@ -241,8 +249,12 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         state = sum(t.numel(dims.tp, shard) for t in tensors)
         sizes = {part: state * STATE_BYTES[part] for part in STATE_PARTS}
 
-        if work.activation_checkpointing:  # block inputs only, and one block recomputed at a time
+        if work.checkpointing == "full":  # block inputs only, and one block recomputed at a time
             act = count * tokens * (blocks / virtual) * e * d / u + tokens * per_block
+        elif work.checkpointing == "selective":  # products and attention kept, one block's rest recomputed
+            t = dims.tp
+            kept = e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
+            act = count * tokens * (blocks / virtual) * kept + tokens * per_block
         else:
             act = count * tokens * (blocks / virtual) * per_block
         if first:
@@ -252,8 +264,8 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             act += last_count * tokens * e * d * (1 / u + 1)  # the final norm's and the head's inputs
             if work.fused_cpu_loss:  # its gradients, computed in the forward pass
                 act += last_count * 4 * (tokens * d + vocab * (d + 1))
-            else:  # the log-probabilities kept, and the logits with their fp32 copy while computed
-                act += last_count * tokens * 4 * vocab / vocab_split + tokens * (e + 4) * vocab / vocab_split
+            else:  # the log-probabilities kept; the logits with their fp32 copy, or the backward's two gradients
+                act += last_count * tokens * 4 * vocab / vocab_split + tokens * max(e + 4, 8) * vocab / vocab_split
 
         buffers = config.model.max_seq_len * d * 4  # the positional table
         if dims.sharded:
