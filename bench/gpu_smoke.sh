@@ -48,7 +48,7 @@ $py -c "import sys; from pathlib import Path; from bench.throughput import make_
 
 if [ "$mode" = --cpu ]; then
     device=(device=cpu train.precision=fp32 model.d_model=64 model.n_heads=2 model.n_layers=1 model.d_ff=128 batch.size=16)
-    steps=12 stop_steps=40 stop_after=12
+    steps=12 stop_steps=60 stop_after=10
 else
     device=(device=cuda)
     steps=300 stop_steps=2000 stop_after=200
@@ -68,6 +68,7 @@ if [ "$mode" != --cpu ]; then
 fi
 
 # 3. stop and resume: SIGUSR1 (Slurm's warning signal) after some steps -> checkpoint, exit 75; the rerun resumes
+#    (stop_after: a logged step, a multiple of the run's log_every of 10)
 train_command stop "${common[@]}" train.max_steps=$stop_steps train.log_every=10 checkpoint.every=null
 "${command[@]}" >"$out/stop.log" 2>&1 &  # a simple command: $! is the training process itself
 pid=$!

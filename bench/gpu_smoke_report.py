@@ -35,7 +35,7 @@ def describe(figures: dict) -> str:
     mfu = f", MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else ", MFU n/a"
     return (
         f"{figures['tokens_per_s']:,.0f} tokens/s, {figures['step_time_s'] * 1e3:.1f} ms/step{mfu}, "
-        f"peak {figures['peak_mem_mb']:,.0f} MB"
+        f"peak {figures['peak_mem_mb']:,.0f} MiB"
     )
 
 

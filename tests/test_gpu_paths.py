@@ -320,3 +320,17 @@ def test_the_output_projection_pads_its_rows_on_cuda_and_computes_the_same(monke
         loss = model(tokens, tokens)
     assert logits.shape == (2, 8, 100)
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))
+
+
+def test_compiling_for_cuda_without_a_c_compiler_is_a_clear_error_naming_the_devel_image(monkeypatch):
+    """Triton needs a C compiler at run time, which PyTorch's -runtime image lacks: say so before training."""
+    from scalelm.errors import ConfigError
+    from scalelm.parallel import compile as compiling
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    with torch.device("meta"):
+        model = TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32), 50)
+    with pytest.raises(ConfigError, match=r"needs a C compiler .*cudnn9-devel"):
+        compiling.apply_compile(model, torch.device("cuda"))
+    compiling.apply_compile(model, torch.device("cpu"))  # torch's own check there

@@ -7,14 +7,34 @@ model, and a compiled run resumes an eager one's checkpoint and the other way ro
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 from torch import nn
+
+from scalelm.errors import ConfigError
+
+# a -runtime PyTorch image has no C compiler; Triton builds each kernel's launcher with one, at the first step
+DEVEL_IMAGE = "docker://pytorch/pytorch:2.9.0-cuda12.8-cudnn9-devel"
+
+
+def check_c_compiler() -> None:
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        raise ConfigError(
+            "train.compile on CUDA needs a C compiler (Triton builds its kernels' launchers with one) and none is "
+            f"on PATH: build the image from a -devel base (container.base_image: {DEVEL_IMAGE}), install gcc, or "
+            "set train.compile: false"
+        )
 
 
 def apply_compile(model: nn.Module, device: torch.device) -> None:
     """Compile the blocks of `model` (a whole model or a pipeline stage, on any device, meta included) and, on CUDA,
     the output head with its loss: logits, their fp32 cast and the cross-entropy fused instead of a vocabulary-wide
-    tensor each. On CPU the head keeps its hand-fused loss (scalelm.model.cpu_ops)."""
+    tensor each. On CPU the head keeps its hand-fused loss (scalelm.model.cpu_ops); inductor's C++ kernels need the
+    compiler there too, which torch checks itself."""
+    if device.type == "cuda":
+        check_c_compiler()
     for block in model.blocks.values():
         block.compile()
     if device.type == "cuda" and model.head is not None:
