@@ -5,8 +5,8 @@
 
 Each check prints one line, `PASS|FAIL|N/A  name  figure`, and DIR/probe.json holds them all; the exit status is 1
 when any check failed. One process, one rank: NCCL (and, on CPU, gloo) groups of one and one-rank device meshes
-run the same code as many ranks do, short of the traffic. The checks follow the review of the CUDA paths
-(../shared/notes/gpu-review.md, section 5, A1 a-k); bench/gpu_smoke.sh runs the command-line tools.
+run the same code as many ranks do, short of the traffic. The checks (a-l) follow the review of the CUDA paths
+(docs/gpu.md lists them with its findings); bench/gpu_smoke.sh runs the command-line tools.
 """
 
 from __future__ import annotations
