@@ -61,6 +61,13 @@ class Report:
         if self.cpu:
             raise NotApplicable("GPU only")
 
+    def gpu_runs(self, *names: str) -> list[dict]:
+        """The steady figures of runs the GPU mode alone makes, each checked to have finished."""
+        self.gpu_only()
+        for name in names:
+            self.exited(name)
+        return [steady(self.runs / name) for name in names]
+
     def check(self, name: str, check: Callable[[], str]) -> None:
         try:
             status, figure = "PASS", check()
@@ -88,22 +95,18 @@ class Report:
         plan, state = results["plan_mb_per_rank"], results["state_mb_per_rank"]
         return (
             f"{describe(figures)}; peak source {source}; state {state['total']:.0f} MiB vs plan "
-            f"{plan.get('state', plan.get('total', float('nan'))):.0f} MiB; test loss {results['test']['loss']:.4f}"
+            f"{plan['state']:.0f} MiB; test loss {results['test']['loss']:.4f}"
         )
 
     def fp32(self) -> str:
-        self.gpu_only()
-        self.exited("fp32")
-        fp32, bf16 = steady(self.runs / "fp32"), steady(self.runs / "course")
+        fp32, bf16 = self.gpu_runs("fp32", "course")
         device = fp32["record"]["device"]
         assert device.get("float32_matmul_precision") == "high", f"fp32 without TF32: {device}"
         return f"{describe(fp32)}; bf16/fp32 tokens/s {bf16['tokens_per_s'] / fp32['tokens_per_s']:.2f}x"
 
     def course_compiled(self) -> str:
         """The course model compiled (train.compile) beside eager, both bf16."""
-        self.gpu_only()
-        self.exited("course_compiled")
-        compiled, eager = steady(self.runs / "course_compiled"), steady(self.runs / "course")
+        compiled, eager = self.gpu_runs("course_compiled", "course")
         return f"{describe(compiled)}; compiled/eager tokens/s {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x"
 
     def stop_resume(self) -> str:
@@ -131,10 +134,7 @@ class Report:
 
     def gpt2(self) -> str:
         """The gpt2_small experiment, compiled (as configured) and eager: tokens/s and MFU of each."""
-        self.gpu_only()
-        self.exited("gpt2_compiled")
-        self.exited("gpt2_eager")
-        compiled, eager = steady(self.runs / "gpt2_compiled"), steady(self.runs / "gpt2_eager")
+        compiled, eager = self.gpu_runs("gpt2_compiled", "gpt2_eager")
         first = compiled["train"][0]["step_time_s"] * compiled["train"][0]["step"]
         return (
             f"compiled: {describe(compiled)} (first interval {first:.0f} s with compilation); eager: "
@@ -143,9 +143,7 @@ class Report:
 
     def gpt2_recompute(self) -> str:
         """gpt2_small compiled with selective activation checkpointing: the memory it saves, the time it costs."""
-        self.gpu_only()
-        self.exited("gpt2_recompute")
-        recompute, compiled = steady(self.runs / "gpt2_recompute"), steady(self.runs / "gpt2_compiled")
+        recompute, compiled = self.gpu_runs("gpt2_recompute", "gpt2_compiled")
         planned = recompute["record"]["results"]["plan_mb_per_rank"]["total"]
         return (
             f"{describe(recompute)} (plan {planned:,.0f} MiB); against compiled without: peak "

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "full", "selective")
-
 _aten = torch.ops.aten
 # what `selective` keeps: the outputs of the matrix products and of the attention kernels, and (tensor parallelism)
 # of the collectives, which would otherwise run again
@@ -48,9 +46,8 @@ def _checkpointed(forward, mode: str, *args, **kwargs):
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every block of `model` (a whole model or a pipeline stage, on any device, meta included)."""
-    if mode not in MODES:
-        raise ValueError(f"activation checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
+    """Checkpoint every block of `model` (a whole model or a pipeline stage, on any device, meta included) in `mode`,
+    one of train.activation_checkpointing's values (checked with the config)."""
     if mode == "none":
         return
     for block in model.blocks.values():
