@@ -4,8 +4,10 @@ and used by the training jobs of the tiny matrix. Runs as root; under CI it must
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,10 @@ def test_workflow_builds_the_image_and_trains_inside_it(project, monkeypatch):
         subprocess.run(["apptainer", "inspect", "--json", "--labels", str(image)], capture_output=True, text=True).stdout
     )["data"]["attributes"]["labels"]
     assert labels["org.scalelm.version"] == "0.1.0" and labels["org.scalelm.base-image"].startswith("localimage:")
+    # finding 9: NCCL needs libibverbs and a provider (mlx5) to use InfiniBand; the base image has neither
+    libraries = subprocess.run(["apptainer", "exec", str(image), "ldconfig", "-p"], capture_output=True, text=True).stdout
+    assert "libibverbs.so.1 " in libraries and "libmlx5.so.1 " in libraries and "librdmacm.so.1 " in libraries
+    assert labels["org.scalelm.infiniband"] == "libibverbs" and labels["org.scalelm.architecture"] == platform.machine()
 
     for name, world in (("single_gpu", 1), ("ddp", 2)):
         record = json.loads((project / f"results/local/runs/{name}/seed1/run.json").read_text())
@@ -98,3 +104,27 @@ def test_unreachable_base_image_is_a_clear_error(project):
     log = (project / "results/local/logs/build_image.log").read_text()
     assert "failed" in log and "build on a machine that can and copy the .sif" in log
     assert not (project / "results/local/image/scalelm.sif").exists()
+
+
+def test_the_launcher_refuses_an_image_built_for_another_architecture(base_image, tmp_path):
+    """Finding 21: an image for another architecture (a real SIF header, written by the runtime's own `sif` tool)
+    is refused before any torchrun starts, naming both architectures; the base image (this node's) passes."""
+    from scalelm.launch.container import image_architecture
+
+    other = ("amd64", "2") if platform.machine() == "aarch64" else ("arm64", "4")
+    image, partition = tmp_path / f"{other[0]}.sif", tmp_path / "partition"
+    partition.write_bytes(bytes(4096))
+    subprocess.run(["apptainer", "sif", "new", str(image)], check=True, capture_output=True)
+    subprocess.run(
+        ["apptainer", "sif", "add", "--datatype", "4", "--partfs", "1", "--parttype", "2", "--partarch", other[1],
+         str(image), str(partition)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "scalelm.launch", "--container", str(image), "--", "--config", "unused.yaml"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "torchrun" not in result.stdout, result.stdout + result.stderr
+    assert f"built for {other[0]} but this node" in result.stderr and platform.machine() in result.stderr, result.stderr
+    assert "docs/gpu.md" in result.stderr
+    assert image_architecture("apptainer", str(base_image)) == {"x86_64": "amd64", "aarch64": "arm64"}[platform.machine()]

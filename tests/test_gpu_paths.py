@@ -17,11 +17,12 @@ from conftest import REPO, train_here
 from test_study import local_config
 
 from scalelm.config import ModelConfig, OptimConfig
+from scalelm.errors import ConfigError
 from scalelm.launch.container import passed_environment
 from scalelm.model import TransformerLM, gpu_ops
 from scalelm.parallel import matmul_precision
 from scalelm.parallel.data import materialise
-from scalelm.parallel.env import backend_for
+from scalelm.parallel.env import backend_for, pick_device
 from scalelm.parallel.tensor import apply_tp
 from scalelm.study.workflow import Study
 from scalelm.train.evaluation import eval_rows
@@ -65,6 +66,27 @@ def test_tp_without_fsdp_steps_with_cudas_optimizer_kernels(one_rank_group):
     for group in optimizer.param_groups:  # CUDA's default kernel, forced
         group.update(fused=False, foreach=True)
     step(optimizer)
+
+
+def test_the_stop_flag_is_agreed_in_the_background_and_read_one_check_later(one_rank_group):
+    """Finding 14: the ranks' agreement on a stop was a blocking all-reduce after every step (a host barrier). Each
+    check now reads the previous check's all-reduce and starts its own: a signal is seen one check later."""
+    import signal
+
+    from scalelm.train.preemption import StopFlag
+
+    flag = StopFlag()
+    try:
+        assert not flag.raised()  # starts the first all-reduce
+        flag.signal = signal.SIGUSR1
+        assert not flag.raised()  # the first all-reduce saw no signal; this one does
+        assert flag.raised() and flag._pending is None  # agreed: nothing left running
+        flag.signal = None
+        assert not flag.raised() and flag._pending is not None
+        flag.close()
+        assert flag._pending is None
+    finally:
+        flag.restore()
 
 
 def test_the_backend_string_follows_the_device_and_cpu_offload():
@@ -147,6 +169,10 @@ def test_a_site_with_gpus_asks_every_experiment_for_cuda(tmp_path):
     wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
     assert "--gpu" in study.launch_args(wildcards).split()
     assert "--gpu" not in Study(local_config()).launch_args(wildcards).split()
+    # ... and a job without a GPU, or with a CPU-only torch (an aarch64 node's pip wheel), names what it has
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"no CUDA GPU is visible \(torch .*(CPU-only build|built for CUDA)"):
+            pick_device("cuda", 0)
 
 
 def test_on_cuda_each_timed_span_waits_for_its_work_and_each_peak_is_its_own(monkeypatch):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -139,6 +141,37 @@ def check_image(image: str) -> None:
         raise ContainerError(
             f"container image {image} does not exist: build it (container.mode: build), copy it from the cluster "
             "where it was built, or run without a container (container.mode: none)"
+        )
+
+
+# `uname -m` -> the architecture names SIF headers use (Go's)
+SIF_ARCHITECTURES = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
+
+
+def image_architecture(runtime: str, image: str) -> str | None:
+    """The SIF's primary architecture (`<runtime> sif header`); None for what has no SIF header (a sandbox
+    directory, a URI) or a runtime that cannot read it."""
+    if not Path(image).is_file():
+        return None
+    try:
+        header = subprocess.run([runtime, "sif", "header", image], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"^Primary Architecture:\s*(\S+)", header, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def check_architecture(runtime: str, image: str, machine: str | None = None) -> None:
+    """Refuse an image built for another architecture than this node's (an amd64 image on a GH200 node would
+    fail in every process with `exec format error`)."""
+    machine = machine or platform.machine()
+    node = SIF_ARCHITECTURES.get(machine, machine)
+    built_for = image_architecture(runtime, image)
+    if built_for is not None and built_for != node:
+        raise ContainerError(
+            f"image {image} is built for {built_for} but this node ({platform.node()}) is {machine}: build the image "
+            f"on a {node} machine from a base image published for {node} (docs/gpu.md, \"Images for aarch64\") and "
+            "point container.image at it"
         )
 
 

@@ -23,7 +23,7 @@ import sys
 
 from scalelm.errors import ConfigError, friendly_errors
 from scalelm.launch import slurm
-from scalelm.launch.container import exec_prefix, passed_environment
+from scalelm.launch.container import check_architecture, exec_prefix, passed_environment
 from scalelm.launch.supervise import supervise
 from scalelm.parallel.hostmemory import with_huge_pages
 
@@ -134,4 +134,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
     args, train_args = parse_args(argv)
+    if args.container:
+        check_architecture(args.container_runtime, args.container)
     sys.exit(supervise(build_commands(args, train_args)))

@@ -40,7 +40,11 @@ class DistEnv:
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' was asked for but no CUDA GPU is visible; use device=auto or device=cpu")
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(
+            f"device: 'cuda' was asked for but no CUDA GPU is visible (torch {torch.__version__}, {build}); run on a "
+            "GPU node with a CUDA build of torch, or use device=auto or device=cpu"
+        )
     if preference in ("cuda", "auto") and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(

@@ -206,6 +206,7 @@ class Trainer:
                 self.log_train(loss_acc, steps_acc, clock.lap())
             validation = self.evaluate_split("validation")
             test = self.evaluate_split("test")
+            self.stop.close()
         except StopRequested:  # every rank agreed: between steps or between evaluation batches
             with clock.paused():
                 path = self.save(loss_acc)
