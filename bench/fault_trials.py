@@ -31,7 +31,6 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import drills  # noqa: E402
 from conftest import TINY, sample_files  # noqa: E402
-
 from scalelm.data.prefetch import main as prefetch  # noqa: E402
 from scalelm.data.prepare import main as prepare  # noqa: E402
 
@@ -57,10 +56,20 @@ def preemption_trials(workdir: Path, prepared: Path, strategy: str, trials: int,
     for target in sorted(rng.sample(range(2, 110), trials)):
         stop = drills.interrupt(broken, max(target, stopped + 1))
         resumed = not stopped or f"resumed from step {stopped}" in stop.output
-        records.append({"signal_at": stop.target, "exit": stop.exit_code, "stopped_at": stop.stopped_at,
-                        "signal_to_checkpoint_s": stop.signal_to_checkpoint_s, "survived": stop.survived and resumed})
-        print(f"  {strategy} preemption: signal at step {stop.target}, exit {stop.exit_code}, "
-              f"checkpoint at step {stop.stopped_at}, {stop.signal_to_checkpoint_s or float('nan'):.2f} s", flush=True)
+        records.append(
+            {
+                "signal_at": stop.target,
+                "exit": stop.exit_code,
+                "stopped_at": stop.stopped_at,
+                "signal_to_checkpoint_s": stop.signal_to_checkpoint_s,
+                "survived": stop.survived and resumed,
+            }
+        )
+        print(
+            f"  {strategy} preemption: signal at step {stop.target}, exit {stop.exit_code}, "
+            f"checkpoint at step {stop.stopped_at}, {stop.signal_to_checkpoint_s or float('nan'):.2f} s",
+            flush=True,
+        )
         if not stop.survived:
             break
         stopped = stop.stopped_at
@@ -87,10 +96,23 @@ def crash_trials(workdir: Path, prepared: Path, strategy: str, trials: int, rng:
         rerun = drills.run(config)
         ok = crash.exit_code != 0 and crash.detected_s < 60 and named and crash.survivors == 0
         resumed = rerun.returncode == 0 and "resumed from step" in rerun.stdout
-        records.append({"rank": rank, "at_step": step, "exit": crash.exit_code, "detected_s": crash.detected_s,
-                        "named": named, "survivors": crash.survivors, "detected": ok, "rerun_resumed": resumed})
-        print(f"  {strategy} crash: rank {rank} killed at step {step}, job exit {crash.exit_code} after "
-              f"{crash.detected_s:.2f} s, rank named: {named}, rerun resumed: {resumed}", flush=True)
+        records.append(
+            {
+                "rank": rank,
+                "at_step": step,
+                "exit": crash.exit_code,
+                "detected_s": crash.detected_s,
+                "named": named,
+                "survivors": crash.survivors,
+                "detected": ok,
+                "rerun_resumed": resumed,
+            }
+        )
+        print(
+            f"  {strategy} crash: rank {rank} killed at step {step}, job exit {crash.exit_code} after "
+            f"{crash.detected_s:.2f} s, rank named: {named}, rerun resumed: {resumed}",
+            flush=True,
+        )
     times = [r["detected_s"] for r in records]
     return {
         "tried": trials,
@@ -115,16 +137,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prefetch(["--out", str(workdir / "raw"), "--files", sample_files()])
         prepare(["--raw", str(workdir / "raw"), "--out", str(workdir / "prepared"), "--min-freq", "2"])
         for strategy in args.strategies.split(","):
-            result["preemption"][strategy] = preemption_trials(workdir, workdir / "prepared", strategy, args.trials, rng)
+            result["preemption"][strategy] = preemption_trials(
+                workdir, workdir / "prepared", strategy, args.trials, rng
+            )
             result["crash"][strategy] = crash_trials(workdir, workdir / "prepared", strategy, args.trials, rng)
     print(f"seed {args.seed}")
     for strategy, p in result["preemption"].items():
         c, t = result["crash"][strategy], p["signal_to_checkpoint_s"] or {"median": float("nan"), "max": float("nan")}
-        print(f"{strategy}: preemptions survived {p['survived']}/{p['tried']}, final weights bitwise equal: "
-              f"{p['bitwise_equal']}, signal -> checkpoint median {t['median']:.2f} s (max {t['max']:.2f} s); "
-              f"crashes detected within 60 s {c['detected_within_60s']}/{c['tried']} (median "
-              f"{c['detected_s']['median']:.2f} s, max {c['detected_s']['max']:.2f} s), reruns resumed "
-              f"{c['rerun_resumed']}/{c['tried']}")
+        print(
+            f"{strategy}: preemptions survived {p['survived']}/{p['tried']}, final weights bitwise equal: "
+            f"{p['bitwise_equal']}, signal -> checkpoint median {t['median']:.2f} s (max {t['max']:.2f} s); "
+            f"crashes detected within 60 s {c['detected_within_60s']}/{c['tried']} (median "
+            f"{c['detected_s']['median']:.2f} s, max {c['detected_s']['max']:.2f} s), reruns resumed "
+            f"{c['rerun_resumed']}/{c['tried']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -37,11 +37,11 @@ from scalelm.config import ModelConfig, OptimConfig
 from scalelm.model import TransformerLM, flops_per_token
 from scalelm.model.cpu_ops import Dropout, own_random_stream
 from scalelm.model.transformer import Block
-from scalelm.parallel import Parallel, matmul_precision
 from scalelm.parallel.compile import apply_compile
 from scalelm.parallel.data import apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS
 from scalelm.parallel.env import backend_for
+from scalelm.parallel.runtime import Parallel, matmul_precision
 from scalelm.parallel.tensor import apply_tp
 from scalelm.train.comm import collective_intervals
 from scalelm.train.evaluation import eval_rows
@@ -519,7 +519,12 @@ def step_profile(probe: Probe) -> str:
         busy = sum(by_kind.values())
         tflops = flops_per_token(config, VOCAB, seq) * rows * seq / wall / 1e12
         top = sorted(by_kind.items(), key=lambda kv: -kv[1])[:4]
-        figures[name] = {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, "kernels": len(kernels) // 2, "by_kind_ms": by_kind}
+        figures[name] = {
+            "wall_ms": wall * 1e3,
+            "gpu_busy_ms": busy,
+            "kernels": len(kernels) // 2,
+            "by_kind_ms": by_kind,
+        }
         lines.append(
             f"{name}: {wall * 1e3:.1f} ms/step, GPU busy {busy / (wall * 1e3):.0%} ({len(kernels) // 2} kernels), "
             f"{tflops:.0f} TFLOP/s; " + ", ".join(f"{k} {v:.1f} ms" for k, v in top)

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from scalelm.train.metrics import read_metrics
-from scalelm.train.preemption import EXIT_PREEMPTED
+from scalelm.errors import EXIT_PREEMPTED
+from scalelm.train.record import read_metrics
 
 
 class NotApplicable(Exception):
@@ -164,7 +164,16 @@ class Report:
 def main(argv: list[str]) -> int:
     out, cpu = Path(argv[0]), "--cpu" in argv[1:]
     report = Report(out, cpu)
-    for name in ("course", "fp32", "course_compiled", "stop_resume", "evaluate_on_cpu", "gpt2", "gpt2_recompute", "compiled_cpu"):
+    for name in (
+        "course",
+        "fp32",
+        "course_compiled",
+        "stop_resume",
+        "evaluate_on_cpu",
+        "gpt2",
+        "gpt2_recompute",
+        "compiled_cpu",
+    ):
         report.check(name, getattr(report, name))
     (out / "smoke.json").write_text(json.dumps(report.results, indent=2) + "\n")
     counts = {s: sum(r["status"] == s for r in report.results) for s in ("PASS", "FAIL", "N/A")}

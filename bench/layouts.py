@@ -34,12 +34,11 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
-
 from scalelm.config import ModelConfig  # noqa: E402
 from scalelm.model import count_parameters, flops_per_token  # noqa: E402
 from scalelm.model.transformer import TransformerLM  # noqa: E402
 from scalelm.parallel.hostmemory import with_huge_pages  # noqa: E402
+from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
 
 VOCAB = 33_278
 MODELS: dict[str, dict[str, Any]] = {
@@ -62,8 +61,14 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
 
 
 def run_layout(
-    model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int,
-    parallel_layout: tuple[int, dict[str, Any]] | None = None, batch: int | None = None,
+    model: str,
+    layout: str,
+    prepared: Path,
+    workdir: Path,
+    warmup: int,
+    steps: int,
+    parallel_layout: tuple[int, dict[str, Any]] | None = None,
+    batch: int | None = None,
 ) -> dict[str, Any]:
     """One run alone; `parallel_layout` (processes, parallel settings) and `batch` replace LAYOUTS[layout] and the
     model's batch where given (bench/pipeline.py)."""
@@ -75,8 +80,14 @@ def run_layout(
         "data": {"prepared_dir": str(prepared), "seq_len": spec["seq_len"]},
         "model": {**spec["model"], "dropout": 0.0},
         "batch": {"mode": "per_device", "size": batch or spec["batch"]},
-        "train": {"epochs": 1, "max_steps": warmup + steps + PROFILED, "log_every": 1, "eval_every": None,
-                  "eval_batch_size": 64, "comm_profile_steps": PROFILED},
+        "train": {
+            "epochs": 1,
+            "max_steps": warmup + steps + PROFILED,
+            "log_every": 1,
+            "eval_every": None,
+            "eval_batch_size": 64,
+            "comm_profile_steps": PROFILED,
+        },
         "checkpoint": {"every": None},
         "parallel": parallel,
     }
@@ -85,7 +96,9 @@ def run_layout(
     # as scalelm.launch starts training processes: one thread each, huge pages for what malloc maps
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": with_huge_pages(os.environ.get("GLIBC_TUNABLES"))}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    done = subprocess.run([*launch, "-m", "scalelm.train", "--config", str(path)], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [*launch, "-m", "scalelm.train", "--config", str(path)], capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{model} {layout} failed:\n{done.stderr[-3000:]}")
     run_dir = Path(config["run_dir"])

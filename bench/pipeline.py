@@ -76,7 +76,9 @@ def main() -> None:
             for m in map(int, args.microbatches.split(",")):
                 name = f"{schedule}-{m}"
                 layout = pipeline_layout(schedule, m)
-                rows.append(run_layout(args.model, name, prepared, workdir, args.warmup, args.steps, layout, args.batch))
+                rows.append(
+                    run_layout(args.model, name, prepared, workdir, args.warmup, args.steps, layout, args.batch)
+                )
                 p = rows[-1]["pipeline"]
                 print(
                     f"{name:20} {rows[-1]['tokens_per_s']:7,.0f} tok/s  bubble predicted {share(p['predicted_bubble'])}"

@@ -37,12 +37,11 @@ from typing import Any
 import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
-from scalelm.data import load_prepared
-from scalelm.data.prepared import write_prepared
+from scalelm.data.prepared import load_prepared, write_prepared
 from scalelm.model import count_parameters, flops_per_token
 from scalelm.model.cpu_ops import LinearCrossEntropy
-from scalelm.parallel import Parallel
 from scalelm.parallel.env import setup, teardown
+from scalelm.parallel.runtime import Parallel
 from scalelm.train.trainer import Trainer, train_batches
 
 VOCAB = 33_278  # WikiText-2 (raw, min-freq 1) vocabulary, as prepared by scalelm.data.prepare
@@ -137,7 +136,9 @@ def make_prepared(directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     sizes = {"train": TRAIN_TOKENS, "validation": 10_000, "test": 10_000}
-    tokens = {split: torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32) for split, n in sizes.items()}
+    tokens = {
+        split: torch.randint(0, VOCAB, (n,), generator=generator, dtype=torch.int32) for split, n in sizes.items()
+    }
     write_prepared(directory, tokens, [f"w{i}" for i in range(VOCAB)], {"benchmark": "random"})
     return directory
 
@@ -158,7 +159,8 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
     spec = MODELS[name]
     config = build_config(spec, prepared, workdir / f"run-{name}", warmup + steps)
     env = setup("cpu", timeout_s=60)
-    parallel, data = Parallel.start(config, env), load_prepared(prepared)
+    data = load_prepared(prepared)
+    parallel = Parallel.start(config, env, data.vocab_size)
     trainer = Trainer(config, env, parallel, data, train_batches(config, parallel, data))
     trainer.stop.restore()
     batches = trainer.batches.epoch(0)

@@ -114,7 +114,9 @@ def run_train(config: Path, nproc: int = 1, *overrides: str, check: bool = True,
         train_command(config, nproc, *overrides), capture_output=True, text=True, timeout=timeout, env=env
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
@@ -123,7 +125,7 @@ def run_dir_of(config: Path) -> Path:
 
 
 def train_losses(run_dir: Path) -> list[float]:
-    from scalelm.train.metrics import read_metrics
+    from scalelm.train.record import read_metrics
 
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 

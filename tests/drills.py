@@ -20,11 +20,13 @@ from pathlib import Path
 import psutil
 import torch
 import yaml
+
 from scalelm.config import ModelConfig
+from scalelm.errors import EXIT_PREEMPTED
+from scalelm.files import sha256
 from scalelm.model import TransformerLM
 from scalelm.study.consolidate import consolidate
 from scalelm.train.checkpoint import MARKER, load_weights, read_trainer_state
-from scalelm.train.preemption import EXIT_PREEMPTED
 from scalelm.train.rundir import RunDir
 
 
@@ -130,3 +132,9 @@ def final_weights(config: Path, out: Path) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model weights as one state dict, whatever the strategy wrote (file or DCP)."""
     consolidate(RunDir(run_dir_of(config)), out)
     return torch.load(out, weights_only=True)["model"]
+
+
+def reseal(checkpoint: Path) -> None:
+    """What whoever can write a checkpoint can also do: make its marker's checksums match again."""
+    sums = {p.name: sha256(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != MARKER}
+    (checkpoint / MARKER).write_text(json.dumps(sums))

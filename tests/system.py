@@ -29,7 +29,9 @@ def require_root(tier: str) -> None:
 
 def run_script(tier: str, name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """scripts/<tier>/<name>; a failure fails the test with the script's output."""
-    result = subprocess.run(["bash", str(SCRIPTS / tier / name), *args], capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / tier / name), *args], capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
         raise AssertionError(f"scripts/{tier}/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

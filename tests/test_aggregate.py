@@ -34,7 +34,15 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             "world_size": world_size, "peak_mem_mb": peak_mem_mb,
         })  # fmt: skip
         if step % 10 == 0:
-            lines.append({"kind": "eval", "split": "validation", "step": step, "time": step * step_time, "loss": 7.0 - 0.1 * step})
+            lines.append(
+                {
+                    "kind": "eval",
+                    "split": "validation",
+                    "step": step,
+                    "time": step * step_time,
+                    "loss": 7.0 - 0.1 * step,
+                }
+            )
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     record = {
         "config": {"seed": seed, "batch": {"mode": mode}},
@@ -155,7 +163,12 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
     ])  # fmt: skip
     checks = {(c["experiment"], c["expectation"]): c for c in read_csv(out / "expectations.csv")}
     missed = checks["ddp", "min_tokens_per_s_per_device"]  # 5120 per device < 6000 x 0.95
-    assert (missed["value"], missed["limit"], missed["threshold"], missed["status"]) == ("5120.0", "6000.0", "5700.0", "missed")
+    assert (missed["value"], missed["limit"], missed["threshold"], missed["status"]) == (
+        "5120.0",
+        "6000.0",
+        "5700.0",
+        "missed",
+    )
     assert checks["ddp", "max_test_perplexity"]["status"] == "met"  # e^5 = 148
     assert checks["single", "max_step_time_s"]["status"] == "met"  # mean 0.1125 <= 0.1 x 1.2
     assert checks["single", "max_step_time_s"]["seeds"] == "2"
@@ -169,7 +182,10 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
     assert failed.value.code == 1
     message = capsys.readouterr().err
     assert message.startswith("error: 1 of 3 expectations missed (expect_strict): ")
-    assert "ddp: tokens_per_s_per_device 5120 (mean of 2 seeds) is below the minimum 6000 (5700 with the 5% tolerance)" in message
+    assert (
+        "ddp: tokens_per_s_per_device 5120 (mean of 2 seeds) is below the minimum 6000 (5700 with the 5% tolerance)"
+        in message
+    )
     assert "max_test_perplexity" not in message  # only the misses
     for kept in ("summary.csv", "summary_by_experiment.csv", "summary.md", "scaling.png"):
         assert (out / kept).is_file()  # the check reads, and deletes nothing
@@ -183,8 +199,11 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
 @pytest.mark.parametrize(
     "expect, message",
     [
-        ({"min_tokens_per_sec": 1}, r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you mean "
-                                    r"'min_tokens_per_s_per_device'\? \(known: min_tokens_per_s_per_device, .*tolerance\)"),  # fmt: skip
+        (
+            {"min_tokens_per_sec": 1},
+            r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you mean "
+            r"'min_tokens_per_s_per_device'\? \(known: min_tokens_per_s_per_device, .*tolerance\)",
+        ),  # fmt: skip
         ({"max_test_loss": 0}, r"experiments.ddp.expect.max_test_loss must be a positive number, got 0"),
         ({"min_mfu": True}, r"experiments.ddp.expect.min_mfu must be a positive number, got True"),
         ({"min_mfu": float("nan")}, r"experiments.ddp.expect.min_mfu must be a positive number, got nan"),

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml, snakemake
@@ -78,11 +79,15 @@ def test_workflow_builds_the_image_and_trains_inside_it(project, monkeypatch):
     tested = subprocess.run(["apptainer", "test", str(image)], capture_output=True, text=True, timeout=300)
     assert tested.returncode == 0 and "selftest passed" in tested.stdout, tested.stdout + tested.stderr
     labels = json.loads(
-        subprocess.run(["apptainer", "inspect", "--json", "--labels", str(image)], capture_output=True, text=True).stdout
+        subprocess.run(
+            ["apptainer", "inspect", "--json", "--labels", str(image)], capture_output=True, text=True
+        ).stdout
     )["data"]["attributes"]["labels"]
     assert labels["org.scalelm.version"] == "0.1.0" and labels["org.scalelm.base-image"].startswith("localimage:")
     # finding 9: NCCL needs libibverbs and a provider (mlx5) to use InfiniBand; the base image has neither
-    libraries = subprocess.run(["apptainer", "exec", str(image), "ldconfig", "-p"], capture_output=True, text=True).stdout
+    libraries = subprocess.run(
+        ["apptainer", "exec", str(image), "ldconfig", "-p"], capture_output=True, text=True
+    ).stdout
     assert "libibverbs.so.1 " in libraries and "libmlx5.so.1 " in libraries and "librdmacm.so.1 " in libraries
     assert labels["org.scalelm.infiniband"] == "libibverbs" and labels["org.scalelm.architecture"] == platform.machine()
 
@@ -98,7 +103,10 @@ def test_workflow_builds_the_image_and_trains_inside_it(project, monkeypatch):
 
 
 def test_unreachable_base_image_is_a_clear_error(project):
-    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["container"].update(base_image="docker://registry.invalid/none:1"))
+    edit_yaml(
+        project / "config/local.yaml",
+        lambda c: c["local"]["container"].update(base_image="docker://registry.invalid/none:1"),
+    )
     result = snakemake(project, "build_image", timeout=600)
     assert result.returncode != 0
     log = (project / "results/local/logs/build_image.log").read_text()
@@ -127,4 +135,6 @@ def test_the_launcher_refuses_an_image_built_for_another_architecture(base_image
     assert result.returncode != 0 and "torchrun" not in result.stdout, result.stdout + result.stderr
     assert f"built for {other[0]} but this node" in result.stderr and platform.machine() in result.stderr, result.stderr
     assert "docs/gpu.md" in result.stderr
-    assert image_architecture("apptainer", str(base_image)) == {"x86_64": "amd64", "aarch64": "arm64"}[platform.machine()]
+    assert (
+        image_architecture("apptainer", str(base_image)) == {"x86_64": "amd64", "aarch64": "arm64"}[platform.machine()]
+    )

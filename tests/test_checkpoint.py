@@ -2,11 +2,11 @@
 
 import shutil
 
-import drills
 import pytest
 import torch
-from conftest import run_dir_of, run_train
 
+import drills
+from conftest import run_dir_of, run_train
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
 from scalelm.model import TransformerLM
@@ -49,31 +49,13 @@ def test_checkpoint_of_another_model_is_refused_naming_the_setting(tmp_path):
     checkpointer.save(model, optimizer, scheduler, TrainerState(step=3, model_shape={"d_model": 16, "vocab_size": 50}))
     with pytest.raises(CheckpointError, match=r"d_model: checkpoint 16, config 32"):
         checkpointer.resume(*parts(32), {"d_model": 32, "vocab_size": 50})
-
-
-def test_a_checkpoint_with_the_earlier_nested_optimizer_state_still_resumes(tmp_path):
-    """Earlier versions stored the optimizer's state nested (param_groups by index); now it is flat, by name."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    from scalelm.train.checkpoint import load_weights
-
-    def parts(seed):
-        torch.manual_seed(seed)
-        model = TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=16), 50)
-        return model, build_optimizer(model, OptimConfig(), 1e-3)
-
-    model, optimizer = parts(1)
-    model(torch.randint(0, 50, (2, 4)), torch.randint(0, 50, (2, 4))).backward()
-    optimizer.step()
-    nested = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(nested, checkpoint_id=tmp_path / "old", no_dist=True)
-    other, other_optimizer = parts(2)
-    load_weights(tmp_path / "old", other, other_optimizer)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
-    moments = lambda opt: [s["exp_avg"] for s in opt.state.values()]
-    assert all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(other_optimizer)))
-    assert other_optimizer.param_groups[0]["betas"] == optimizer.param_groups[0]["betas"]
+    # a checkpoint of another format (a later scalelm's, say) is refused by name, never skipped and overwritten
+    [saved] = complete_checkpoints(tmp_path)
+    trainer = torch.load(saved / "trainer.pt", weights_only=True)
+    torch.save({**trainer, "format": 2}, saved / "trainer.pt")
+    drills.reseal(saved)
+    with pytest.raises(CheckpointError, match=r"step_00000003 is of checkpoint format 2; this scalelm reads format 1"):
+        checkpointer.resume(*parts(16), {"d_model": 16, "vocab_size": 50})
 
 
 def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config, tmp_path):

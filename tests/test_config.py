@@ -2,13 +2,19 @@ import pytest
 
 from scalelm.config import Config, load_config, parse_override
 from scalelm.errors import ConfigError
+from scalelm.parallel.layout import resolve_layout
 
 
 def test_defaults_mirror_the_course():
     c = Config()
     assert (c.model.d_model, c.model.n_heads, c.model.n_layers, c.model.d_ff) == (128, 4, 2, 2048)
     assert (c.model.dropout, c.data.seq_len, c.optim.lr, c.batch.size, c.train.epochs, c.seed) == (
-        0.1, 32, 2e-3, 512, 10, 1,
+        0.1,
+        32,
+        2e-3,
+        512,
+        10,
+        1,
     )
     assert c.batch.mode == "per_device" and c.parallel.strategy is None
 
@@ -36,9 +42,15 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("data.seq_len=2048", r"data.seq_len \(2048\) exceeds model.max_seq_len \(1024\)"),
         ("batch.size=0", r"batch.size must be positive, got 0"),
         ("train.peak_tflops=-5", r"train.peak_tflops must be positive or null, got -5"),
-        ("train.monitor_interval_s=-1", r"train.monitor_interval_s must be 0 \(no monitor\) or a number of seconds, got -1"),
+        (
+            "train.monitor_interval_s=-1",
+            r"train.monitor_interval_s must be 0 \(no monitor\) or a number of seconds, got -1",
+        ),
         ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
-        ("train.comm_profile_steps=-1", r"train.comm_profile_steps must be 0 \(no profile\) or a number of steps, got -1"),
+        (
+            "train.comm_profile_steps=-1",
+            r"train.comm_profile_steps must be 0 \(no profile\) or a number of steps, got -1",
+        ),
         ("parallel.host_reuse_below_mb=0", r"parallel.host_reuse_below_mb must be positive or null, got 0"),
         # what would only fail inside training (after the run directory was touched), or train silently wrong
         ("optim.weight_decay=-1", r"optim.weight_decay must be 0 or positive, got -1"),
@@ -65,18 +77,47 @@ def test_bad_values_name_the_key(override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["parallel.pp=4"], r"model.n_layers=2 blocks cannot fill 4 pipeline stages \(parallel.pp=4 x pp_virtual_stages=1\)"),
-        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], r"interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages=1"),
-        (["parallel.pp=2", "parallel.pp_virtual_stages=2"], r"parallel.pp_virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b"),
-        (["parallel.pp=2", "model.tie_weights=true"], r"model.tie_weights shares the embedding of the first pipeline stage"),
         (["parallel.pp_schedule=zb"], r"parallel.pp_schedule: 'zb' is not one of 'gpipe', '1f1b', 'interleaved_1f1b'"),
         (["parallel.pp_microbatches=0"], r"parallel.pp_microbatches must be positive or null, got 0"),
-        (["parallel.pp_virtual_stages=0"], r"parallel.pp_virtual_stages must be 1 or more, got 0"),
+        (["parallel.pp_virtual_stages=0"], r"parallel.pp_virtual_stages must be positive, got 0"),
     ],
 )
-def test_a_pipeline_that_cannot_be_built_is_refused_at_load(overrides, message):
+def test_pipeline_settings_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["parallel.pp=4"],
+            r"model.n_layers=2 blocks cannot fill 4 pipeline stages \(parallel.pp=4 x pp_virtual_stages=1\)",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+            r"interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages=1",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
+            r"parallel.pp_virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b",
+        ),
+        (
+            ["parallel.pp=2", "model.tie_weights=true"],
+            r"model.tie_weights shares the embedding of the first pipeline stage",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_microbatches=3"],
+            r"parallel.pp_microbatches=3 does not divide the batch of \d+ sequences",
+        ),
+    ],
+)
+def test_a_pipeline_that_cannot_be_built_is_refused_where_its_layout_is_resolved(overrides, message):
+    """The trainer (Parallel.start), the workflow (each experiment) and the planner all call resolve_layout."""
+    config = load_config(None, overrides)
+    world = config.parallel.pp
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(config, world, world)
 
 
 def test_invalid_yaml_and_bad_override(tmp_path):
@@ -95,5 +136,7 @@ def test_weights_and_biases_without_its_package_is_a_clear_error(monkeypatch):
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    with pytest.raises(ConfigError, match=r"train.wandb=true .* needs the wandb package: pip install 'scalelm\[wandb\]'"):
+    with pytest.raises(
+        ConfigError, match=r"train.wandb=true .* needs the wandb package: pip install 'scalelm\[wandb\]'"
+    ):
         load_config(None, ["train.wandb=true"])

@@ -3,19 +3,20 @@ import shutil
 
 import pytest
 import torch
-from conftest import SAMPLE
 
-from scalelm.data import EvalBatches, TrainBatches, load_prepared
+from conftest import SAMPLE
+from scalelm.data.prepared import load_prepared
 from scalelm.data.vocab import EOS_ID, UNK_ID
-from scalelm.data.windows import IGNORE_INDEX, num_windows
+from scalelm.data.windows import EvalBatches, TrainBatches, num_windows
 from scalelm.errors import ConfigError, DataError, ScaleLMError
 from scalelm.files import sha256
+from scalelm.model.loss import IGNORE_INDEX
 
 
 def test_prepare_keeps_every_word(prepared):
     data = load_prepared(prepared)
     manifest = json.loads((prepared / "manifest.json").read_text())
-    vocab = data.vocab()
+    vocab = (prepared / "vocab.txt").read_text(encoding="utf-8").split("\n")[: data.vocab_size]
     assert vocab[:2] == ["<unk>", "<eos>"] and len(vocab) == data.vocab_size == manifest["vocab_size"]
     for split in ("train", "validation", "test"):
         lines = [line.split() for line in (SAMPLE / f"{split}.txt").read_text().splitlines() if line.split()]
@@ -151,7 +152,9 @@ def test_prepare_and_prefetch_never_replace_a_directory_that_is_not_theirs(tmp_p
         fetch(foreign, "", None, files, "text")
     with pytest.raises(ScaleLMError, match=rf"{foreign / 'thesis.tex'} exists and is not a directory"):
         prepare(raw_data, foreign / "thesis.tex", False, 2)
-    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"] and (foreign / "thesis.tex").read_text() == "years of work"
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"] and (
+        foreign / "thesis.tex"
+    ).read_text() == "years of work"
 
 
 def test_damaged_prepared_data_is_named_with_what_to_do(tmp_path, prepared):
@@ -182,7 +185,6 @@ def test_every_writer_of_prepared_data_writes_what_load_prepared_checks(tmp_path
     import sys
 
     from conftest import REPO
-
     from scalelm.selftest import write_corpus
 
     sys.path.insert(0, str(REPO / "bench"))

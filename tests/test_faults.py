@@ -7,16 +7,16 @@ import random
 import subprocess
 import time
 
-import drills
 import pytest
 import torch
-from conftest import run_dir_of, run_train, train_here
-from system import in_ci
 
+import drills
+from conftest import run_dir_of, run_train, train_here
 from scalelm.errors import ConfigError, DataError
 from scalelm.train.checkpoint import complete_checkpoints, verify
-from scalelm.train.metrics import read_metrics
+from scalelm.train.record import read_metrics
 from scalelm.train.rundir import RunDir
+from system import in_ci
 
 
 @pytest.mark.parametrize("strategy, rank", [("ddp", 1), ("fsdp", 0)])
@@ -36,11 +36,18 @@ def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_res
 
 
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])
-def test_slurm_style_signal_to_the_whole_job_checkpoints_exits_75_and_resumes_bitwise(tiny_config, tmp_path, nodes, procs):
+def test_slurm_style_signal_to_the_whole_job_checkpoints_exits_75_and_resumes_bitwise(
+    tiny_config, tmp_path, nodes, procs
+):
     """Slurm's --signal=USR1 reaches every process of the job step: launcher, torchrun(s) and workers."""
     # two local "nodes" may take ranks in either order from one run to the next: dropout would then differ
     dropout = 0.1 if nodes == 1 else 0.0
-    settings = {"model__dropout": dropout, "parallel__strategy": "ddp", "train__max_steps": 40, "checkpoint__every": 100}
+    settings = {
+        "model__dropout": dropout,
+        "parallel__strategy": "ddp",
+        "train__max_steps": 40,
+        "checkpoint__every": 100,
+    }
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
     assert drills.run(straight, nodes, procs).returncode == 0
     stop = drills.interrupt(broken, 5, nodes, procs)
@@ -65,7 +72,12 @@ def test_ten_preemptions_at_random_steps_end_bitwise_equal_to_an_uninterrupted_r
     """
     seed = int(os.environ.get("SCALELM_TRIAL_SEED", time.time_ns() % 100_000))
     targets = sorted(random.Random(seed).sample(range(2, 110), TRIALS))
-    settings = {"model__dropout": 0.1, "parallel__strategy": strategy, "train__max_steps": 120, "checkpoint__every": 1000}
+    settings = {
+        "model__dropout": 0.1,
+        "parallel__strategy": strategy,
+        "train__max_steps": 120,
+        "checkpoint__every": 1000,
+    }
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
     assert drills.run(straight).returncode == 0
 

@@ -13,21 +13,21 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, train_here
-from test_study import local_config
 
+from conftest import REPO, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import ConfigError
 from scalelm.launch.container import passed_environment
 from scalelm.model import TransformerLM, gpu_ops
-from scalelm.parallel import matmul_precision
 from scalelm.parallel.data import materialise
 from scalelm.parallel.env import backend_for, pick_device
+from scalelm.parallel.runtime import matmul_precision
 from scalelm.parallel.tensor import apply_tp
 from scalelm.study.workflow import Study
 from scalelm.train.evaluation import eval_rows
 from scalelm.train.optim import build_optimizer
 from scalelm.train.peak import cuda_peak_flops
+from test_study import local_config
 
 
 @pytest.fixture
@@ -319,7 +319,11 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
         "gpt2_recompute": "N/A", "compiled_cpu": "PASS",
     }  # fmt: skip
     for output in (probe.stdout, smoke.stdout):  # one line per check, its status first
-        assert all(line.split()[0] in ("PASS", "N/A") for line in output.splitlines() if line.startswith(("PASS", "N/A", "FAIL")))
+        assert all(
+            line.split()[0] in ("PASS", "N/A")
+            for line in output.splitlines()
+            if line.startswith(("PASS", "N/A", "FAIL"))
+        )
 
 
 def test_the_output_projection_pads_its_rows_on_cuda_and_computes_the_same(monkeypatch):

@@ -1,10 +1,16 @@
-"""How scalelm.launch turns an experiment's geometry into torchrun command lines."""
+"""How scalelm.launch turns an experiment's geometry into torchrun command lines; the `scalelm` command."""
 
 import contextlib
+import importlib
 import socket
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
+from conftest import REPO
+from scalelm.cli import COMMANDS
 from scalelm.errors import ConfigError
 from scalelm.launch import launcher as launch
 from scalelm.launch import slurm
@@ -48,7 +54,9 @@ def test_one_node_in_slurm_is_a_supervised_torchrun_in_an_srun_step_that_the_sto
     assert not any(arg.startswith(("--gres", "--gpu-bind")) for arg in command)
     # on a site with GPUs the step asks for the node's (a step gets none it did not ask for) and binds none to the
     # one task: its torchrun's processes see every GPU and each takes its LOCAL_RANK's
-    [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4", "--gpu"], {"SLURM_JOB_ID": "9"}, hosts=["c07"])
+    [command] = commands(
+        monkeypatch, ["--nodes", "1", "--procs-per-node", "4", "--gpu"], {"SLURM_JOB_ID": "9"}, hosts=["c07"]
+    )
     assert command[6:9] == ["--gres=gpu:4", "--gpu-bind=none", "--kill-on-bad-exit=1"]
 
 
@@ -135,7 +143,9 @@ def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and
     assert load_site(path).slurm_extra(300, training=True) == "--reservation=course --signal=USR1@300"
     assert load_site(path).peak_tflops == 400.0
     path.write_text(path.read_text().replace("peak_tflops: 400", "peak_tflops: 0"))
-    with pytest.raises(ConfigError, match="site file .*: peak_tflops must be one GPU's positive dense TFLOP/s or null, got 0"):
+    with pytest.raises(
+        ConfigError, match="site file .*: peak_tflops must be one GPU's positive dense TFLOP/s or null, got 0"
+    ):
         load_site(path)
     assert site.prelude() == (
         "module load Stages/2025 CUDA && export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && "
@@ -167,7 +177,6 @@ def test_a_bad_site_file_is_a_clear_error_naming_the_key(tmp_path, text, message
 
 def test_the_shipped_site_file_loads():
     from conftest import REPO
-
     from scalelm.launch.site import load_site
 
     site = load_site(REPO / "profiles/slurm/site.yaml")
@@ -209,3 +218,21 @@ def test_a_stop_goes_to_the_training_processes_not_to_torchrun_which_would_kill_
     supervisor.send_signal(signal.SIGUSR1)
     assert supervisor.wait(timeout=60) == supervise.EXIT_PREEMPTED
     assert (tmp_path / "worker").read_text() == "SIGUSR1" and not (tmp_path / "torchrun").exists()
+
+
+def test_one_scalelm_command_runs_every_step():
+    """`scalelm COMMAND ARGS` (pyproject's console script, or `python -m scalelm`) is `python -m MODULE ARGS`."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"scalelm": "scalelm.cli:main"}
+    assert all(callable(importlib.import_module(module).main) for module, _ in COMMANDS.values())
+    scalelm = [sys.executable, "-m", "scalelm"]
+    machine = ["--vocab-size", "33278", "--nodes", "2", "--gpus-per-node", "4", "--gpu-memory-gb", "80"]
+    planned = subprocess.run([*scalelm, "plan", *machine], capture_output=True, text=True, timeout=120)
+    direct = subprocess.run(
+        [sys.executable, "-m", "scalelm.plan", *machine], capture_output=True, text=True, timeout=120
+    )
+    assert planned.returncode == 0 and "recommended:" in planned.stdout and planned.stdout == direct.stdout
+    unknown = subprocess.run([*scalelm, "trian"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode != 0 and "unknown command 'trian'; did you mean 'train'?" in unknown.stderr
+    listed = subprocess.run(scalelm, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 2 and all(f"  {name} " in listed.stdout for name in COMMANDS)

@@ -11,17 +11,17 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import board_scalars, run_dir_of, run_train
 
+from conftest import board_scalars, run_dir_of, run_train
 from scalelm.config import ModelConfig
-from scalelm.data import load_prepared
+from scalelm.data.prepared import load_prepared
 from scalelm.model import flops_per_token
 from scalelm.study.timing import default_warmup, overlapping_runs, steady_state
 from scalelm.study.utilisation import summarise
 from scalelm.train import peak
-from scalelm.train.hostload import HostLoad
 from scalelm.train.comm import clip, union_seconds
-from scalelm.train.metrics import read_metrics
+from scalelm.train.hostload import HostLoad
+from scalelm.train.record import read_metrics
 
 
 def intervals(times: list[float], every: int = 3) -> list[dict]:

@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from scalelm.config import ModelConfig
-from scalelm.data.windows import IGNORE_INDEX
 from scalelm.model import TransformerLM, count_parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
+from scalelm.model.loss import IGNORE_INDEX
 
 
 def test_causal_future_tokens_do_not_change_the_past():
@@ -69,7 +69,9 @@ def test_training_loss_is_the_cross_entropy_of_the_logits_with_the_same_gradient
         ("no bias", 1.0, None),
     ],
 )
-def test_fused_loss_equals_f_cross_entropy_also_where_exp_leaves_fp32_range(monkeypatch, case, weight_scale, bias_value):
+def test_fused_loss_equals_f_cross_entropy_also_where_exp_leaves_fp32_range(
+    monkeypatch, case, weight_scale, bias_value
+):
     """The fused loss takes exp without the max shift; out-of-range sums must fall back to the shift, chunk by chunk."""
     monkeypatch.setattr(LinearCrossEntropy, "CHUNK_ROWS", 16)
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ import torch
 from scalelm.config import ModelConfig, load_config
 from scalelm.errors import ConfigError
 from scalelm.model.cpu_ops import Dropout
-from scalelm.parallel import check_groups_within_nodes
 from scalelm.parallel.dims import ParallelDims, resolve_dims
-from scalelm.parallel.tensor import check_tp
+from scalelm.parallel.layout import check_tp, resolve_layout
+from scalelm.parallel.runtime import check_groups_within_nodes
 
 NONE = {"dp_replicate": None, "dp_shard": None, "tp": None, "pp": None}
 
@@ -64,7 +64,8 @@ def test_ranks_are_placed_with_tp_innermost_and_hsdp_shards_inside_a_node():
 
 
 def test_stages_split_the_blocks_evenly_and_the_bubble_follows_the_schedule():
-    from scalelm.parallel.pipeline import bubble, predicted_bubble, stage_blocks
+    from scalelm.parallel.layout import predicted_bubble, stage_blocks
+    from scalelm.parallel.pipeline import bubble
 
     assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_blocks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
@@ -82,7 +83,8 @@ def test_stages_split_the_blocks_evenly_and_the_bubble_follows_the_schedule():
 
 def test_a_stage_keeps_its_blocks_under_the_whole_models_names():
     from scalelm.model import TransformerLM
-    from scalelm.parallel.pipeline import StageParts, stage_blocks, stage_part
+    from scalelm.parallel.layout import stage_blocks
+    from scalelm.parallel.pipeline import StageParts, stage_part
 
     config = ModelConfig(d_model=8, n_heads=2, n_layers=4, d_ff=16)
     whole = set(TransformerLM(config, 50).state_dict())
@@ -133,15 +135,17 @@ def test_tp_must_divide_heads_ffn_and_with_loss_parallel_the_vocabulary():
         check_tp(2, model, 5019, loss_parallel=True)
     with pytest.raises(ConfigError, match=r"data.seq_len=35 tokens across parallel.tp=2 ranks"):
         check_tp(2, model, None, loss_parallel=False, seq_len=35, sequence_parallel=True)
-    # the same checks when a config is loaded, before anything runs
+    # the same checks wherever a layout is resolved (the trainer, the workflow, the planner), before any model
     with pytest.raises(ConfigError, match=r"model.n_heads=4 is not divisible by parallel.tp=3"):
-        load_config(None, ["parallel.tp=3"])
+        resolve_layout(load_config(None, ["parallel.tp=3"]), 3, 3)
 
 
 def test_a_tp_group_on_two_hosts_is_refused_naming_its_ranks():
     layout = ParallelDims(dp_shard=2, tp=2)
     check_groups_within_nodes(layout, [("n1", 0), ("n1", 0), ("n2", 1), ("n2", 1)])
-    with pytest.raises(ConfigError, match=r"tensor-parallel group \[0, 1\] spans nodes \(rank 0 on n1 \(node 0\), rank 1 on n2"):
+    with pytest.raises(
+        ConfigError, match=r"tensor-parallel group \[0, 1\] spans nodes \(rank 0 on n1 \(node 0\), rank 1 on n2"
+    ):
         check_groups_within_nodes(layout, [("n1", 0), ("n2", 1), ("n1", 0), ("n2", 1)])
 
 

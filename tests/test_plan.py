@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import REPO
-from test_study import resolve
 
+from conftest import REPO
 from scalelm.config import Config, load_config
 from scalelm.errors import ConfigError
 from scalelm.model import TransformerLM, count_parameters
@@ -25,6 +24,7 @@ from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, deep_merge, load_matrix
+from test_study import resolve
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
 SEVEN_B = [
@@ -57,6 +57,7 @@ def test_sharding_divides_the_state_and_schedules_and_options_change_the_activat
     assert fsdp.state == pytest.approx(single.state / 8, rel=0.01) and fsdp.bytes["buffers"] > single.bytes["buffers"]
     tp = plan_memory(work, ParallelDims(tp=4))
     assert tp.bytes["activations"] < single.bytes["activations"] and tp.state < single.state
+
     def pipeline(schedule: str):
         config = load_config(None, ["model.n_layers=4", f"parallel.pp_schedule={schedule}"])
         return plan_memory(replace(work, config=config), ParallelDims(pp=4))
@@ -71,7 +72,9 @@ def test_sharding_divides_the_state_and_schedules_and_options_change_the_activat
     sp = replace(work, config=load_config(None, ["model.n_layers=4", "parallel.sequence_parallel=true"]))
     assert plan_memory(sp, ParallelDims(tp=4)).bytes["activations"] < tp.bytes["activations"]
     # CPU: fp32, the fused loss keeps no logits; CPU dropout's masks are fp32
-    assert plan_memory(replace(work, device="cpu"), ParallelDims()).bytes["activations"] < single.bytes["activations"] * 2
+    assert (
+        plan_memory(replace(work, device="cpu"), ParallelDims()).bytes["activations"] < single.bytes["activations"] * 2
+    )
 
 
 def test_communication_by_collective_and_link():
@@ -83,7 +86,9 @@ def test_communication_by_collective_and_link():
     hsdp = {f.collective: f for f in traffic(work, ParallelDims(dp_replicate=2, dp_shard=4), gpus_per_node=4)}
     assert hsdp["all-reduce gradient shards (HSDP replicas)"].link == INTER
     assert hsdp["reduce-scatter gradients (FSDP)"].link == INTRA
-    assert hsdp["all-gather weights (FSDP backward)"].bytes < hsdp["all-gather weights (FSDP forward)"].bytes  # head kept
+    assert (
+        hsdp["all-gather weights (FSDP backward)"].bytes < hsdp["all-gather weights (FSDP forward)"].bytes
+    )  # head kept
     tp = traffic(work, ParallelDims(tp=4), gpus_per_node=4)
     assert [(f.dim, f.link) for f in tp] == [("tp", INTRA)]
     pp = traffic(work, ParallelDims(pp=8), gpus_per_node=4)
@@ -92,14 +97,25 @@ def test_communication_by_collective_and_link():
 
 def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
     layouts = plan_json(capsys, *COURSE, *JURECA)
-    assert set(layouts) == {"single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "fsdp_tp", "3d"}  # pp: 4 blocks, 8 GPUs
+    assert set(layouts) == {
+        "single",
+        "ddp",
+        "fsdp_no_reshard",
+        "fsdp",
+        "hsdp",
+        "tp",
+        "fsdp_tp",
+        "3d",
+    }  # pp: 4 blocks, 8 GPUs
     assert all(layout["fits"] for layout in layouts.values())
     assert [name for name, layout in layouts.items() if layout["recommended"]] == ["ddp"]
     ddp = layouts["ddp"]
     assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1}
     assert set(ddp["bytes"]) == {"params", "grads", "optimizer", "activations", "buffers"}
     assert ddp["total_bytes"] == sum(ddp["bytes"].values())
-    assert ddp["activation_formula"].endswith("d=128, f=2048, t=1, u=1: 12,544 B per token and block")  # 2 (8d+2f) + 2d+f
+    assert ddp["activation_formula"].endswith(
+        "d=128, f=2048, t=1, u=1: 12,544 B per token and block"
+    )  # 2 (8d+2f) + 2d+f
     assert layouts["fsdp_no_reshard"]["options"] == {"reshard_after_forward": False}
     assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2}
     plan_main([*COURSE, *JURECA])
@@ -198,7 +214,12 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     batch = runs["3d"]["settings"]["batch"]["size"]
     assert batch == 8 == preflight.preflight_batch(list(study.matrix.values()))  # 3d: dp 2 x m 4; ddp 8; pp m 8
     three = runs["3d"]["settings"]
-    assert {k: three["parallel"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")} == {"dp_replicate": 1, "dp_shard": 2, "tp": 4, "pp": 2}
+    assert {k: three["parallel"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")} == {
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "tp": 4,
+        "pp": 2,
+    }
     assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
     assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
     assert {run["reference"] for name, run in runs.items() if name != "reference.0"} == {"reference.0"}
@@ -221,5 +242,7 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     reference = fake_run("reference", [5.0, 4.0, 3.0])
     good, bad = fake_run("good", [5.0, 4.0000001, 3.0]), fake_run("bad", [5.0, 4.1, 3.0])
     assert preflight.compare({"good": (good, reference)}, tmp_path / "ok.csv")[0]["matches"]
-    with pytest.raises(preflight.PreflightError, match=r"the loss of bad \(layout 2x1x1x1: 3 steps, largest gap 2.50e-02\)"):
+    with pytest.raises(
+        preflight.PreflightError, match=r"the loss of bad \(layout 2x1x1x1: 3 steps, largest gap 2.50e-02\)"
+    ):
         preflight.compare({"good": (good, reference), "bad": (bad, reference)}, tmp_path / "out.csv")

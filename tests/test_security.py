@@ -9,20 +9,20 @@ import subprocess
 import sys
 from pathlib import Path, PosixPath
 
-import drills
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import train_here
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+import drills
+from conftest import train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError, ConfigError
 from scalelm.files import UnsafeFileError, append_text, sha256
 from scalelm.model import TransformerLM
 from scalelm.study.consolidate import consolidate, load_consolidated
 from scalelm.study.evaluate import main as evaluate
-from scalelm.train.checkpoint import FLAT, MARKER, complete_checkpoints, load_weights, read_trainer_state, verify
+from scalelm.train.checkpoint import FLAT, complete_checkpoints, load_weights, read_trainer_state, verify
 from scalelm.train.optim import build_optimizer
 from scalelm.train.rundir import RunDir
 
@@ -63,7 +63,17 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
     # its record's checksum matches: what is refused is the content
     (tmp_path / "model.pt.json").write_text(json.dumps({"sha256": sha256(model)}))
     out = tmp_path / "test.json"
-    command = [sys.executable, "-m", "scalelm.study.evaluate", "--model", str(model), "--data", str(prepared), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "scalelm.study.evaluate",
+        "--model",
+        str(model),
+        "--data",
+        str(prepared),
+        "--out",
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"error: {model} holds more than tensors and plain values and was not loaded" in result.stderr
@@ -72,12 +82,6 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-def reseal(checkpoint: Path) -> None:
-    """What whoever can write a checkpoint can also do: make its marker's checksums match again."""
-    sums = {p.name: sha256(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != MARKER}
-    (checkpoint / MARKER).write_text(json.dumps(sums))
-
-
 def model_of(checkpoint: Path):
     shape = dict(read_trainer_state(checkpoint).model_shape)
     model = TransformerLM(ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"}), shape["vocab_size"])
@@ -86,7 +90,7 @@ def model_of(checkpoint: Path):
 
 def code_in_metadata(checkpoint: Path, proof: Path) -> None:
     (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCode(proof)))
-    reseal(checkpoint)
+    drills.reseal(checkpoint)
 
 
 def code_in_an_entry(checkpoint: Path, proof: Path) -> None:
@@ -98,7 +102,7 @@ def code_in_an_entry(checkpoint: Path, proof: Path) -> None:
     for old in [*checkpoint.glob("*.distcp"), checkpoint / ".metadata"]:
         old.unlink()
     dcp.save({"model": get_model_state_dict(model), "optim": optim}, checkpoint_id=checkpoint, no_dist=True)
-    reseal(checkpoint)
+    drills.reseal(checkpoint)
 
 
 def truncated(checkpoint: Path, proof: Path) -> None:

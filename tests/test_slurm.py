@@ -12,14 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
-import drills
 import pytest
 import yaml
+
+import drills
 from conftest import REPO
+from scalelm.train.record import read_metrics
 from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml
-
-from scalelm.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 STATE_DIR = Path(os.environ.get("SCALELM_SLURM_STATE_DIR", "/tmp/scalelm-slurm-tests"))
@@ -196,7 +196,9 @@ def resumed_step(project: Path, experiment: str) -> int:
 def slurm_states(job_id: str) -> list[tuple[str, str, str]]:
     """(step, state, exit code) of every step of the job and of every earlier run of it (requeued jobs)."""
     out = subprocess.run(
-        ["sacct", "-j", job_id, "--duplicates", "-n", "-P", "-o", "JobID,State,ExitCode"], capture_output=True, text=True
+        ["sacct", "-j", job_id, "--duplicates", "-n", "-P", "-o", "JobID,State,ExitCode"],
+        capture_output=True,
+        text=True,
     )
     return [tuple(line.split("|")) for line in out.stdout.splitlines()]
 
@@ -218,9 +220,13 @@ def test_jobs_stopped_by_slurm_checkpoint_exit_75_and_their_resubmissions_resume
         assert 30 <= resumed_step(project, experiment) < 250
         record = json.loads((project / f"results/local/runs/{experiment}/seed1/run.json").read_text())
         assert record["results"]["steps"] == 300 and record["results"]["tokens_seen"] == 300 * 32 * 32
-        steps = [r["step"] for r in read_metrics(project / f"results/local/runs/{experiment}/seed1") if r["kind"] == "train"]
+        steps = [
+            r["step"] for r in read_metrics(project / f"results/local/runs/{experiment}/seed1") if r["kind"] == "train"
+        ]
         assert steps == sorted(set(steps)), steps  # the stopped attempt's records past its checkpoint were dropped
-    stopped_job = (project / f".snakemake/slurm_logs/rule_train/ddp_multinode_1/{jobs['ddp_multinode'][0]}.log").read_text()
+    stopped_job = (
+        project / f".snakemake/slurm_logs/rule_train/ddp_multinode_1/{jobs['ddp_multinode'][0]}.log"
+    ).read_text()
     assert "stopped by SIGUSR1 on n1" in stopped_job and "stopped by SIGUSR1 on n2" in stopped_job, stopped_job[-3000:]
 
 
@@ -275,7 +281,9 @@ def test_more_nodes_than_the_partition_has_is_refused_before_any_job(project):
     assert result.returncode != 0
     message = "experiment ddp_multinode asks for 4 nodes but partition scalelm has 2 (sinfo)"
     assert message in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
-    assert subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split() == submitted
+    assert (
+        subprocess.run(["sacct", "-X", "-n", "-o", "JobID"], capture_output=True, text=True).stdout.split() == submitted
+    )
     assert not (project / "results").exists()
 
     edit_yaml(project / "test-site.yaml", lambda site: site.update(partition="gpus"))

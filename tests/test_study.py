@@ -3,14 +3,17 @@ in process. tests/test_workflow.py shows once, through Snakemake, that such an e
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import REPO
 from snakemake.utils import validate
 
+from conftest import REPO
 from scalelm.errors import ConfigError, ScaleLMError
 from scalelm.study.expectations import LIMITS
 from scalelm.study.experiments import apply_local_overlay
@@ -61,21 +64,40 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
         ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
         ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp'\]"),
-        ({"training": {"parallel": {"pp": 2, "pp_microbatches": 3}}},
-         r"experiments.ddp: parallel.pp_microbatches=3 does not divide the batch of 32 sequences"),
-        ({"training": {"parallel": {"tp": 4}}}, r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2"),
-        ({"strategy": "tp", "nodes": 2, "procs_per_node": 1}, "parallel.tp=2 does not divide the 1 processes of a node"),
+        (
+            {"training": {"parallel": {"pp": 2, "pp_microbatches": 3}}},
+            r"experiments.ddp \(1 x 2 processes\): parallel.pp_microbatches=3 does not divide the batch of 32 sequences",
+        ),
+        (
+            {"training": {"parallel": {"tp": 4}}},
+            r"experiments.ddp \(1 x 2 processes\): parallel: dp_replicate -1 x dp_shard 1 x tp 4 x pp 1 cannot fill the world size 2",
+        ),
+        (
+            {"strategy": "tp", "nodes": 2, "procs_per_node": 1},
+            "parallel.tp=2 does not divide the 1 processes of a node",
+        ),
         ({"gpus": 4}, "'gpus' was unexpected"),
         ({"check_memory": "no"}, "'no' is not of type 'boolean'"),
-        ({"expect": {"min_tokens_per_sec": 9000}}, r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you "
-                                                   r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it"),  # fmt: skip
+        (
+            {"expect": {"min_tokens_per_sec": 9000}},
+            r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you "
+            r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it",
+        ),  # fmt: skip
         ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
         ({"expect": {"min_mfu": 0.3, "tolerance": 1}}, "1 is greater than or equal to the maximum of 1"),
         # the batch against the processes, at parse time rather than in training (or a division by zero in plan)
-        ({"training": {"batch": {"size": 31}}},
-         "experiments.ddp: global batch of 31 sequences is not divisible by the 2 data-parallel ranks"),
-        ({"training": {"batch": {"size": 1}}}, "experiments.ddp: global batch of 1 sequences is not divisible by the 2"),
-        ({"training": {"optim": {"weight_decay": -1}}}, "experiments.ddp: optim.weight_decay must be 0 or positive, got -1"),
+        (
+            {"training": {"batch": {"size": 31}}},
+            r"experiments.ddp \(1 x 2 processes\): global batch of 31 sequences is not divisible by the 2 data-parallel ranks",
+        ),
+        (
+            {"training": {"batch": {"size": 1}}},
+            r"experiments.ddp \(1 x 2 processes\): global batch of 1 sequences is not divisible by the 2",
+        ),
+        (
+            {"training": {"optim": {"weight_decay": -1}}},
+            "experiments.ddp: optim.weight_decay must be 0 or positive, got -1",
+        ),
     ],
 )
 def test_a_bad_experiment_is_refused_naming_the_key(change, message):
@@ -106,9 +128,12 @@ def test_baseline_and_expectations_reach_the_aggregation():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"baseline": "single"}, r"baseline: 'single' names no experiment; did you mean 'single_gpu'\? \(experiments: "
-                                 r"single_gpu, ddp, .*\); set it to one of them, or leave it out to compare with the "
-                                 "experiment with the fewest devices"),  # fmt: skip
+        (
+            {"baseline": "single"},
+            r"baseline: 'single' names no experiment; did you mean 'single_gpu'\? \(experiments: "
+            r"single_gpu, ddp, .*\); set it to one of them, or leave it out to compare with the "
+            "experiment with the fewest devices",
+        ),  # fmt: skip
         ({"baseline": 1}, "1 is not of type 'string'"),
         ({"expect_strict": "yes"}, "'yes' is not of type 'boolean'"),
     ],
@@ -168,12 +193,19 @@ def rename(old: str, new: str):
         (rename("ddp", "-ddp"), "'-ddp' does not match"),
         (rename("ddp", "d" * 65), "does not match"),
         # what a probe found: each a clear line before any job, never a traceback at the aggregation
-        (lambda local: local.update(results="res$(touch x)"), r"results: 'res\$\(touch x\)' holds \$, which a job's "
-                                                              "command line would hand to the shell"),  # fmt: skip
+        (
+            lambda local: local.update(results="res$(touch x)"),
+            r"results: 'res\$\(touch x\)' holds \$, which a job's "
+            "command line would hand to the shell",
+        ),  # fmt: skip
         (lambda local: local["data"].update(prepared_dir="data/`id`"), "data.prepared_dir: 'data/`id`' holds `"),
         (lambda local: local["data"]["source"]["files"].update(test="a;b"), "data.source.files.test: 'a;b' holds ;"),
-        (lambda local: local["experiments"]["ddp"].update(nodes=64, procs_per_node=64, training={"batch": {"size": 4096}}),
-         r"experiments.ddp: 64 x 64 = 4096 processes, but this machine \(\d+ cores, \d+ GiB\) holds at most \d+"),
+        (
+            lambda local: local["experiments"]["ddp"].update(
+                nodes=64, procs_per_node=64, training={"batch": {"size": 4096}}
+            ),
+            r"experiments.ddp: 64 x 64 = 4096 processes, but this machine \(\d+ cores, \d+ GiB\) holds at most \d+",
+        ),
     ],
 )
 def test_a_bad_study_setting_is_refused_before_any_job(change, message):
@@ -185,12 +217,17 @@ def test_a_bad_study_setting_is_refused_before_any_job(change, message):
     "change, message",
     [
         (lambda config: config.update(seeds=[3, 1, 3]), "seeds: 3 listed more than once; list each seed once"),
-        (lambda config: config.update(seeds=[2**64]), "seeds: 18446744073709551616 is not an integer from 0 to 4294967295"),
+        (
+            lambda config: config.update(seeds=[2**64]),
+            "seeds: 18446744073709551616 is not an integer from 0 to 4294967295",
+        ),
         (lambda config: config.update(results=" "), "results is empty"),
         (lambda config: config["experiments"].update({"-ddp": {}}), "the name '-ddp' must be 1 to 64 letters"),
         (lambda config: config["experiments"].update({"x" * 65: {}}), "must be 1 to 64 letters, digits"),
-        (lambda config: config["experiments"].update({"run" + "ab" * 20: {}}),
-         "ends in a part repeated 20 or more times, which Snakemake refuses as a wildcard value"),
+        (
+            lambda config: config["experiments"].update({"run" + "ab" * 20: {}}),
+            "ends in a part repeated 20 or more times, which Snakemake refuses as a wildcard value",
+        ),
     ],
 )
 def test_the_package_refuses_what_the_schema_refuses_with_its_own_words(change, message):
@@ -208,3 +245,30 @@ def test_a_site_value_that_would_reach_a_shell_is_refused(tmp_path):
     config["site"] = str(site)
     with pytest.raises(ConfigError, match=r"site file: modules\[1\]: 'CUDA && curl evil \| sh' holds & \|"):
         Study(config)
+
+
+def test_the_workflows_parse_the_planner_and_the_launcher_never_import_torch(tmp_path):
+    """Snakemake's parse and its in-process rule `plan`, the planner, the launcher and the supervisor run on login
+    nodes and batch hosts: importing them, resolving the matrix (every layout checked) and planning a run's memory
+    leave torch unimported (a fresh interpreter)."""
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    splits = {split: {"tokens": 1000} for split in ("train", "validation", "test")}
+    (prepared / "manifest.json").write_text(json.dumps({"vocab_size": 33278, "splits": splits}))
+    code = f"""
+import json, sys, yaml
+import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
+import scalelm.launch.container, scalelm.launch.launcher, scalelm.launch.site, scalelm.launch.slurm, scalelm.launch.supervise
+from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.workflow import Study
+config = yaml.safe_load(open("config/config.yaml"))
+config.update(yaml.safe_load(open("config/local.yaml")))
+study = Study(apply_local_overlay(config))
+wildcards = type("Wildcards", (), {{"experiment": "pp", "seed": "1"}})
+study.write_plan(wildcards, {str(prepared)!r}, {str(tmp_path / "plan.json")!r})
+print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] == "torch")))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+    assert json.loads((tmp_path / "plan.json").read_text())["layout"] == "1x1x1x2"

@@ -7,17 +7,17 @@ import signal
 import subprocess
 import time
 
-import drills
 import pytest
 import torch
-from conftest import board_scalars, run_dir_of, run_train, train_command, train_here, train_losses
 
+import drills
+from conftest import board_scalars, run_dir_of, run_train, train_command, train_here, train_losses
 from scalelm.config import load_config
-from scalelm.data import load_prepared
+from scalelm.data.prepared import load_prepared
+from scalelm.errors import EXIT_PREEMPTED
 from scalelm.model import TransformerLM, count_parameters
 from scalelm.train.checkpoint import complete_checkpoints
-from scalelm.train.metrics import read_metrics
-from scalelm.train.preemption import EXIT_PREEMPTED
+from scalelm.train.record import read_metrics
 
 
 def relative_gap(a: list[float], b: list[float]) -> float:
@@ -66,9 +66,17 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         for mine, ref in zip(evals[name], evals["single"], strict=True):  # every token counted once
             assert mine["tokens"] == ref["tokens"]
             assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5, name
-    assert records["hsdp"]["parallel"]["groups"] == {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]], "pp": [[0], [1], [2], [3]]}
+    assert records["hsdp"]["parallel"]["groups"] == {
+        "tp": [[0], [1], [2], [3]],
+        "dp": [[0, 1, 2, 3]],
+        "pp": [[0], [1], [2], [3]],
+    }
     assert records["fsdp_tp"]["results"]["layout"] == "1x2x2x1"
-    assert records["fsdp_tp"]["parallel"]["groups"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]]}
+    assert records["fsdp_tp"]["parallel"]["groups"] == {
+        "tp": [[0, 1], [2, 3]],
+        "dp": [[0, 2], [1, 3]],
+        "pp": [[0], [1], [2], [3]],
+    }
     # the collectives each layout is made of, timed on two steps after the warm-up
     comm = {name: record["results"]["comm"] for name, record in records.items()}
     assert comm["single"]["share"] == 0.0 and comm["accumulate"]["share"] == 0.0
@@ -93,7 +101,9 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     for name in ("pp", "pp_gpipe", "fsdp_pp", "tp_pp"):
         pipeline = records[name]["results"]["pipeline"]
         assert pipeline["predicted_bubble"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1), m = 4
-        assert 0 < pipeline["measured_bubble"] < 1 and pipeline["timed_steps"] == list(range(13, 19))  # 19, 20: profiled
+        assert 0 < pipeline["measured_bubble"] < 1 and pipeline["timed_steps"] == list(
+            range(13, 19)
+        )  # 19, 20: profiled
         assert all(mb > 0 for mb in pipeline["peak_mem_mb_per_pp_rank"])
         pp_rank = {rank: group.index(rank) for group in records[name]["parallel"]["groups"]["pp"] for rank in group}
         for rank in pipeline["timeline"]:  # every micro-batch forward and backward once, in the rank's own stage
@@ -158,7 +168,9 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and process.poll() is None:
-        if metrics.is_file() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l):
+        if metrics.is_file() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line
+        ):
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.05)
@@ -196,13 +208,25 @@ def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_p
     "overrides, nproc, message",
     [
         (["parallel.strategy=pipeline"], 1, "unknown strategy 'pipeline'"),
-        (["batch.size=15", "parallel.strategy=ddp"], 2, "] global batch of 15 sequences is not divisible by the 2 data-parallel ranks"),
-        (["parallel.dp_shard=2", "parallel.tp=2"], 2, "] parallel: dp_replicate 1 x dp_shard 2 x tp 2 x pp 1 = 4 processes, but the world size is 2"),
+        (
+            ["batch.size=15", "parallel.strategy=ddp"],
+            2,
+            "] global batch of 15 sequences is not divisible by the 2 data-parallel ranks",
+        ),
+        (
+            ["parallel.dp_shard=2", "parallel.tp=2"],
+            2,
+            "] parallel: dp_replicate 1 x dp_shard 2 x tp 2 x pp 1 = 4 processes, but the world size is 2",
+        ),
         (["data.prepared_dir=/nonexistent/prepared"], 1, "prepared data not found"),
         (["train.epoch=3"], 1, "unknown setting 'train.epoch'; did you mean 'train.epochs'"),
         ([], 2, "started with WORLD_SIZE=2, but the config sets no parallel layout"),
         (["run_dir=/proc/version/run"], 1, "run_dir /proc/version/run is not writable (Not a directory)"),
-        (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "] parallel.pp_microbatches=3 does not divide the batch of 16 sequences"),
+        (
+            ["parallel.pp=2", "parallel.pp_microbatches=3"],
+            2,
+            "] parallel.pp_microbatches=3 does not divide the batch of 16 sequences",
+        ),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, message):
@@ -219,7 +243,9 @@ def test_bad_input_fails_with_a_clear_message(tiny_config, overrides, nproc, mes
     assert not (run_dir_of(config) / "run.json").exists()
 
 
-def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_afresh(tiny_config, prepared, tmp_path, capsys):
+def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_afresh(
+    tiny_config, prepared, tmp_path, capsys
+):
     """Two whole epochs and no max_steps (the default): the run ends on an epoch boundary. Moving the finished run
     directory and the prepared data elsewhere, and changing how often it logs, changes nothing that was trained."""
     config = tiny_config("epochs", batch__size=512, train__max_steps=None, train__epochs=2, checkpoint__every=None)
@@ -234,7 +260,9 @@ def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_af
     shutil.copytree(run_dir_of(config), moved / "run")
     shutil.copytree(prepared, moved / "prepared")
     capsys.readouterr()
-    again = train_here(config, f"run_dir={moved / 'run'}", f"data.prepared_dir={moved / 'prepared'}", "train.log_every=7")
+    again = train_here(
+        config, f"run_dir={moved / 'run'}", f"data.prepared_dir={moved / 'prepared'}", "train.log_every=7"
+    )
     assert f"resumed from step {results['steps']}" in capsys.readouterr().out
     assert not (moved / "run" / "previous").exists()
     assert again["results"]["validation"] == results["validation"] and again["results"]["epochs_completed"] == 2

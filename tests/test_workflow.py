@@ -9,14 +9,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, board_scalars
 
-from scalelm.train.metrics import read_metrics
+from conftest import REPO, board_scalars
+from scalelm.train.record import read_metrics
 
 WORKFLOW_PARTS = ("workflow", "config", "profiles", "resources")
 
@@ -30,9 +31,7 @@ def project(tmp_path) -> Path:
 
 
 def snakemake(project: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["snakemake", *args], cwd=project, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run(["snakemake", *args], cwd=project, capture_output=True, text=True, timeout=timeout)
 
 
 def edit_yaml(path: Path, change) -> None:
@@ -61,11 +60,16 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 11  # plan: memory, before the queue
+    assert (
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 11
+    )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
-    launched = {re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups() for c in commands}
+    launched = {
+        re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups()
+        for c in commands
+    }
     assert launched == {
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
@@ -137,7 +141,10 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
     spans = sorted(
         (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
-        for r in (json.loads(p.read_text()) for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")])
+        for r in (
+            json.loads(p.read_text())
+            for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")]
+        )
     )
     assert len(spans) == 9 + 9 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 9: the preflight's
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
@@ -173,9 +180,22 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
 
     stamps = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
-    edit_yaml(project / "config/local.yaml", lambda c: c["local"].setdefault("experiments", {}).setdefault("fsdp", {}).update(training={"optim": {"lr": 1e-3}}))
+    edit_yaml(
+        project / "config/local.yaml",
+        lambda c: (
+            c["local"].setdefault("experiments", {}).setdefault("fsdp", {}).update(training={"optim": {"lr": 1e-3}})
+        ),
+    )
     plan = snakemake(project, "-n")
-    assert planned_jobs(plan) == {"train_config": 1, "plan": 1, "train": 1, "consolidate": 1, "evaluate": 1, "aggregate": 1, "all": 1}, plan.stdout
+    assert planned_jobs(plan) == {
+        "train_config": 1,
+        "plan": 1,
+        "train": 1,
+        "consolidate": 1,
+        "evaluate": 1,
+        "aggregate": 1,
+        "all": 1,
+    }, plan.stdout
     planned = set(re.findall(r"wildcards: experiment=(\w+)", plan.stdout))
     assert planned == {"fsdp"}, plan.stdout
     rerun = snakemake(project)
@@ -195,7 +215,10 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         **c["local"]["experiments"], "single_gpu": {"expect": {"max_test_perplexity": 1.0}}}))  # fmt: skip
     strict = snakemake(project)
     assert strict.returncode != 0
-    assert "error: 1 of 1 expectations missed (expect_strict): single_gpu: test_perplexity " in strict.stdout + strict.stderr
+    assert (
+        "error: 1 of 1 expectations missed (expect_strict): single_gpu: test_perplexity "
+        in strict.stdout + strict.stderr
+    )
     assert "above the maximum 1 (1.05 with the 5% tolerance): missed" in strict.stdout + strict.stderr
     assert "**missed**" in (results / "summary.md").read_text() and (results / "scaling.png").is_file()
     assert not (results / "expectations.met").exists()
@@ -233,7 +256,9 @@ def test_two_workflow_runs_with_their_own_result_directories_run_side_by_side(pr
 def test_an_invalid_config_fails_before_any_job(project):
     """A bad value in one experiment of the embedded default: nothing runs, the message names the key (every such
     check is unit-tested in tests/test_study.py; this shows that Snakemake stops on one)."""
-    edit_yaml(project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp"].update(training={"optim": {"lrr": 1}}))
+    edit_yaml(
+        project / "config/local.yaml", lambda c: c["local"]["experiments"]["ddp"].update(training={"optim": {"lrr": 1}})
+    )
     result = snakemake(project, "--cores", "1")
     assert result.returncode != 0
     assert "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'" in result.stdout + result.stderr
@@ -275,3 +300,9 @@ def test_lint_and_format_are_clean(project):
     assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
     fmt = subprocess.run(["snakefmt", "--check", "workflow"], cwd=project, capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stderr
+    # the package, its tests and benchmarks: ruff's formatter and linter, as configured in pyproject.toml
+    for command in (["format", "--check"], ["check"]):
+        ruff = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, "src", "tests", "bench"], cwd=REPO, capture_output=True, text=True
+        )
+        assert ruff.returncode == 0, ruff.stdout[-3000:] + ruff.stderr[-2000:]

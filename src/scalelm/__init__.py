@@ -1,3 +1,5 @@
-"""scalelm: a causal Transformer LM on WikiText-2, trained single-process, with DDP and with FSDP2."""
+"""scalelm: a causal Transformer LM on WikiText-2, trained on one GPU and in every layout a distributed-training course
+teaches (DDP, FSDP2, HSDP, tensor and sequence parallelism, pipeline schedules, their 2D and 3D combinations), as a
+reproducible experiment matrix on any Slurm cluster."""
 
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ import yaml
 
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
+from scalelm.parallel.dims import check_degrees, check_strategy, degrees_of
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
@@ -314,6 +315,7 @@ def validate(config: Config) -> None:
         "train.eval_batch_tokens": config.train.eval_batch_tokens,
         "checkpoint.keep": config.checkpoint.keep,
         "parallel.timeout_s": config.parallel.timeout_s,
+        "parallel.pp_virtual_stages": config.parallel.pp_virtual_stages,
     }
     optional_positive = {
         "data.stride": config.data.stride,
@@ -361,16 +363,8 @@ def validate(config: Config) -> None:
             "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
             "needs no scaling; set batch.lr_scaling=none"
         )
-    # late: parallel imports torch.distributed
-    from scalelm.parallel.dims import DEGREES, check_degrees, check_strategy
-    from scalelm.parallel.pipeline import check_pipeline
-    from scalelm.parallel.tensor import check_tp
-
     check_strategy(config.parallel.strategy)
-    check_degrees({name: getattr(config.parallel, name) for name in DEGREES})
-    parallel = config.parallel
-    check_tp(max(parallel.tp or 1, 1), config.model, None, parallel.loss_parallel, config.data.seq_len, parallel.sequence_parallel)
-    check_pipeline(max(parallel.pp or 1, 1), parallel, config.model)
+    check_degrees(degrees_of(config))
 
 
 def check_optim(optim: OptimConfig) -> None:
@@ -396,4 +390,9 @@ def check_optim(optim: OptimConfig) -> None:
 
 
 def dump_config(config: Config, path: str | Path) -> None:
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    write_settings(config.to_dict(), path)
+
+
+def write_settings(settings: dict[str, Any], path: str | Path) -> None:
+    """Settings as the YAML file a training reads (`--config`), written whole or not at all."""
+    atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))

@@ -1,8 +1,11 @@
-"""Errors a user can fix. Entry points print them as one line and exit with status 2 (no traceback)."""
+"""Errors a user can fix, and the exit statuses: entry points print an error as one line and exit with status 2
+(no traceback); a training stopped by a signal, checkpointed, exits EXIT_PREEMPTED."""
 
 import functools
 import os
 import sys
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later, the run will resume
 
 
 class ScaleLMError(Exception):

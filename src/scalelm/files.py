@@ -86,7 +86,9 @@ def append_text(path: str | Path, text: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise UnsafeFileError(f"{path} is a symbolic link: scalelm does not write through links; remove it") from None
+            raise UnsafeFileError(
+                f"{path} is a symbolic link: scalelm does not write through links; remove it"
+            ) from None
         raise
     with os.fdopen(fd, "a", encoding="utf-8") as handle:
         handle.write(text)
@@ -135,7 +137,9 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def _member(self, cls: Any, name: str) -> Any:
         """getattr restricted to a member of an allowed enum: a general getattr reaches any method of any class."""
-        if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and self.allowed(cls.__module__, cls.__qualname__)):
+        if not (
+            isinstance(cls, type) and issubclass(cls, enum.Enum) and self.allowed(cls.__module__, cls.__qualname__)
+        ):
             raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a member of an allowed enum")
         if name not in cls.__members__:
             raise pickle.UnpicklingError(f"{cls.__qualname__} has no member {name!r}")

@@ -1,10 +1,11 @@
 """A tiny CPU training from a synthetic corpus: checks an installation (the image's %test) in seconds.
 
-    python -m scalelm.selftest
+python -m scalelm.selftest
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import tempfile
 from pathlib import Path
@@ -24,7 +25,9 @@ def write_corpus(path: Path, vocab_size: int = 64) -> None:
     write_prepared(path, tokens, ["<unk>", "<eos>", *map(str, range(2, vocab_size))], {"selftest": "pattern"})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.selftest", description=__doc__.split("\n")[0])
+    parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         write_corpus(Path(tmp) / "prepared")
         config = from_dict(

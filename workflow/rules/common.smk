@@ -1,10 +1,8 @@
 # Configuration: apply or drop the local overlay, validate, resolve the study (matrix, site, image) before any job.
 # Everything a rule needs comes from scalelm.study.workflow.Study; this file only binds it.
-import shlex
-
-import yaml
 from snakemake.utils import validate
 
+from scalelm.config import write_settings
 from scalelm.errors import ScaleLMError
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study

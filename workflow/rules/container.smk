@@ -1,14 +1,14 @@
 # The Apptainer image (container.mode: build or image). Built or pulled on the login node, where the base image and
 # registries are reachable; every training, consolidation and evaluation job then runs inside it.
 
-if config["container"]["mode"] == "build":
+if STUDY.image_definition:
 
     localrules:
         build_image,
 
     rule build_image:
         input:
-            definition=config["container"].get("definition", "containers/scalelm.def"),
+            definition=STUDY.image_definition,
         output:
             STUDY.image,
         log:
@@ -16,17 +16,13 @@ if config["container"]["mode"] == "build":
         conda:
             "../envs/scalelm.yaml"
         params:
-            base=config["container"].get("base_image", ""),
-            options=shlex.join(
-                f"--build-option={o}"
-                for o in config["container"].get("build_options", [])
-            ),
+            args=STUDY.build_image_args(),
         shell:
             "python -m scalelm.launch.container build --definition {input.definition:q} --out {output:q} "
-            "--base-image {params.base:q} {params.options} > {log:q} 2>&1"
+            "{params.args} > {log:q} 2>&1"
 
 
-if config["container"]["mode"] == "image" and "://" in config["container"]["image"]:
+if STUDY.image_uri:
 
     localrules:
         pull_image,
@@ -39,6 +35,6 @@ if config["container"]["mode"] == "image" and "://" in config["container"]["imag
         conda:
             "../envs/scalelm.yaml"
         params:
-            uri=config["container"]["image"],
+            uri=STUDY.image_uri,
         shell:
             "python -m scalelm.launch.container pull --uri {params.uri:q} --out {output:q} > {log:q} 2>&1"

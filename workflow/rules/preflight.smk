@@ -38,7 +38,7 @@ rule preflight_data:
     params:
         tokens=STUDY.preflight_tokens(),
     shell:
-        "python -m scalelm.study.preflight slice --data {input:q} --out {output:q} --tokens {params.tokens} > {log:q} 2>&1"
+        "python -m scalelm.data.slice --data {input:q} --out {output:q} --tokens {params.tokens} > {log:q} 2>&1"
 
 
 rule preflight_config:
@@ -51,8 +51,7 @@ rule preflight_config:
     params:
         settings=lambda wildcards: STUDY.preflight[wildcards.run]["settings"],
     run:
-        with open(output[0], "w") as handle:
-            yaml.safe_dump(params.settings, handle, sort_keys=False)
+        write_settings(params.settings, output[0])
 
 
 rule preflight_run:

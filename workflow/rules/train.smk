@@ -13,8 +13,7 @@ rule train_config:
     params:
         settings=lambda wildcards: experiment(wildcards).training,
     run:
-        with open(output[0], "w") as handle:
-            yaml.safe_dump(params.settings, handle, sort_keys=False)
+        write_settings(params.settings, output[0])
 
 
 rule train:

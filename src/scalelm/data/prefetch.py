@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scalelm.data.prepared import SPLITS
+from scalelm.data.manifest import SPLITS
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_path, check_replaceable
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from scalelm.data.manifest import MANIFEST, SPLITS
 from scalelm.data.prefetch import SOURCE_FILE
-from scalelm.data.prepared import MANIFEST, SPLITS, write_prepared
+from scalelm.data.prepared import write_prepared
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_path, check_replaceable

@@ -5,18 +5,17 @@ by `load_prepared`."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scalelm.data.manifest import MANIFEST, SPLITS, read_manifest
 from scalelm.data.vocab import SPECIALS, UNK_ID
 from scalelm.errors import DataError
-from scalelm.files import load_tensors, sha256
-
-SPLITS = ("train", "validation", "test")
-MANIFEST = "manifest.json"
+from scalelm.files import atomic_path, load_tensors, sha256
 
 
 @dataclass
@@ -36,9 +35,6 @@ class PreparedData:
         named |= {split: splits.get(split, {}).get("sha256") for split in SPLITS}
         files = {"vocab": "vocab.txt", **{split: f"{split}.pt" for split in SPLITS}}
         return {name: digest or sha256(self.path / files[name]) for name, digest in named.items()}
-
-    def vocab(self) -> list[str]:
-        return (self.path / "vocab.txt").read_text(encoding="utf-8").split("\n")[: self.vocab_size]
 
 
 def write_prepared(
@@ -76,14 +72,7 @@ def load_prepared(path: str | Path) -> PreparedData:
     """The prepared data at `path`, each token file checked against the manifest's checksum and the vocabulary's
     range before it is used: a damaged directory is named, with what to do, instead of failing deep in training."""
     path = Path(path)
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise DataError(
-            f"prepared data not found: {manifest_path} does not exist. Prepare it once on the login node "
-            f"(`snakemake prepare`, or `python -m scalelm.data.prefetch --out RAW` then "
-            f"`python -m scalelm.data.prepare --raw RAW --out {path}`); compute nodes have no internet."
-        )
-    manifest = read_manifest(manifest_path)
+    manifest = read_manifest(path)
     splits = {}
     for name in SPLITS:
         file = path / f"{name}.pt"
@@ -92,7 +81,7 @@ def load_prepared(path: str | Path) -> PreparedData:
         expected = manifest["splits"][name].get("sha256")
         if expected is not None and sha256(file) != expected:
             raise DataError(
-                f"{file} does not match the checksum in {manifest_path} (truncated or changed since it was "
+                f"{file} does not match the checksum in {path / MANIFEST} (truncated or changed since it was "
                 "prepared); run the prepare step again"
             )
         splits[name] = load_tensors(file, mmap=True)
@@ -100,15 +89,18 @@ def load_prepared(path: str | Path) -> PreparedData:
     return PreparedData(path=path, manifest=manifest, splits=splits)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        vocab_size = manifest["vocab_size"]
-        if not isinstance(vocab_size, int) or vocab_size <= 0 or not all(s in manifest["splits"] for s in SPLITS):
-            raise ValueError("no positive vocab_size or a split missing")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise DataError(f"{path} is not a readable manifest ({err}); run the prepare step again") from None
-    return manifest
+def slice_prepared(source: Path, out: Path, tokens: int) -> None:
+    """A prepared data directory with the first `tokens` ids of each split and the same vocabulary."""
+    data = load_prepared(source)
+    manifest = data.manifest | {"sliced_from": {"path": str(source), "tokens_per_split": tokens}}
+    with atomic_path(out) as partial:
+        partial.mkdir(parents=True)
+        shutil.copy(source / "vocab.txt", partial / "vocab.txt")
+        for split in SPLITS:
+            torch.save(data.splits[split][:tokens].clone(), partial / f"{split}.pt")
+            manifest["splits"][split] |= {"tokens": min(tokens, data.splits[split].numel()),
+                                          "sha256": sha256(partial / f"{split}.pt")}  # fmt: skip
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def check_tokens(tokens: Any, vocab_size: int, file: Path) -> None:

@@ -20,8 +20,7 @@ import torch
 
 from scalelm.data.vocab import EOS_ID
 from scalelm.errors import DataError
-
-IGNORE_INDEX = -100
+from scalelm.model.loss import IGNORE_INDEX
 
 
 def num_windows(n_tokens: int, seq_len: int, stride: int) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import scalelm
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import atomic_path
-from scalelm.train.provenance import git_commit
+from scalelm.version import git_commit
 
 
 class ContainerError(ScaleLMError):
@@ -170,7 +170,7 @@ def check_architecture(runtime: str, image: str, machine: str | None = None) -> 
     if built_for is not None and built_for != node:
         raise ContainerError(
             f"image {image} is built for {built_for} but this node ({platform.node()}) is {machine}: build the image "
-            f"on a {node} machine from a base image published for {node} (docs/gpu.md, \"Images for aarch64\") and "
+            f'on a {node} machine from a base image published for {node} (docs/gpu.md, "Images for aarch64") and '
             "point container.image at it"
         )
 

@@ -120,7 +120,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--container-runtime", default="apptainer", help="apptainer or singularity")
     parser.add_argument("--bind", action="append", default=[], help="apptainer --bind (repeatable)")
     parser.add_argument(
-        "--gpu", action="store_true", help="one GPU per process: the Slurm step asks for them, the container gets them (--nv)"
+        "--gpu",
+        action="store_true",
+        help="one GPU per process: the Slurm step asks for them, the container gets them (--nv)",
     )
     parser.add_argument("--host-suffix", default="", help="appended to the head node's name, e.g. 'i' at JSC")
     parser.add_argument("--port-range", type=int, nargs=2, default=(29500, 29999), metavar=("LOW", "HIGH"))

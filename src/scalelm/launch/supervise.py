@@ -22,7 +22,7 @@ import time
 
 import psutil
 
-from scalelm.train.preemption import EXIT_PREEMPTED
+from scalelm.errors import EXIT_PREEMPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -90,7 +90,9 @@ def supervise(commands: list[list[str]]) -> int:
         time.sleep(0.2)
     status = status or next((p.returncode for p in processes if p.returncode), 0)
     if stop_signals and status:
-        print(f"stopped by {signal.Signals(stop_signals[0]).name} on {os.uname().nodename}: rerun to resume", flush=True)
+        print(
+            f"stopped by {signal.Signals(stop_signals[0]).name} on {os.uname().nodename}: rerun to resume", flush=True
+        )
         return EXIT_PREEMPTED
     return status
 

@@ -13,11 +13,10 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from scalelm.data.windows import IGNORE_INDEX
 from scalelm.model.gpu_ops import aligned_linear
+from scalelm.model.loss import IGNORE_INDEX, lm_loss
 
 
 class Dropout(nn.Dropout):
@@ -25,8 +24,8 @@ class Dropout(nn.Dropout):
 
     The same function: every element kept independently with probability 1 - p (to within 2^-24) and scaled by
     1 / (1 - p), computed exactly as F.dropout does. torch's CPU Bernoulli sampler is serial Mersenne-Twister code
-    (its vectorised MKL path is taken on Intel CPUs only), about twice as slow on the course model's feed-forward
-    activations. The generator is seeded from torch's default generator, so torch.manual_seed and the RNG states
+    (its vectorised MKL path is taken on Intel CPUs only), much slower on the course model's feed-forward
+    activations (docs/benchmarks.md). The generator is seeded from torch's default generator, so torch.manual_seed and the RNG states
     saved in checkpoints still determine every mask.
 
     `stream` (set by tensor parallelism) is nonzero where this rank holds its own slice of the activations: the
@@ -69,7 +68,7 @@ def own_random_stream(stream: int, device: torch.device) -> Iterator[None]:
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
 ) -> torch.Tensor:
-    """F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX), mean reduction.
+    """`lm_loss(F.linear(hidden, weight, bias), targets)`: the mean loss of the output projection's logits.
 
     hidden (tokens, d_model), weight (vocab, d_model), targets (tokens,). Fused on CPU in fp32 when gradients are
     wanted (training); the plain composition everywhere else (GPUs, autocast, bf16, no_grad).
@@ -85,7 +84,7 @@ def linear_cross_entropy(
     )
     if fusable:
         return LinearCrossEntropy.apply(hidden, weight, bias, targets)
-    return F.cross_entropy(aligned_linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX)
+    return lm_loss(aligned_linear(hidden, weight, bias), targets)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -195,5 +194,3 @@ class LinearCrossEntropy(torch.autograd.Function):
             grads = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
         needed = ctx.needs_input_grad
         return (*(g if need else None for g, need in zip(grads, needed)), None)
-
-

@@ -8,7 +8,7 @@ Training calls `model(inputs, targets)`, which returns the mean next-token cross
 On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
 its gradient, chunk by chunk, and so never materialises the (tokens x vocabulary) logits, their log-softmax and
 its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the plain
-`F.cross_entropy(head(x).float(), targets)`. Both compute the same function (scalelm.model.cpu_ops).
+`lm_loss(head(x), targets)` (scalelm.model.loss). Both compute the same function.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelm.config import ModelConfig
-from scalelm.data.windows import IGNORE_INDEX
 from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, own_random_stream
 from scalelm.model.gpu_ops import aligned_linear
+from scalelm.model.loss import lm_loss
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -126,7 +126,7 @@ class TransformerLM(nn.Module):
         """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.
 
         With targets (batch, seq): the mean cross-entropy of those logits against the targets (entries equal to
-        IGNORE_INDEX left out), i.e. F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).
+        IGNORE_INDEX left out): `lm_loss(logits, targets)`, fused with the output projection on CPU.
 
         A pipeline stage (scalelm.parallel.pipeline) lacks the parts of other stages: without the embedding it takes
         the previous stage's hidden states instead of tokens, without the head it returns its own.
@@ -147,7 +147,7 @@ class TransformerLM(nn.Module):
             logits = self.head(x)
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            return lm_loss(logits, targets)
         return self.head(x, targets)
 
 

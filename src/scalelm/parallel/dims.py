@@ -60,7 +60,11 @@ class ParallelDims:
         if self.world_size == 1:
             return "single"
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}
-        parts = [data[(self.dp_replicate > 1, self.dp_shard > 1)], "tp" if self.tp > 1 else "", "pp" if self.pp > 1 else ""]
+        parts = [
+            data[(self.dp_replicate > 1, self.dp_shard > 1)],
+            "tp" if self.tp > 1 else "",
+            "pp" if self.pp > 1 else "",
+        ]
         return "_".join(p for p in parts if p)
 
     def to_dict(self) -> dict[str, int]:

@@ -37,7 +37,6 @@ class DistEnv:
         return self.rank == 0
 
 
-
 def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"

@@ -26,78 +26,16 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from scalelm.data.windows import IGNORE_INDEX
-from scalelm.errors import ConfigError
+from scalelm.model.loss import lm_loss
+from scalelm.parallel.layout import Layout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage may hand on, by index in a shape message
 TIMED_STEPS = 8  # the last steps whose timelines are kept
-
-
-# ------------------------------------------------------------------------------------------------ checks
-def check_pipeline(pp: int, options, model) -> None:
-    """The checks a config allows before any world exists (options: ParallelConfig, model: ModelConfig)."""
-    virtual = options.pp_virtual_stages
-    if virtual < 1:
-        raise ConfigError(f"parallel.pp_virtual_stages must be 1 or more, got {virtual}")
-    if pp == 1:
-        return
-    if options.pp_schedule == "interleaved_1f1b" and virtual < 2:
-        raise ConfigError(
-            f"parallel.pp_schedule=interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages="
-            f"{virtual}; set it to 2 or more, or use pp_schedule 1f1b or gpipe"
-        )
-    if options.pp_schedule != "interleaved_1f1b" and virtual > 1:
-        raise ConfigError(
-            f"parallel.pp_virtual_stages={virtual} needs parallel.pp_schedule=interleaved_1f1b "
-            f"({options.pp_schedule} runs one stage per rank); set pp_virtual_stages to 1 or change the schedule"
-        )
-    stages = pp * virtual
-    if model.n_layers < stages:
-        raise ConfigError(
-            f"model.n_layers={model.n_layers} blocks cannot fill {stages} pipeline stages (parallel.pp={pp} x "
-            f"pp_virtual_stages={virtual}); every stage needs a block: lower pp or pp_virtual_stages, or add layers"
-        )
-    if model.tie_weights:
-        raise ConfigError(
-            "model.tie_weights shares the embedding of the first pipeline stage with the output projection of the "
-            f"last, which parallel.pp={pp} places on different ranks; set model.tie_weights=false or parallel.pp=1"
-        )
-
-
-def microbatches(options, pp: int) -> int:
-    return options.pp_microbatches or 2 * pp
-
-
-def check_microbatches(count: int, batch: int) -> None:
-    """The micro-batches of a pipeline step must cut each replica's batch (of one accumulation step) evenly."""
-    if batch % count:
-        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise ConfigError(
-            f"parallel.pp_microbatches={count} does not divide the batch of {batch} sequences that each replica "
-            f"pipelines per step (batch.size, or batch.micro_size with accumulation); choose one of {divisors}"
-        )
-
-
-def stage_blocks(n_layers: int, stages: int) -> list[range]:
-    """The blocks of each stage: consecutive, as even as possible, earlier stages one more where needed."""
-    base, extra = divmod(n_layers, stages)
-    bounds = [0]
-    for s in range(stages):
-        bounds.append(bounds[-1] + base + (s < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def predicted_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
-    """The idle share of a step the schedule implies with equal stages and free communication: (pp - 1) slots of
-    fill and drain among the m (GPipe, 1F1B) or m x v (interleaved, each slot 1/v as long) slots of work."""
-    work = microbatches * (virtual if schedule == "interleaved_1f1b" else 1)
-    return (pp - 1) / (work + pp - 1)
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -207,35 +145,31 @@ class Pipeline:
         self,
         parts: list[nn.Module],
         stage_ids: list[int],
-        num_stages: int,
+        layout: Layout,
         pp_group: dist.ProcessGroup,
         device: torch.device,
-        schedule: str,
-        n_microbatches: int,
     ):
-        self.parts, self.stage_ids, self.num_stages = parts, stage_ids, num_stages
+        self.parts, self.stage_ids, self.layout = parts, stage_ids, layout
+        self.num_stages, self.pp, self.n_microbatches = layout.num_stages, layout.dims.pp, layout.microbatches
         self.group, self.device = pp_group, device
-        self.pp = dist.get_world_size(pp_group)
-        self.schedule_name, self.n_microbatches = schedule, n_microbatches
-        self.virtual = len(parts)
-        self.holds_loss = stage_ids[-1] == num_stages - 1
+        self.holds_loss = stage_ids[-1] == self.num_stages - 1
         self.scale = 1.0  # the loss's weight in the optimizer step (gradient accumulation)
         self.steps_run = 0
         self.timeline = StageTimeline(device)
         stages = []
         for part, index in zip(parts, stage_ids):
-            stage = PipelineStage(part, index, num_stages, device, group=pp_group)
+            stage = PipelineStage(part, index, self.num_stages, device, group=pp_group)
             stage.forward_one_chunk = self.timeline.wrap(index, "F", stage.forward_one_chunk)
             stage.backward_one_chunk = self.timeline.wrap(index, "B", stage.backward_one_chunk)
             stages.append(stage)
-        kind = SCHEDULES[schedule]
+        kind = SCHEDULES[layout.schedule]
         loss = self.timeline.wrap(stage_ids[-1], "L", self.loss)
-        self.schedule = kind(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, loss_fn=loss)
+        interleaved = layout.schedule == "interleaved_1f1b"
+        self.schedule = kind(stages if interleaved else stages[0], layout.microbatches, loss_fn=loss)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: the mean cross-entropy, weighted for accumulation."""
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return loss * self.scale
+        return lm_loss(logits, targets) * self.scale
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int) -> torch.Tensor:
         """Forward and backward of one batch through every stage; the mean loss of its micro-batches (times `scale`)
@@ -290,11 +224,11 @@ class Pipeline:
 
     def describe(self) -> dict:
         return {
-            "schedule": self.schedule_name,
-            "microbatches": self.n_microbatches,
-            "virtual_stages": self.virtual,
-            "stages": self.num_stages,
-            "predicted_bubble": predicted_bubble(self.schedule_name, self.pp, self.n_microbatches, self.virtual),
+            "schedule": self.layout.schedule,
+            "microbatches": self.layout.microbatches,
+            "virtual_stages": self.layout.virtual_stages,
+            "stages": self.layout.num_stages,
+            "predicted_bubble": self.layout.predicted_bubble,
         }
 
 

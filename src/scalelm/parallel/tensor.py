@@ -32,29 +32,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from scalelm.config import ModelConfig
-from scalelm.errors import ConfigError
-
-
-def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel: bool, seq_len: int | None = None,
-             sequence_parallel: bool = False) -> None:  # fmt: skip
-    """The sizes a TP degree must divide, checked before any model is built."""
-    if tp == 1:
-        return
-    for name, value in (("model.n_heads", model.n_heads), ("model.d_ff", model.d_ff)):
-        if value % tp:
-            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; each TP rank needs an equal share")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ConfigError(
-            f"parallel.sequence_parallel splits sequences of data.seq_len={seq_len} tokens across parallel.tp={tp} "
-            "ranks, which does not divide it; choose a multiple of tp or switch sequence_parallel off"
-        )
-    if loss_parallel and vocab_size is not None and vocab_size % tp:
-        raise ConfigError(
-            f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
-            "which does not divide it; switch loss_parallel off or choose another tp"
-        )
-
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """Parallelize `model` (on the meta device or materialised) over `tp_mesh`, in place."""
@@ -67,7 +44,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         "ffn.3": RowwiseParallel(output_layouts=between),  # FFN out
     }
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        gather = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
         plan |= {"attn": gather, "ffn": gather}
         plan |= {"norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True)}
     stream = tp_mesh.get_local_rank() + 1  # 0 is the stream the TP group shares

@@ -16,7 +16,7 @@ import json
 import sys
 
 from scalelm.config import load_config
-from scalelm.data.prepared import load_prepared
+from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.launch.site import load_site
 from scalelm.plan.comm import INTER, INTRA, totals
@@ -64,7 +64,7 @@ def vocab_size_of(args: argparse.Namespace, prepared_dir: str) -> int:
             raise ConfigError(f"--vocab-size must be at least 2, got {args.vocab_size}")
         return args.vocab_size
     try:
-        return load_prepared(prepared_dir).vocab_size
+        return read_manifest(prepared_dir)["vocab_size"]
     except DataError as err:
         raise DataError(f"{err} Or pass --vocab-size.") from None
 

@@ -55,7 +55,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     global_batch, micro = config.batch.sizes(dims.dp_size)
     per_rank_batch = global_batch // dims.dp_size
     accumulation = max(1, per_rank_batch // micro)
-    chunks = work.microbatches(dims)
+    chunks = work.layout(dims).microbatches
     passes = accumulation * chunks  # forward passes per step
     tensors = max(rank_tensors(work, dims), key=lambda held: sum(t.numel(dims.tp) for t in held))
     params = sum(t.numel(dims.tp) for t in tensors)  # this rank's parameters before FSDP cuts them
@@ -80,7 +80,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         tokens = per_rank_batch * config.data.seq_len
         add("all-reduce activations (TP, 4 per block)", "tp", 4 * blocks * ring(dims.tp, tokens * d * e, True))
     if dims.pp > 1:
-        virtual = work.virtual_stages(dims)
+        virtual = work.layout(dims).virtual_stages
         tokens = per_rank_batch // chunks * config.data.seq_len
         add("send activations and gradients (PP)", "pp", 2 * virtual * accumulation * chunks * tokens * d * e)
     return out

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
-from scalelm.parallel.pipeline import check_microbatches, check_pipeline, microbatches
-from scalelm.parallel.tensor import check_tp
+from scalelm.parallel.layout import Layout, check_layout
 from scalelm.plan.comm import Traffic, totals, traffic
 from scalelm.plan.memory import MemoryPlan, Workload, plan_memory
 
@@ -129,15 +128,9 @@ def three_d(machine: Machine) -> ParallelDims | None:
 
 
 def feasible(work: Workload, dims: ParallelDims) -> None:
-    """The checks scalelm.parallel makes before it builds a model: a ConfigError says why `dims` cannot run it."""
-    config = work.config
-    options = config.parallel
-    sequence = (config.data.seq_len, options.sequence_parallel)
-    check_tp(dims.tp, config.model, work.vocab_size, options.loss_parallel, *sequence)
-    check_pipeline(dims.pp, options, config.model)
-    _, micro = config.batch.sizes(dims.dp_size)
-    if dims.pp > 1:
-        check_microbatches(microbatches(options, dims.pp), micro)
+    """What the trainer checks before it builds a model (`check_layout`): a ConfigError says why `dims` cannot run
+    the workload."""
+    check_layout(work.config, Layout.of(dims, work.config.parallel), work.vocab_size)
 
 
 def plan_layout(work: Workload, candidate: Candidate, machine: Machine) -> LayoutPlan:
@@ -192,8 +185,12 @@ def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
             choice.reason = (
                 f"the model, its optimizer state and a micro-batch's activations fit one GPU "
                 f"({gb(single.memory.total)} of {gb(machine.usable_bytes)} GB usable): "
-                + ("nothing to split" if machine.gpus == 1 else "replicate it; DDP's one all-reduce of the gradients "
-                   "per step is the least communication of any layout")  # fmt: skip
+                + (
+                    "nothing to split"
+                    if machine.gpus == 1
+                    else "replicate it; DDP's one all-reduce of the gradients "
+                    "per step is the least communication of any layout"
+                )  # fmt: skip
             )
             return choice
     reasons = {

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from scalelm.config import Config, ModelConfig
 from scalelm.parallel.dims import ParallelDims
-from scalelm.parallel.pipeline import microbatches, stage_blocks
+from scalelm.parallel.layout import Layout
 
 PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 STATE_PARTS = PARTS[:3]
@@ -120,16 +120,9 @@ class Workload:
         """Bytes of an activation, and of a weight FSDP gathers (in the compute precision)."""
         return 2 if self.precision == "bf16" else 4
 
-    def microbatches(self, dims: ParallelDims) -> int:
-        """The pieces a pipeline cuts each forward pass's batch in (1 without a pipeline)."""
-        return microbatches(self.config.parallel, dims.pp) if dims.pp > 1 else 1
-
-    def virtual_stages(self, dims: ParallelDims) -> int:
-        return self.config.parallel.pp_virtual_stages if dims.pp > 1 else 1
-
-    def stages(self, dims: ParallelDims) -> list[range]:
-        """The blocks of each pipeline stage (one stage, every block, without a pipeline)."""
-        return stage_blocks(self.config.model.n_layers, dims.pp * self.virtual_stages(dims))
+    def layout(self, dims: ParallelDims) -> Layout:
+        """`dims` with the config's pipeline options: its micro-batches, virtual stages and stages' blocks."""
+        return Layout.of(dims, self.config.parallel)
 
     @property
     def mask_bytes(self) -> int:
@@ -195,7 +188,7 @@ def stage_of(tensor: Tensor, blocks: list[range]) -> int:
 def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Tensor]]:
     """The parameters of each pipeline rank (one list without a pipeline)."""
     tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
-    stages = work.stages(dims)
+    stages = work.layout(dims).stage_blocks(work.config.model.n_layers)
     held: list[list[Tensor]] = [[] for _ in range(dims.pp)]
     for tensor in tensors:
         held[stage_of(tensor, stages) % dims.pp].append(tensor)
@@ -231,9 +224,9 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     config = work.config
     options, model = config.parallel, config.model
     _, micro = config.batch.sizes(dims.dp_size)  # sequences of one forward/backward on a data-parallel rank
-    chunks = work.microbatches(dims)
+    layout = work.layout(dims)
+    chunks, virtual, stages = layout.microbatches, layout.virtual_stages, layout.stage_blocks(model.n_layers)
     tokens = max(1, micro // chunks) * config.data.seq_len
-    virtual, stages = work.virtual_stages(dims), work.stages(dims)
     per_block, formula = block_bytes_per_token(work, dims)
     e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
     u = dims.tp if options.sequence_parallel else 1

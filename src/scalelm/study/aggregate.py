@@ -31,8 +31,8 @@ from scalelm.study.plots import plot_losses, plot_scaling
 from scalelm.study.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.study.timing import overlapping_runs, steady_state
 from scalelm.study.utilisation import plot_utilisation, summarise
-from scalelm.train.metrics import read_metrics
 from scalelm.train.peak import mfu
+from scalelm.train.record import read_metrics
 from scalelm.train.rundir import RunDir
 
 COLUMNS = [

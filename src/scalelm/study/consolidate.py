@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="model file to write (default: model.pt in the run directory)")
     args = parser.parse_args(argv)
     meta = consolidate(RunDir(args.run_dir), args.out)
-    print(f"consolidated step {meta['step']} of {meta['checkpoint']} into {meta['model']} (sha256 {meta['sha256'][:12]})")
+    print(
+        f"consolidated step {meta['step']} of {meta['checkpoint']} into {meta['model']} (sha256 {meta['sha256'][:12]})"
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from scalelm.data import load_prepared
+from scalelm.data.prepared import load_prepared
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text
 from scalelm.study.consolidate import load_consolidated
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     result.update(split=args.split, model=str(args.model), model_sha256=meta["sha256"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
-    print(f"{args.split}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, {result['tokens']:,} tokens")
+    print(
+        f"{args.split}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, {result['tokens']:,} tokens"
+    )
 
 
 if __name__ == "__main__":

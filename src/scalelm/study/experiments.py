@@ -13,8 +13,8 @@ from typing import Any
 
 from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
-from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
-from scalelm.parallel.pipeline import check_microbatches, microbatches
+from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.layout import Layout, resolve_layout
 from scalelm.train.rundir import RunDir
 
 
@@ -26,12 +26,16 @@ class Experiment:
     procs_per_node: int
     seed: int
     training: dict[str, Any] = field(compare=False, hash=False)  # resolved training settings (scalelm.config)
-    dims: ParallelDims = field(default_factory=ParallelDims, compare=False, hash=False)  # the resolved layout
+    layout: Layout = field(default=Layout(ParallelDims()), compare=False, hash=False)  # resolved and checked
     check_memory: bool = field(default=True, compare=False)  # refused before the queue if it cannot fit (plan)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
 
     @property
     def geometry(self) -> str:
@@ -86,24 +90,13 @@ def training_config(config: dict[str, Any], name: str, seed: int, run_dir: str) 
         raise ConfigError(f"experiments.{name}: {err}") from None
 
 
-def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> ParallelDims:
-    """The experiment's parallel layout on its nodes: degrees that do not fit are refused before any job."""
-    parallel = training.parallel
+def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> Layout:
+    """The experiment's layout on its nodes, checked: a layout, batch or model it cannot run is refused before any
+    job is queued."""
     try:
-        return resolve_dims(parallel.strategy, degrees_of(training), nodes * procs_per_node, procs_per_node)
+        return resolve_layout(training, nodes * procs_per_node, procs_per_node)
     except ConfigError as err:
         raise ConfigError(f"experiments.{name} ({nodes} x {procs_per_node} processes): {err}") from None
-
-
-def check_batch(name: str, training: Config, dims: ParallelDims) -> None:
-    """The batch must split evenly over the data-parallel ranks, the micro-batches and a pipeline's pieces: refused
-    here, before any job is queued."""
-    try:
-        _, per_replica = training.batch.sizes(dims.dp_size)
-        if dims.pp > 1:
-            check_microbatches(microbatches(training.parallel, dims.pp), per_replica)
-    except ConfigError as err:
-        raise ConfigError(f"experiments.{name}: {err}") from None
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # workflow/schemas/config.schema.yaml says the same
@@ -156,8 +149,7 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
         for seed in seeds:
             run_dir = str(RunDir.of(results, name, seed).path)
             training = training_config(config, name, seed, run_dir)
-            dims = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
-            check_batch(name, training, dims)
+            layout = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
             geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
-            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), dims, spec.get("check_memory", True)))
+            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), layout, spec.get("check_memory", True)))
     return matrix

@@ -10,7 +10,7 @@ layout divides; a single process runs the same settings. Every layout trains the
 their losses must agree step by step (to LOSS_TOLERANCE, fp32's reordered sums): a mismatch names the experiment
 within minutes, before hours of GPU time.
 
-    python -m scalelm.study.preflight slice --data data/prepared --out results/preflight/data --tokens 4096
+    python -m scalelm.data.slice --data data/prepared --out results/preflight/data --tokens 4096
     python -m scalelm.study.preflight compare --run ddp=results/preflight/ddp:results/preflight/reference.0 ... \
         --out results/preflight/preflight.csv
 """
@@ -21,21 +21,19 @@ import argparse
 import csv
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 from scalelm.config import from_dict
-from scalelm.data.prepared import MANIFEST, SPLITS, load_prepared
+from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
-from scalelm.files import atomic_path, atomic_write_text, sha256
+from scalelm.files import atomic_write_text
 from scalelm.launch.site import SiteConfig
 from scalelm.parallel.dims import ParallelDims
-from scalelm.parallel.pipeline import microbatches
 from scalelm.plan.layouts import Candidate, Machine, gb, plan_layout
 from scalelm.plan.memory import PARTS, Workload
 from scalelm.study.experiments import Experiment, deep_merge
-from scalelm.train.metrics import read_metrics
+from scalelm.train.record import read_metrics
 
 PREFLIGHT_STEPS = 3
 LOSS_TOLERANCE = 1e-4  # relative, per step
@@ -76,7 +74,7 @@ def check_fits(experiment: Experiment, plan: dict[str, Any], check: bool = True)
 
 def write_plan(experiment: Experiment, site: SiteConfig, prepared_dir: str | Path, out: str | Path) -> None:
     """The rule `plan`: refuse an experiment that cannot fit, else write its plan."""
-    plan = plan_experiment(experiment, site, load_prepared(prepared_dir).vocab_size)
+    plan = plan_experiment(experiment, site, read_manifest(prepared_dir)["vocab_size"])
     check_fits(experiment, plan, experiment.check_memory)
     atomic_write_text(out, json.dumps(plan, indent=1) + "\n")
 
@@ -86,8 +84,7 @@ def preflight_batch(matrix: list[Experiment]) -> int:
     """A global batch every experiment's data-parallel ranks and pipeline micro-batches divide."""
     batch = 1
     for e in matrix:
-        pieces = microbatches(from_dict(e.training).parallel, e.dims.pp) if e.dims.pp > 1 else 1
-        batch = math.lcm(batch, e.dims.dp_size * pieces)
+        batch = math.lcm(batch, e.dims.dp_size * e.layout.microbatches)
     return batch * math.ceil(MIN_BATCH / batch)
 
 
@@ -128,22 +125,6 @@ def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str
     return runs
 
 
-def slice_prepared(source: Path, out: Path, tokens: int) -> None:
-    """A prepared data directory with the first `tokens` ids of each split and the same vocabulary."""
-    import torch
-
-    data = load_prepared(source)
-    manifest = data.manifest | {"sliced_from": {"path": str(source), "tokens_per_split": tokens}}
-    with atomic_path(out) as partial:
-        partial.mkdir(parents=True)
-        shutil.copy(source / "vocab.txt", partial / "vocab.txt")
-        for split in SPLITS:
-            torch.save(data.splits[split][:tokens].clone(), partial / f"{split}.pt")
-            manifest["splits"][split] |= {"tokens": min(tokens, data.splits[split].numel()),
-                                          "sha256": sha256(partial / f"{split}.pt")}  # fmt: skip
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
 def compare(pairs: dict[str, tuple[Path, Path]], out: Path) -> list[dict[str, Any]]:
     """Each run's losses against its reference's, step by step; the table is written, then a mismatch raised."""
     rows = []
@@ -180,18 +161,10 @@ def losses(run: Path) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m scalelm.study.preflight", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    sliced = commands.add_parser("slice", help="the first tokens of each split of a prepared data directory")
-    sliced.add_argument("--data", type=Path, required=True)
-    sliced.add_argument("--out", type=Path, required=True)
-    sliced.add_argument("--tokens", type=int, required=True)
     compared = commands.add_parser("compare", help="each run's losses against its reference's")
     compared.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR:REFERENCE_DIR")
     compared.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if args.command == "slice":
-        slice_prepared(args.data, args.out, args.tokens)
-        print(f"sliced {args.data} to the first {args.tokens:,} tokens of each split in {args.out}")
-        return
     pairs = {}
     for text in args.run:
         name, _, dirs = text.partition("=")

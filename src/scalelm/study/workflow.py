@@ -63,8 +63,14 @@ class Study:
                               f"{self.expect_strict!r}")  # fmt: skip
         if config.get("site") and on_login_node:  # before any job is submitted; jobs need not ask again
             check_node_counts({e.name: e.nodes for e in self.matrix.values()}, self.site.partition)
-        self.image = image_file(config["container"], self.results)
+        container = config["container"]
+        self.image = image_file(container, self.results)
         self.runtime = find_runtime() if self.image else None
+        # what the container rules need: the definition to build from (mode build), the URI to pull (an image URI)
+        self.image_definition = (
+            container.get("definition", "containers/scalelm.def") if container["mode"] == "build" else None
+        )
+        self.image_uri = container["image"] if container["mode"] == "image" and is_uri(container["image"]) else None
 
     # ---------------------------------------------------------------------------------------- the runs
     def experiment(self, wildcards) -> Experiment:
@@ -95,7 +101,11 @@ class Study:
     def preflight_tokens(self) -> int:
         """Tokens per split of the preflight's data slice: every step's batch, and one more window to spare."""
         runs = [run["settings"] for run in self.preflight.values()]
-        return max((preflight.PREFLIGHT_STEPS + 1) * s["batch"]["size"] * s["data"]["seq_len"] + 1 for s in runs) if runs else 1
+        return (
+            max((preflight.PREFLIGHT_STEPS + 1) * s["batch"]["size"] * s["data"]["seq_len"] + 1 for s in runs)
+            if runs
+            else 1
+        )
 
     def preflight_args(self) -> str:
         """`compare`'s arguments: each experiment's run directory with its reference's."""
@@ -114,7 +124,9 @@ class Study:
 
     def prepare_args(self) -> str:
         data = self.config["data"]
-        return shlex.join([*(["--lowercase"] if data.get("lowercase") else []), "--min-freq", str(data.get("min_freq", 1))])
+        return shlex.join(
+            [*(["--lowercase"] if data.get("lowercase") else []), "--min-freq", str(data.get("min_freq", 1))]
+        )
 
     def launch_args(self, wildcards) -> str:
         e = self.experiment(wildcards)
@@ -132,6 +144,12 @@ class Study:
         args += ["--baseline", self.baseline]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
         return shlex.join(args)
+
+    def build_image_args(self) -> str:
+        """`scalelm.launch.container build`'s base image and build options (container.mode: build)."""
+        container = self.config["container"]
+        options = [f"--build-option={option}" for option in container.get("build_options", [])]
+        return shlex.join(["--base-image", container.get("base_image", ""), *options])
 
     def in_container(self) -> str:
         """Prefix that runs a single-process command inside the image (empty without a container)."""
@@ -227,6 +245,10 @@ def stop_signal_seconds(resources: dict[str, Any]) -> int:
     return ahead
 
 
+def is_uri(image: str) -> bool:
+    return "://" in image
+
+
 def image_file(container: dict[str, Any], results: str) -> str | None:
     """The .sif every job runs in: built here, pulled here (a URI), or given (a path); None without a container."""
     mode, image = container["mode"], container.get("image")
@@ -234,7 +256,7 @@ def image_file(container: dict[str, Any], results: str) -> str | None:
         return None
     if not image:
         raise ConfigError(f"container.mode is {mode}: set container.image (a .sif path or an oras:// URI)")
-    if mode == "image" and "://" in image:
+    if mode == "image" and is_uri(image):
         return f"{results}/image/scalelm.sif"  # rule pull_image fetches it on the login node
     if mode == "image":
         check_image(image)

@@ -2,7 +2,8 @@
 
 Layout of one checkpoint, `<run_dir>/checkpoints/step_00000420/`:
     *.distcp + .metadata   model and optimizer state as a Distributed Checkpoint (every rank writes its shards)
-    trainer.pt    step, epoch, position in the epoch, scheduler, every rank's RNG state, model shape
+    trainer.pt    the checkpoint format, step, epoch, position in the epoch, scheduler, every rank's RNG state,
+                  model shape
     COMPLETE      sha256 of every file above, written last
 
 A checkpoint is written into `step_N.partial/` and renamed when complete, so a crash mid-write never leaves
@@ -10,8 +11,8 @@ something that looks finished. State dicts go through torch.distributed.checkpoi
 the same fully-qualified names for a plain, a DDP, an FSDP and a tensor-parallel model, and DCP stores every tensor
 whole (its shards with their offsets): any checkpoint loads into any layout and world size. The optimizer's state
 is stored flat, its hyperparameters under each parameter's name, so that pipeline stages, which hold different
-parameters, each write and read their own (the nested form keeps one rank's list of parameter names). Checkpoints
-of earlier versions (`state.pt` from rank 0; DCP with the nested optimizer state) still load.
+parameters, each write and read their own (the nested form keeps one rank's list of parameter names). A checkpoint
+of another format (FORMAT, in trainer.pt) is refused by name, never skipped: a run goes on only from what it wrote.
 
 Nothing read from a checkpoint can run code: DCP unpickles `.metadata` with plain pickle and its non-tensor entries
 (the optimizer's hyperparameters) with `torch.load(weights_only=False)`; here `.metadata` goes through an allow-list
@@ -49,13 +50,12 @@ from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
 
+FORMAT = 1  # of the files below; a change in what they hold or how is a new format
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-NESTED_MARK = "optim.param_groups.0.lr"  # the first group's rate in the nested form, which earlier versions wrote
 
 # one process writes and reads DCP too, on purpose: no process group to warn about
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-STATE_FILE = "state.pt"
 TRAINER_FILE = "trainer.pt"
 METADATA_FILE = ".metadata"
 MARKER = "COMPLETE"
@@ -164,7 +164,7 @@ class Checkpointer:
             no_dist=not is_distributed(),
         )
         if self.env.is_main:
-            trainer = {"state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs}
+            trainer = {"format": FORMAT, "state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs}
             torch.save(trainer, partial / TRAINER_FILE)
         barrier()  # every shard is on disk before the marker says so
         if self.env.is_main:
@@ -194,7 +194,7 @@ class Checkpointer:
         path = self.resumed_from = self.latest()
         if path is None:
             return None
-        trainer = load_tensors(path / TRAINER_FILE)
+        trainer = read_trainer(path)
         state = TrainerState(**trainer["state"])
         check_shape(state.model_shape, expected_shape, path)
         load_weights(path, model, optimizer)
@@ -242,8 +242,6 @@ def verify(path: Path) -> str | None:
     try:
         if (path / TRAINER_FILE).is_file():
             load_tensors(path / TRAINER_FILE)
-        if (path / STATE_FILE).is_file():
-            return None  # an earlier version's single file: load_tensors reads it with weights_only=True
         metadata = SafeReader(path).read_metadata()
         for index, info in metadata.storage_data.items():
             if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
@@ -273,22 +271,12 @@ def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> 
 
 
 def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
-    """Load a checkpoint (DCP, or an earlier version's state.pt) into a model of any layout (and its optimizer)."""
-    if (path / STATE_FILE).is_file():
-        saved = load_tensors(path / STATE_FILE, map_location="cpu")
-        # Every rank holds the full dict; set_*_state_dict shards it for FSDP.
-        options = StateDictOptions(full_state_dict=True) if is_distributed() else None
-        set_model_state_dict(model, saved["model"], options=options)
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, saved["optim"], options=options)
-        return
+    """Load a checkpoint into a model of any layout (and its optimizer)."""
     if not (path / METADATA_FILE).is_file():
-        raise CheckpointError(f"{path} holds neither {STATE_FILE} nor a Distributed Checkpoint ({METADATA_FILE})")
+        raise CheckpointError(f"{path} holds no Distributed Checkpoint ({METADATA_FILE} is missing)")
     target = {"model": get_model_state_dict(model)}
-    options = None
     if optimizer is not None:
-        options = None if NESTED_MARK in SafeReader(path).read_metadata().state_dict_metadata else FLAT
-        target["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
+        target["optim"] = get_optimizer_state_dict(model, optimizer, options=FLAT)
     try:  # reshards to this layout
         dcp.load(target, storage_reader=SafeReader(path), planner=PlainValuePlanner(), no_dist=not is_distributed())
     except CheckpointException as err:  # DCP wraps every rank's error: ours say what is wrong with the file
@@ -300,8 +288,19 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
         raise CheckpointError(f"checkpoint {path} could not be read ({reason}); it is damaged") from None
     set_model_state_dict(model, target["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, target["optim"], options=options)
+        set_optimizer_state_dict(model, optimizer, target["optim"], options=FLAT)
+
+
+def read_trainer(path: Path) -> dict[str, Any]:
+    """trainer.pt of the checkpoint at `path`, of this scalelm's checkpoint format (refused by name otherwise)."""
+    trainer = load_tensors(Path(path) / TRAINER_FILE)
+    if trainer.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} is of checkpoint format {trainer.get('format')!r}; this scalelm reads format {FORMAT}: "
+            "continue the run with the scalelm that wrote it, or start it afresh in another run directory"
+        )
+    return trainer
 
 
 def read_trainer_state(path: Path) -> TrainerState:
-    return TrainerState(**load_tensors(Path(path) / TRAINER_FILE)["state"])
+    return TrainerState(**read_trainer(path)["state"])

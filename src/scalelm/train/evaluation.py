@@ -7,16 +7,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from scalelm.data import EvalBatches
-from scalelm.data.windows import IGNORE_INDEX
+from scalelm.data.windows import EvalBatches
+from scalelm.model.loss import IGNORE_INDEX, lm_loss
 from scalelm.train.metrics import perplexity
 from scalelm.train.preemption import StopRequested
 
 if TYPE_CHECKING:
-    from scalelm.parallel import Parallel
+    from scalelm.parallel.runtime import Parallel
 
 
 def eval_rows(batch_size: int, seq_len: int, max_tokens: int | None) -> int:
@@ -57,9 +56,7 @@ def evaluate(
             if logits is None:  # a pipeline stage before the last: it handed its activations on
                 continue
             with loss_context():  # logits split by vocabulary (loss parallel): the loss without gathering them
-                loss = F.cross_entropy(
-                    logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-                )
+                loss = lm_loss(logits, targets, reduction="sum")
             totals[0] += local(loss).double()
             totals[1] += (targets != IGNORE_INDEX).sum()
     finally:

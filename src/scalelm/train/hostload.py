@@ -9,7 +9,7 @@ from typing import Any
 
 import psutil
 
-from scalelm.parallel.env import all_gather_object, is_distributed
+from scalelm.parallel.env import all_gather_object
 
 
 def _busy_seconds() -> float:
@@ -51,7 +51,7 @@ class HostLoad:
     def finish(self) -> dict[str, dict[str, Any]]:
         wall, busy, own = _since(self.start)
         mine = (socket.gethostname(), wall, busy, own)
-        ranks = all_gather_object(mine) if is_distributed() else [mine]
+        ranks = all_gather_object(mine)
         hosts: dict[str, dict[str, Any]] = {}
         for host, wall, busy, own in ranks:
             entry = hosts.setdefault(host, {"cpus": psutil.cpu_count(), "wall": wall, "busy": busy, "run": 0.0})

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from scalelm.files import append_text, atomic_write_text
-from scalelm.train.rundir import RunDir
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float | None]:
@@ -144,8 +143,3 @@ class Stopwatch:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = RunDir(Path(run_dir)).metrics
-    return [json.loads(line) for line in path.read_text().splitlines() if line]

@@ -74,7 +74,11 @@ def sample_processes(processes: dict[int, psutil.Process]) -> list[dict[str, Any
         try:
             with process.oneshot():
                 readings.append(
-                    {"rank": rank, "cpu_percent": process.cpu_percent(None), "rss_mb": process.memory_info().rss / 2**20}
+                    {
+                        "rank": rank,
+                        "cpu_percent": process.cpu_percent(None),
+                        "rss_mb": process.memory_info().rss / 2**20,
+                    }
                 )
         except psutil.Error:  # the process has ended
             continue
@@ -147,24 +151,32 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str], boar
             board.close()
         cost = me.cpu_times()
         wall = time.monotonic() - began
-        handle.write(json.dumps({"kind": "end", "time": time.time(), "wall_s": wall, "cpu_s": cost.user + cost.system}) + "\n")
+        handle.write(
+            json.dumps({"kind": "end", "time": time.time(), "wall_s": wall, "cpu_s": cost.user + cost.system}) + "\n"
+        )
 
 
 class Monitor:
     """Started by every rank at the start of training: local rank 0 of each node starts the node's sampler."""
 
     def __init__(self, directory: Path, env: DistEnv, interval_s: float, board: Path | None = None):
-        from scalelm.parallel.env import all_gather_object, is_distributed
+        from scalelm.parallel.env import all_gather_object
 
         self.process: subprocess.Popen | None = None
         if not interval_s:
             return
         mine = (env.hostname, env.node_rank, env.local_rank, env.rank, os.getpid(), device_uuid(env.device))
-        everyone = all_gather_object(mine) if is_distributed() else [mine]
+        everyone = all_gather_object(mine)
         if env.local_rank != 0:
             return
         node = [entry for entry in everyone if entry[:2] == (env.hostname, env.node_rank)]
-        command = [sys.executable, "-m", "scalelm.train.monitor", "--out", str(directory / f"node{env.node_rank}.jsonl")]
+        command = [
+            sys.executable,
+            "-m",
+            "scalelm.train.monitor",
+            "--out",
+            str(directory / f"node{env.node_rank}.jsonl"),
+        ]
         command += ["--interval", str(interval_s)]
         command += ["--board", str(board / f"node{env.node_rank}")] if board else []
         command += [arg for *_, rank, pid, _ in node for arg in ("--proc", f"{rank}:{pid}")]

@@ -31,7 +31,7 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    # The fused kernel does the update in one pass over each tensor's state, on CPU several times faster than torch's
+    # The fused kernel does the update in one pass over each tensor's state, on CPU much faster than torch's
     # per-tensor default (docs/benchmarks.md), on CUDA fewer passes than its foreach default.
     fused = all(p.device.type in FUSED_DEVICES for p in model.parameters()) or None
     return torch.optim.AdamW(

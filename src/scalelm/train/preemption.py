@@ -13,10 +13,9 @@ import signal
 import torch
 import torch.distributed as dist
 
-from scalelm.errors import ScaleLMError
+from scalelm.errors import EXIT_PREEMPTED, ScaleLMError
 from scalelm.parallel.env import is_distributed
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later, the run will resume
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

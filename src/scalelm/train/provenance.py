@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 import scalelm
 from scalelm.parallel.env import all_gather_object
+from scalelm.version import git_commit
 
 # Environment variables worth keeping; everything else (tokens, keys) stays out of the files we write.
 RECORDED_ENV = (
@@ -28,19 +28,6 @@ RECORDED_ENV = (
     "OMP_NUM_THREADS",
 )
 CONTAINER_LABELS = Path("/.singularity.d/labels.json")
-
-
-def git_commit() -> str | None:
-    if os.environ.get("SCALELM_GIT_COMMIT"):  # set inside the image, which has no .git
-        return os.environ["SCALELM_GIT_COMMIT"]
-    source = Path(scalelm.__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def container() -> dict[str, Any] | None:

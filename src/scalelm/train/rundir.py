@@ -77,7 +77,9 @@ class RunDir:
     path: Path
 
     train_config = _entry("train.yaml")
-    plan = _entry("plan.json")  # scalelm.plan's figures for the layout, written before the training (scalelm.study.preflight)
+    plan = _entry(
+        "plan.json"
+    )  # scalelm.plan's figures for the layout, written before the training (scalelm.study.preflight)
     config = _entry("config.yaml")
     identity = _entry("identity.json")
     metrics = _entry("metrics.jsonl")

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from scalelm.config import Config, dump_config, load_config
-from scalelm.data import PreparedData, TrainBatches, load_prepared
+from scalelm.data.prepared import PreparedData, load_prepared
+from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import atomic_write_text, disk_errors
 from scalelm.model import TransformerLM, flops_per_token
-from scalelm.parallel import Parallel
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
+from scalelm.parallel.runtime import Parallel
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
@@ -62,7 +63,7 @@ def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
     """This rank's training batches: each data-parallel rank takes its share of the global batch, the ranks of a TP
-    group share theirs. A batch the data or the layout cannot take is refused here."""
+    group share theirs (the layout's checks passed: the batch splits over its ranks and micro-batches)."""
     global_batch, micro_batch = config.batch.sizes(parallel.dims.dp_size)
     batches = TrainBatches(
         tokens=data.splits["train"],
@@ -74,7 +75,6 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
         world_size=parallel.dims.dp_size,
         seed=config.seed,
     )
-    parallel.check_batch(batches.micro_batch)
     return batches
 
 
@@ -93,7 +93,7 @@ class Trainer:
         self.shape = model_shape(config, data.vocab_size)
         self.workload = Workload(config, data.vocab_size, self.env.device.type)
         # the initial weights of a single process with this seed, whatever the layout
-        self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed, data.vocab_size)
+        self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)
         # dropout: distinct masks per data-parallel rank, the same within a TP group (its activations are replicated)
         torch.manual_seed(config.seed * 1000 + parallel.dp_rank)
         self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, dp_size))
@@ -353,7 +353,9 @@ class Trainer:
                 "tokens_per_step": self.tokens_per_step,
                 "train_time_s": self.state.train_seconds,
                 "tokens_per_s": self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else None,
-                "mfu": self.mfu(self.state.tokens_seen / self.state.train_seconds) if self.state.train_seconds else None,
+                "mfu": self.mfu(self.state.tokens_seen / self.state.train_seconds)
+                if self.state.train_seconds
+                else None,
                 "flops_per_token": self.flops_per_token,
                 "peak_flops_per_device": self.peak_flops,
                 "peak_flops_source": self.peak_source,
@@ -376,10 +378,10 @@ def run(config: Config) -> dict[str, Any]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env = setup(config.device, config.parallel.timeout_s, cpu_collectives=config.parallel.cpu_offload)
     try:
-        # Everything that can be refused is refused before the run directory is touched: the layout against the
-        # world, the data, the batch against both.
-        parallel = Parallel.start(config, env)
+        # Everything that can be refused is refused before the run directory is touched: the data, the layout
+        # against the world and the data, the batch against both.
         data = load_prepared(config.data.prepared_dir)
+        parallel = Parallel.start(config, env, data.vocab_size)
         batches = train_batches(config, parallel, data)
         run_dir = RunDir(Path(config.run_dir))
         with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):

@@ -1,0 +1,3 @@
+from scalelm.cli import main
+
+main()

@@ -1,0 +1,141 @@
+"""A layout: the parallel degrees (dims.py) with the pipeline's options, and whether a training config can run on it.
+
+`resolve_layout` is what every caller uses: the trainer (`Parallel.start`, for its world), the workflow (each
+experiment on its nodes, before any job is queued) and the planner (each candidate on a machine) resolve the
+degrees and call the one `check_layout`, so a new option is checked in one place. Torch-free, like dims.py: the
+workflow's parse, the planner and the launcher read layouts without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scalelm.errors import ConfigError
+from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
+
+if TYPE_CHECKING:
+    from scalelm.config import Config, ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    schedule: str = "1f1b"  # the pipeline's schedule (no meaning without a pipeline)
+    microbatches: int = 1  # the pieces a pipeline cuts each forward/backward's batch into; 1 without one
+    virtual_stages: int = 1  # pipeline stages per rank (the interleaved schedule); 1 without a pipeline
+
+    @classmethod
+    def of(cls, dims: ParallelDims, options: ParallelConfig) -> Layout:
+        if dims.pp == 1:
+            return cls(dims)
+        return cls(dims, options.pp_schedule, options.pp_microbatches or 2 * dims.pp, options.pp_virtual_stages)
+
+    @property
+    def num_stages(self) -> int:
+        return self.dims.pp * self.virtual_stages
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages of pipeline rank `pp_rank`: itself, + pp, ... (the interleaved schedule's loop)."""
+        return list(range(pp_rank, self.num_stages, self.dims.pp))
+
+    def stage_blocks(self, n_layers: int) -> list[range]:
+        """The blocks of each stage (one stage of every block without a pipeline)."""
+        return stage_blocks(n_layers, self.num_stages)
+
+    @property
+    def predicted_bubble(self) -> float:
+        return predicted_bubble(self.schedule, self.dims.pp, self.microbatches, self.virtual_stages)
+
+
+def resolve_layout(config: Config, world_size: int, procs_per_node: int, vocab_size: int | None = None) -> Layout:
+    """The config's layout on `world_size` ranks in nodes of `procs_per_node`, checked (`check_layout`)."""
+    dims = resolve_dims(config.parallel.strategy, degrees_of(config), world_size, procs_per_node)
+    layout = Layout.of(dims, config.parallel)
+    check_layout(config, layout, vocab_size)
+    return layout
+
+
+def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) -> None:
+    """Whether `config` can run on `layout`: a ConfigError names the value and what to change. The vocabulary is
+    checked where it is known (None: not yet)."""
+    dims, options = layout.dims, config.parallel
+    check_tp(dims.tp, config.model, vocab_size, options.loss_parallel, config.data.seq_len, options.sequence_parallel)
+    check_pipeline(dims.pp, options, config.model)
+    _, per_replica = config.batch.sizes(dims.dp_size)
+    if dims.pp > 1:
+        check_microbatches(layout.microbatches, per_replica)
+
+
+def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel: bool, seq_len: int | None = None,
+             sequence_parallel: bool = False) -> None:  # fmt: skip
+    """The sizes a TP degree must divide."""
+    if tp == 1:
+        return
+    for name, value in (("model.n_heads", model.n_heads), ("model.d_ff", model.d_ff)):
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; each TP rank needs an equal share")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits sequences of data.seq_len={seq_len} tokens across parallel.tp={tp} "
+            "ranks, which does not divide it; choose a multiple of tp or switch sequence_parallel off"
+        )
+    if loss_parallel and vocab_size is not None and vocab_size % tp:
+        raise ConfigError(
+            f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
+            "which does not divide it; switch loss_parallel off or choose another tp"
+        )
+
+
+def check_pipeline(pp: int, options: ParallelConfig, model: ModelConfig) -> None:
+    """The pipeline's schedule, virtual stages and blocks against its degree."""
+    virtual = options.pp_virtual_stages
+    if pp == 1:
+        return
+    if options.pp_schedule == "interleaved_1f1b" and virtual < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b runs several stages per rank, but parallel.pp_virtual_stages="
+            f"{virtual}; set it to 2 or more, or use pp_schedule 1f1b or gpipe"
+        )
+    if options.pp_schedule != "interleaved_1f1b" and virtual > 1:
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={virtual} needs parallel.pp_schedule=interleaved_1f1b "
+            f"({options.pp_schedule} runs one stage per rank); set pp_virtual_stages to 1 or change the schedule"
+        )
+    stages = pp * virtual
+    if model.n_layers < stages:
+        raise ConfigError(
+            f"model.n_layers={model.n_layers} blocks cannot fill {stages} pipeline stages (parallel.pp={pp} x "
+            f"pp_virtual_stages={virtual}); every stage needs a block: lower pp or pp_virtual_stages, or add layers"
+        )
+    if model.tie_weights:
+        raise ConfigError(
+            "model.tie_weights shares the embedding of the first pipeline stage with the output projection of the "
+            f"last, which parallel.pp={pp} places on different ranks; set model.tie_weights=false or parallel.pp=1"
+        )
+
+
+def check_microbatches(count: int, batch: int) -> None:
+    """The micro-batches of a pipeline step must cut each replica's batch (of one accumulation step) evenly."""
+    if batch % count:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ConfigError(
+            f"parallel.pp_microbatches={count} does not divide the batch of {batch} sequences that each replica "
+            f"pipelines per step (batch.size, or batch.micro_size with accumulation); choose one of {divisors}"
+        )
+
+
+def stage_blocks(n_layers: int, stages: int) -> list[range]:
+    """The blocks of each stage: consecutive, as even as possible, earlier stages one more where needed."""
+    base, extra = divmod(n_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def predicted_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a step the schedule implies with equal stages and free communication: (pp - 1) slots of
+    fill and drain among the m (GPipe, 1F1B) or m x v (interleaved, each slot 1/v as long) slots of work."""
+    work = microbatches * (virtual if schedule == "interleaved_1f1b" else 1)
+    return (pp - 1) / (work + pp - 1)

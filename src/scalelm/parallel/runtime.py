@@ -1,0 +1,306 @@
+"""The hooks through which the trainer uses a layout (`Parallel`), and the build of a model on it.
+
+    parallel = Parallel.start(config, env, vocab_size)    # the layout resolved and checked, the mesh built
+    model = parallel.build(lambda: TransformerLM(config.model, vocab_size), seed=config.seed)
+
+`build` makes the model on the meta device, applies tensor parallelism, then FSDP/HSDP, materialises only this
+rank's part, and fills it with exactly the weights a single process would have made from the seed (rank 0 builds
+them once on the CPU and each rank receives its own shards), so no rank but the first ever holds the whole model
+and every layout starts from the same point. With pipeline stages it builds this rank's stages only, each
+parallelized the same way, and returns them as one module (pipeline.StageParts). The trainer then sees the model
+and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm, ...), and never a strategy's name:
+a pipeline differs only inside `forward_backward` and `forward`, where its schedule runs the micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from scalelm.config import Config
+from scalelm.errors import ConfigError
+from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
+from scalelm.parallel.compile import apply_compile
+from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
+from scalelm.parallel.dims import MESH_DIMS, ParallelDims
+from scalelm.parallel.env import DistEnv, all_gather_object
+from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
+from scalelm.parallel.layout import Layout, resolve_layout
+from scalelm.parallel.pipeline import Pipeline, StageParts, bubble, stage_part
+from scalelm.parallel.tensor import apply_tp
+
+
+def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """fp32 on CUDA runs its matmuls on TF32 tensor cores ("high"), the rate its MFU is measured against (IEEE fp32
+    is much slower); the CPU keeps IEEE fp32, which its calibrated peak measures. Returns the setting."""
+    setting = "high" if device.type == "cuda" and compute_dtype == torch.float32 else "highest"
+    torch.set_float32_matmul_precision(setting)
+    torch.backends.cudnn.allow_tf32 = setting == "high"
+    return setting
+
+
+class Parallel:
+    """This rank's place in the layout, and the hooks through which the trainer uses it."""
+
+    def __init__(
+        self, config: Config, env: DistEnv, layout: Layout, mesh: DeviceMesh | None, places: list[tuple[str, int]]
+    ):
+        self.config, self.env, self.layout, self.mesh, self.places = config, env, layout, mesh, places
+        dims = self.dims = layout.dims
+        precision = config.train.precision
+        if precision == "auto":
+            precision = "bf16" if env.device.type == "cuda" else "fp32"
+        if precision == "bf16" and env.device.type != "cuda":
+            # bf16 matmuls on CPU are emulated, far slower than fp32: never worth it here
+            raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
+        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        matmul_precision(env.device, self.compute_dtype)
+        self.uses_fsdp = dims.sharded
+        self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
+        self.loss_parallel = dims.tp > 1 and config.parallel.loss_parallel
+        self.dp_rank = dims.dp_rank(env.rank)
+        self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
+        self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        self.pipeline: Pipeline | None = None  # built with the model where pp > 1
+
+    @classmethod
+    def start(cls, config: Config, env: DistEnv, vocab_size: int) -> Parallel:
+        """Resolve the layout for this world (a clear error if the config cannot run on it) and build the mesh."""
+        layout = resolve_layout(config, env.world_size, env.procs_per_node, vocab_size)
+        dims = layout.dims
+        places = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
+        check_groups_within_nodes(dims, places)
+        mesh = None
+        if env.world_size > 1:
+            mesh = init_device_mesh(
+                env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+            )
+        return cls(config, env, layout, mesh, places)
+
+    @property
+    def name(self) -> str:
+        return self.dims.name
+
+    def describe(self) -> dict:
+        """The layout as run.json records it: degrees, the ranks of each tensor- and data-parallel group, and the
+        node (torchrun's node rank) of every rank."""
+        return {
+            "name": self.name,
+            "layout": self.dims.layout,
+            **self.dims.to_dict(),
+            "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp"), "pp": self.dims.groups("pp")},
+            "node_of_rank": [node for _, node in self.places],
+            **({"pipeline": self.pipeline.describe()} if self.pipeline else {}),
+        }
+
+    @property
+    def loss_ranks(self) -> int:
+        """The ranks that compute the loss (a pipeline's last stage): what the logged loss is averaged over."""
+        return self.env.world_size // self.dims.pp
+
+    # ------------------------------------------------------------------------------------------ the model
+    def build(self, make: Callable[[], nn.Module], seed: int) -> nn.Module:
+        """The model of `make()` with its seed's initial weights, parallelized; this rank holds only its part."""
+        options = self.config.parallel
+        device = self.env.device
+        if device.type == "cpu":
+            keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
+        if self.mesh is None:
+            torch.manual_seed(seed)
+            model = make().to(device)
+            self.apply_recompute_and_compile(model)
+            return model
+        initial = {}
+        if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
+            torch.manual_seed(seed)
+            initial = make().state_dict()
+        stage_ids = self.stage_ids()
+        with torch.device("meta"):
+            if stage_ids:
+                layers, last = self.layout.stage_blocks(self.config.model.n_layers), self.layout.num_stages - 1
+                parts = [stage_part(make(), layers[s], s == 0, s == last) for s in stage_ids]
+            else:
+                parts = [make()]
+        parts = [self.parallelize(part) for part in parts]
+        for part in parts:
+            materialise(part, device, self.uses_fsdp and options.cpu_offload)
+            part.init_buffers()
+        model = StageParts(parts) if stage_ids else parts[0]
+        # rank 0 sends every tensor; each rank keeps those of its own stages (hence not strict with a pipeline)
+        whole = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not stage_ids)
+        set_model_state_dict(model, initial, options=whole)
+        del initial
+        if stage_ids:
+            self.pipeline = Pipeline(parts, stage_ids, self.layout, self.pp_group, device)
+        if self.uses_ddp:
+            model = apply_ddp(model, self.mesh["dp_replicate"], device)
+        return model
+
+    def stage_ids(self) -> list[int]:
+        """The pipeline stages of this rank, in order (none without a pipeline)."""
+        return self.layout.stages_of(self.dims.coordinates(self.env.rank)["pp"]) if self.dims.pp > 1 else []
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Tensor parallelism, activation checkpointing and compilation, then FSDP/HSDP, on a model (or pipeline
+        stage) still on the meta device."""
+        options, device = self.config.parallel, self.env.device
+        if self.dims.tp > 1:
+            apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
+        self.apply_recompute_and_compile(model)
+        if self.uses_fsdp:
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            if options.cpu_offload and device.type != "cuda":
+                raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
+            reshard = options.reshards(self.dims.pp)
+            model = apply_fsdp(model, dp_mesh, self.compute_dtype, reshard, options.cpu_offload)
+        return model
+
+    def apply_recompute_and_compile(self, model: nn.Module) -> None:
+        apply_activation_checkpointing(model, self.config.train.activation_checkpointing)
+        if self.config.train.compile:
+            apply_compile(model, self.env.device)
+
+    # ----------------------------------------------------------------------------------- the step's hooks
+    def forward_backward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int
+    ) -> torch.Tensor:
+        """Forward and backward of one batch for optimizer step `step`, its loss weighted by `scale`; returns that
+        weighted mean loss (zero on pipeline ranks without the last stage)."""
+        if self.pipeline is not None:
+            with self.autocast():  # the schedule runs the forwards (and backwards) inside
+                return self.pipeline.step(inputs, targets, scale, step)
+        with self.autocast():
+            # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
+            loss = model(inputs, targets) * scale
+        loss.backward()
+        return loss.detach()
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Logits for evaluation, on the ranks that compute the loss (None on a pipeline's other stages)."""
+        with self.autocast():
+            return self.pipeline.forward(inputs) if self.pipeline is not None else model(inputs)
+
+    def reduce_eval(self, totals: torch.Tensor) -> None:
+        """Sum evaluation totals over the data-parallel ranks (and from a pipeline's last stage to all)."""
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(totals, group=group)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Context for micro-batches whose gradients are accumulated locally, without communication."""
+        if self.pipeline is not None:  # the schedule switches FSDP's gradient reduction itself
+            return contextlib.nullcontext()
+        if self.uses_ddp:
+            return model.no_sync()
+        if self.uses_fsdp:
+            return _fsdp_no_sync(model)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        """Around forward passes: mixed precision, unless FSDP's policy already casts."""
+        if self.compute_dtype == torch.float32 or self.uses_fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.compute_dtype)
+
+    def loss_context(self) -> ContextManager:
+        """Around forward and backward: the vocabulary-parallel cross-entropy, where the layout has one."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm (over all ranks and shards), clipping to max_norm when given.
+
+        Parameters live on different meshes (TP weights on (dp, tp), the rest on dp alone; plain tensors without
+        a mesh), so each group's norm is taken on its own and the groups are combined."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        groups: dict[object, list[torch.Tensor]] = {}
+        for p in params:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.env.device)
+        if self.pp_group is not None:  # each stage holds other parameters: their squares add up
+            total = total.float() ** 2
+            dist.all_reduce(total, group=self.pp_group)
+            total = total.sqrt()
+        if max_norm:
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+    def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of this rank's own parameters, gradients and optimizer state: what sharding divides."""
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in map(self.local_tensor, tensors))
+
+        params = list({id(p): p for p in model.parameters()}.values())
+        states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+        return {
+            "params": size(params),
+            "grads": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(states),
+        }
+
+    def measurements(self, skip: Callable[[int], bool], peak_mem_mb: float) -> dict:
+        """Layout-specific results for run.json (a collective): a pipeline's bubble, predicted and measured on the
+        kept steps not in `skip`, every rank's timeline of the latest such step, and the peak memory (this rank's:
+        `peak_mem_mb`) of each pipeline rank's stages."""
+        if self.pipeline is None:
+            return {}
+        steps = self.pipeline.timeline.chunks(skip)
+        everyone = all_gather_object({"stages": self.pipeline.stage_ids, "steps": steps, "peak_mem_mb": peak_mem_mb})
+        per_pp_rank: list[float | None] = [None] * self.dims.pp  # the largest of the ranks holding the same stages
+        for rank in everyone:
+            if math.isfinite(rank["peak_mem_mb"]):  # NaN: no step of this attempt was logged unprofiled
+                pp_rank = rank["stages"][0]
+                per_pp_rank[pp_rank] = max(per_pp_rank[pp_rank] or 0.0, rank["peak_mem_mb"])
+        latest = [rank["steps"][-1] if rank["steps"] else None for rank in everyone]
+        return {
+            "pipeline": {
+                **self.pipeline.describe(),
+                **bubble([rank["steps"] for rank in everyone]),
+                "timed_steps": [step["step"] for step in everyone[0]["steps"]],
+                "stages_of_pp_rank": [self.layout.stages_of(r) for r in range(self.dims.pp)],
+                "peak_mem_mb_per_pp_rank": per_pp_rank,
+                "timeline": [{"rank": r, **step} for r, step in enumerate(latest) if step is not None],
+            }
+        }
+
+    @staticmethod
+    def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor (the shard of a DTensor; the whole of a replicated one)."""
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def check_groups_within_nodes(dims: ParallelDims, places: list[tuple[str, int]]) -> None:
+    """Every tensor-parallel group on one node: its ranks share the host name and torchrun's node rank."""
+    for group in dims.groups("tp"):
+        seen = {places[rank] for rank in group}
+        if len(seen) > 1:
+            where = ", ".join(f"rank {r} on {places[r][0]} (node {places[r][1]})" for r in group)
+            raise ConfigError(
+                f"tensor-parallel group {group} spans nodes ({where}); tp must stay within a node: start the "
+                "processes of a node with consecutive ranks (torchrun does) and choose tp dividing them"
+            )
