@@ -81,8 +81,8 @@ echo "stop $? $((SECONDS - start))" >>"$out/status"
 step resume train stop "${common[@]}" train.max_steps=$stop_steps train.log_every=10 checkpoint.every=null
 
 # 4. consolidation and evaluation on the CPU, of the course run trained on the device
-step consolidate env CUDA_VISIBLE_DEVICES= $py -m scalelm.study.consolidate --run-dir "$runs/course"
-step evaluate env CUDA_VISIBLE_DEVICES= $py -m scalelm.study.evaluate --model "$runs/course/model.pt" \
+step consolidate env CUDA_VISIBLE_DEVICES= $py -m scalelm.train.consolidate --run-dir "$runs/course"
+step evaluate env CUDA_VISIBLE_DEVICES= $py -m scalelm.train.evaluation --model "$runs/course/model.pt" \
     --data "$out/prepared" --split test --out "$out/evaluate_test.json"
 
 # 5. the gpt2_small experiment of config/config.yaml (GPT-2 small's shape), compiled as it is there, eager, and

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scalelm.errors import EXIT_PREEMPTED
-from scalelm.train.record import read_metrics
+from scalelm.train.record import read_metrics, read_record
 
 
 class NotApplicable(Exception):
@@ -25,7 +25,7 @@ def steady(run: Path) -> dict:
     out; with the run's own results."""
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     kept = [r for r in train[1:] if not r.get("profiled")] or train[-1:]
-    record = json.loads((run / "run.json").read_text())
+    record = read_record(run)
     figures = {k: statistics.median(r[k] for r in kept) for k in ("tokens_per_s", "step_time_s", "peak_mem_mb")}
     mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
     return {**figures, "mfu": statistics.median(mfu) if mfu else None, "record": record, "train": train}
@@ -116,7 +116,7 @@ class Report:
         log = (self.out / "resume.log").read_text()
         resumed = [line for line in log.splitlines() if line.startswith("resumed from step")]
         assert resumed, "the rerun did not resume"
-        record = json.loads((self.runs / "stop/run.json").read_text())
+        record = read_record(self.runs / "stop")
         return f"stopped with exit {EXIT_PREEMPTED}; {resumed[0].split(' in ')[0]}; finished {record['results']['steps']} steps"
 
     def evaluate_on_cpu(self) -> str:

@@ -10,13 +10,15 @@ import statistics
 
 import pytest
 
-from scalelm.errors import ConfigError
-from scalelm.study import expectations
-from scalelm.study.aggregate import aggregate
-from scalelm.study.aggregate import main as aggregate_main
-from scalelm.study.expectations import Expectation, from_arguments, parse_expectations, to_arguments
-from scalelm.study.plots import across_seeds
-from scalelm.study.scaling import choose_baseline
+from scalelm.errors import ConfigError, DataError
+from scalelm.report import expectations
+from scalelm.report.aggregate import aggregate
+from scalelm.report.aggregate import main as aggregate_main
+from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
+from scalelm.report.figures import COLUMNS
+from scalelm.report.plots import across_seeds
+from scalelm.report.scaling import choose_baseline
+from scalelm.train.record import write_record
 from scalelm.train.rundir import RunDir
 
 
@@ -55,10 +57,11 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         "results": {
             "strategy": "single" if world_size == 1 else "ddp", "layout": f"{world_size}x1x1x1", "global_batch": 16,
             "tokens_per_step": tokens_per_step, "steps": 20, "train_time_s": 20 * step_time,
-            "state_mb_per_rank": {"total": 12.5}, "final_train_loss": 6.0, "validation": {"loss": 5.5},
+            "state_mb_per_rank": {"total": 12.5}, "plan_mb_per_rank": {"state": 12.5, "total": 20.0},
+            "peak_flops_per_device": None, "flops_per_token": 6000, "final_train_loss": 6.0, "validation": {"loss": 5.5},
         },
     }  # fmt: skip
-    run.record.write_text(json.dumps(record))
+    write_record(run.path, record)
     run.model_meta.write_text(json.dumps({"model": str(run.model), "sha256": "0" * 64}))
     run.test_result.write_text(json.dumps({"loss": test_loss, "perplexity": math.exp(test_loss)}))
     return run.path
@@ -82,7 +85,9 @@ def two_seeds(tmp_path):
 
 def test_two_seeds_give_one_row_per_run_and_mean_std_min_max_per_experiment(tmp_path, two_seeds):
     out = tmp_path / "summary"
-    aggregate(two_seeds, out)
+    rows = aggregate(two_seeds, out)
+    # every figure of a run is one report.figures names, and each one it names is there: none vanishes from the CSV
+    assert all({key for key in row if not key.startswith("_")} == set(COLUMNS) for row in rows)
     runs = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
     assert sorted(runs) == [("ddp", "1"), ("ddp", "2"), ("single", "1"), ("single", "2")]
     assert {r["experiment"]: (r["scaling"], r["baseline"]) for r in runs.values()} == {
@@ -121,6 +126,11 @@ def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):
     (row,) = read_csv(out / "summary_by_experiment.csv")
     assert row["seeds"] == "1" and row["tokens_per_s_mean"] == row["tokens_per_s_min"] == "5120.0"
     assert row["tokens_per_s_std"] == "" and row["speedup_mean"] == "1.0"
+    # a run record of another format (a later scalelm's, say) is refused by name, never misread
+    record = json.loads(RunDir.of(tmp_path, "single", 1).record.read_text())
+    RunDir.of(tmp_path, "single", 1).record.write_text(json.dumps(record | {"format": 2}))
+    with pytest.raises(DataError, match=r"run.json is a run record of format 2; this scalelm reads format 1"):
+        aggregate([RunDir.of(tmp_path, "single", 1).path], out)
 
 
 def test_loss_curves_of_several_seeds_are_their_mean_and_range(tmp_path, two_seeds):

@@ -16,8 +16,8 @@ from conftest import board_scalars, run_dir_of, run_train
 from scalelm.config import ModelConfig
 from scalelm.data.prepared import load_prepared
 from scalelm.model import flops_per_token
-from scalelm.study.timing import default_warmup, overlapping_runs, steady_state
-from scalelm.study.utilisation import summarise
+from scalelm.report.timing import default_warmup, overlapping_runs, steady_state
+from scalelm.report.utilisation import summarise
 from scalelm.train import peak
 from scalelm.train.comm import clip, union_seconds
 from scalelm.train.hostload import HostLoad

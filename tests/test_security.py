@@ -20,9 +20,9 @@ from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError, ConfigError
 from scalelm.files import UnsafeFileError, append_text, sha256
 from scalelm.model import TransformerLM
-from scalelm.study.consolidate import consolidate, load_consolidated
-from scalelm.study.evaluate import main as evaluate
 from scalelm.train.checkpoint import FLAT, complete_checkpoints, load_weights, read_trainer_state, verify
+from scalelm.train.consolidate import consolidate, load_consolidated
+from scalelm.train.evaluation import main as evaluate
 from scalelm.train.optim import build_optimizer
 from scalelm.train.rundir import RunDir
 
@@ -66,7 +66,7 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
     command = [
         sys.executable,
         "-m",
-        "scalelm.study.evaluate",
+        "scalelm.train.evaluation",
         "--model",
         str(model),
         "--data",

@@ -15,7 +15,7 @@ from snakemake.utils import validate
 
 from conftest import REPO
 from scalelm.errors import ConfigError, ScaleLMError
-from scalelm.study.expectations import LIMITS
+from scalelm.report.figures import LIMITS
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study, stop_signal_seconds
 

@@ -24,11 +24,11 @@ COMMANDS = {
     "train": ("scalelm.train.trainer", "train one process of a run (what torchrun starts)"),
     "monitor": ("scalelm.train.monitor", "sample a node's CPU, memory and GPUs during a run"),
     "selftest": ("scalelm.selftest", "a tiny CPU training: check an installation in seconds"),
-    "consolidate": ("scalelm.study.consolidate", "a run's final checkpoint as one state dict"),
-    "evaluate": ("scalelm.study.evaluate", "the test loss of a consolidated model"),
+    "consolidate": ("scalelm.train.consolidate", "a run's final checkpoint as one state dict"),
+    "evaluate": ("scalelm.train.evaluation", "the test loss of a consolidated model"),
     "preflight": ("scalelm.study.preflight", "compare the wiring check's losses with one process's"),
-    "aggregate": ("scalelm.study.aggregate", "the summary tables, figures and report of a study"),
-    "expectations": ("scalelm.study.expectations", "check a summary against its `expect:` values"),
+    "aggregate": ("scalelm.report.aggregate", "the summary tables, figures and report of a study"),
+    "expectations": ("scalelm.report.expectations", "check a summary against its `expect:` values"),
 }
 # commands that may hold a process group: the process ends at once after them (scalelm.parallel.env.exit_after)
 ENDS_PROCESS = {"train"}

@@ -61,7 +61,7 @@ rule aggregate:
         args=STUDY.aggregate_args(),
         out_dir=lambda wildcards, output: os.path.dirname(output.csv),
     shell:
-        "python -m scalelm.study.aggregate {params.args} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        "python -m scalelm.report.aggregate {params.args} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 rule check_expectations:
@@ -74,4 +74,4 @@ rule check_expectations:
     conda:
         "../envs/scalelm.yaml"
     shell:
-        "python -m scalelm.study.expectations {input:q} 2>&1 | tee {log:q}"
+        "python -m scalelm.report.expectations {input:q} 2>&1 | tee {log:q}"

@@ -56,7 +56,7 @@ rule consolidate:
         run_dir=lambda wildcards: STUDY.run(wildcards).path,
         run=STUDY.in_container(),
     shell:
-        "{params.run}python -m scalelm.study.consolidate --run-dir {params.run_dir:q} --out {output.model:q} > {log:q} 2>&1"
+        "{params.run}python -m scalelm.train.consolidate --run-dir {params.run_dir:q} --out {output.model:q} > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -74,4 +74,4 @@ rule evaluate:
     params:
         run=STUDY.in_container(),
     shell:
-        "{params.run}python -m scalelm.study.evaluate --model {input.model:q} --data {input.data:q} --split test --out {output:q} > {log:q} 2>&1"
+        "{params.run}python -m scalelm.train.evaluation --model {input.model:q} --data {input.data:q} --split test --out {output:q} > {log:q} 2>&1"

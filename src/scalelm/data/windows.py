@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scalelm import seeds
 from scalelm.data.vocab import EOS_ID
 from scalelm.errors import DataError
 from scalelm.model.loss import IGNORE_INDEX
@@ -28,7 +29,7 @@ def num_windows(n_tokens: int, seq_len: int, stride: int) -> int:
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = torch.Generator().manual_seed(seeds.epoch_order(seed, epoch))
     return torch.randperm(n, generator=generator)
 
 

@@ -18,10 +18,10 @@ from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime
 from scalelm.launch.site import load_site
 from scalelm.launch.slurm import check_node_counts
-from scalelm.study import preflight
-from scalelm.study.expectations import parse_expectations, to_arguments
+from scalelm.report.expectations import parse_expectations, to_arguments
+from scalelm.report.scaling import choose_baseline
+from scalelm.study import plan_check, preflight
 from scalelm.study.experiments import Experiment, load_matrix
-from scalelm.study.scaling import choose_baseline
 from scalelm.train.rundir import RunDir
 
 DEFAULT_STOP_SIGNAL_S = 300
@@ -91,7 +91,7 @@ class Study:
     # ----------------------------------------------------------------------------------- before the queue
     def write_plan(self, wildcards, prepared_dir: str, out: str) -> None:
         """The experiment's memory plan on the site's GPUs; an experiment that cannot fit is refused (rule plan)."""
-        preflight.write_plan(self.experiment(wildcards), self.site, prepared_dir, out)
+        plan_check.write_plan(self.experiment(wildcards), self.site, prepared_dir, out)
 
     @functools.cached_property
     def preflight(self) -> dict[str, dict[str, Any]]:

@@ -124,8 +124,6 @@ class TrainerState:
     tokens_seen: int = 0
     train_seconds: float = 0.0  # time in training steps, excluding evaluation and checkpoints
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
-    world_size: int = 1
-    strategy: str = ""
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -142,12 +140,12 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, env: DistEnv, keep: int, stream_rank: int = 0):
+    def __init__(self, directory: str | Path, env: DistEnv, keep: int):
         self.directory = Path(directory)
         self.env = env
         self.keep = keep
-        self.stream_rank = stream_rank  # the rank's dropout stream: its data-parallel rank
         self.resumed_from: Path | None = None
+        self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
 
     # ----------------------------------------------------------------------------------------- save
     def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState) -> Path:
@@ -200,10 +198,9 @@ class Checkpointer:
         load_weights(path, model, optimizer)
         scheduler.load_state_dict(trainer["scheduler"])
         rngs = trainer["rng"]
-        if len(rngs) == self.env.world_size:
+        self.rng_restored = len(rngs) == self.env.world_size
+        if self.rng_restored:
             set_rng_state(rngs[self.env.rank], self.env.device)
-        else:  # another world size: exact per-rank streams cannot be restored; derive fresh, distinct ones
-            torch.manual_seed(1_000_003 * (state.step + 1) + self.stream_rank)
         return state
 
 

@@ -11,7 +11,7 @@ all-reduce during backward, FSDP's prefetched all-gathers) as well as communicat
 share of a step with the network busy, not the time overlap would save. The profiler slows the profiled steps down
 and its records take host memory (every operator is recorded), so they come last, when no other figure is left to
 measure, and their logging interval is marked `profiled`: left out of the steady-state speed
-(scalelm.study.timing) and of the peak memory.
+(scalelm.report.timing) and of the peak memory.
 """
 
 from __future__ import annotations

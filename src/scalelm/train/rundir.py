@@ -10,8 +10,8 @@
       monitor/         node<k>.jsonl: CPU, RSS and GPU utilisation of node k's training processes, every second
       checkpoints/     step_<N>/ (scalelm.train.checkpoint)
       run.json         provenance and results, written last: its presence means the training finished
-      model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.study.consolidate)
-      test.json        the common test evaluation (scalelm.study.evaluate)
+      model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.train.consolidate)
+      test.json        the common test evaluation (scalelm.train.evaluation)
       previous/        the last attempt made with other settings that got anywhere
       .lock            held by the training running here (rank 0), so that no second one writes beside it
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
@@ -22,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scalelm import seeds
 from scalelm.config import Config, dump_config, load_config
 from scalelm.data.prepared import PreparedData, load_prepared
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
-from scalelm.files import atomic_write_text, disk_errors
+from scalelm.files import disk_errors
 from scalelm.model import TransformerLM, flops_per_token
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
 from scalelm.parallel.runtime import Parallel
@@ -41,6 +41,7 @@ from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.peak import mfu, peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
+from scalelm.train.record import write_record
 from scalelm.train.rundir import RunDir, identity
 from scalelm.train.wandb_offline import WandbRun
 
@@ -94,15 +95,15 @@ class Trainer:
         self.workload = Workload(config, data.vocab_size, self.env.device.type)
         # the initial weights of a single process with this seed, whatever the layout
         self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)
-        # dropout: distinct masks per data-parallel rank, the same within a TP group (its activations are replicated)
-        torch.manual_seed(config.seed * 1000 + parallel.dp_rank)
+        torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
         self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, dp_size))
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, parallel.dp_rank)
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
+        if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
+            torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
         self.state = resumed or TrainerState(model_shape=self.shape)
-        self.state.world_size, self.state.strategy = env.world_size, parallel.name
         wandb = None
         if config.train.wandb and env.is_main:
             group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
@@ -366,7 +367,7 @@ class Trainer:
             },
         )
         if self.env.is_main:
-            atomic_write_text(self.run_dir.record, json.dumps(record, indent=2) + "\n")
+            write_record(self.run_dir.path, record)
         return record
 
 

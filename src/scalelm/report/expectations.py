@@ -4,14 +4,14 @@
       ddp:
         expect: {min_tokens_per_s_per_device: 9000, max_test_perplexity: 180, tolerance: 0.1}
 
-A key is `min_` or `max_` and a figure of summary_by_experiment.csv (scalelm.study.repeats); the figure's mean over
+A key is `min_` or `max_` and a figure of summary_by_experiment.csv (scalelm.report.repeats); the figure's mean over
 the experiment's seeds is checked. `tolerance` is relative and applies to every limit of the experiment (default
 0.05): a minimum is met by a mean of at least limit x (1 - tolerance), a maximum by one of at most
 limit x (1 + tolerance). A figure without a value (MFU of an unknown GPU) misses. The aggregation lists every check
 in expectations.csv and summary.md; this module's command fails when one was missed, which the workflow runs with
 `expect_strict: true` (rule check_expectations), so rerunning the matrix later detects a regression:
 
-    python -m scalelm.study.expectations results/expectations.csv
+    python -m scalelm.report.expectations results/expectations.csv
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
+from scalelm.report.figures import LIMITS
 
-LIMITS = (
-    "min_tokens_per_s_per_device", "max_step_time_s", "min_scaling_efficiency", "min_mfu", "max_test_loss",
-    "max_test_perplexity", "max_peak_mem_mb_per_rank", "max_state_mb_per_rank",
-)  # fmt: skip
 DEFAULT_TOLERANCE = 0.05
 COLUMNS = ["experiment", "expectation", "value", "limit", "tolerance", "threshold", "seeds", "status"]
 
@@ -122,7 +119,7 @@ def from_arguments(arguments: list[str]) -> list[Expectation]:
 
 
 def check(expectations: list[Expectation], summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each expectation against its experiment's mean (summaries: scalelm.study.repeats.by_experiment)."""
+    """Each expectation against its experiment's mean (summaries: scalelm.report.repeats.by_experiment)."""
     by_name = {s["experiment"]: s for s in summaries}
     checks = []
     for e in expectations:
@@ -159,7 +156,7 @@ def describe(c: dict[str, Any]) -> str:
 def read_checks(path: Path) -> list[dict[str, Any]]:
     """expectations.csv as written by the aggregation, numbers as numbers."""
     if not path.is_file():
-        raise ScaleLMError(f"{path} does not exist: run the aggregation first (python -m scalelm.study.aggregate)")
+        raise ScaleLMError(f"{path} does not exist: run the aggregation first (python -m scalelm.report.aggregate)")
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     for row in rows:
@@ -171,8 +168,8 @@ def read_checks(path: Path) -> list[dict[str, Any]]:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.study.expectations", description=__doc__.split("\n")[0])
-    parser.add_argument("checks", type=Path, help="expectations.csv written by scalelm.study.aggregate")
+    parser = argparse.ArgumentParser(prog="python -m scalelm.report.expectations", description=__doc__.split("\n")[0])
+    parser.add_argument("checks", type=Path, help="expectations.csv written by scalelm.report.aggregate")
     args = parser.parse_args(argv)
     checks = read_checks(args.checks)
     for c in checks:

@@ -1,4 +1,4 @@
-"""The summary's figures: loss curves and scaling (utilisation.png: scalelm.study.utilisation).
+"""The summary's figures: loss curves and scaling (utilisation.png: scalelm.report.utilisation).
 
 An experiment with several seeds is drawn as their mean: loss curves with the seeds' range (min to max) as a band,
 scaling figures with their standard deviation as error bars.
@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from scalelm.study.repeats import group_by_experiment
+from scalelm.report.repeats import group_by_experiment
 
 
 def loss_points(row: dict[str, Any], x_key: str, split: str) -> dict[int, tuple[float, float]]:
@@ -61,7 +61,7 @@ def plot_losses(rows: list[dict[str, Any]], x_key: str, x_label: str, path: Path
 def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
     """Throughput per experiment; speedup and scaling efficiency against the number of devices, with the ideal.
 
-    summaries: one per experiment (scalelm.study.repeats.by_experiment)."""
+    summaries: one per experiment (scalelm.report.repeats.by_experiment)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 

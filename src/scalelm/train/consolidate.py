@@ -1,6 +1,6 @@
 """Turn a run's final checkpoint (one file or a sharded DCP directory) into one plain state dict file.
 
-    python -m scalelm.study.consolidate --run-dir results/runs/fsdp/seed1 [--out FILE]
+    python -m scalelm.train.consolidate --run-dir results/runs/fsdp/seed1 [--out FILE]
 
 Writes the model file (default: the run's model.pt) and, beside it, `<out>.json` with its sha256, the checkpoint and
 step it came from. The checkpoint's seal and contents are verified before it is read (scalelm.train.checkpoint.verify),
@@ -82,7 +82,7 @@ def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.study.consolidate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalelm.train.consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, help="model file to write (default: model.pt in the run directory)")
     args = parser.parse_args(argv)

@@ -1,20 +1,20 @@
 """Compare the runs of the experiment matrix: summary tables (CSV and Markdown) and plots (PNG).
 
-    python -m scalelm.study.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results \
+    python -m scalelm.report.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results \
         [--baseline single_gpu] [--expect ddp.min_mfu=0.3 ...]
 
 Each run directory holds run.json (provenance and results, from training), metrics.jsonl, and the outputs of the
 consolidate and evaluate steps (model.pt.json, test.json). Speed is the steady state after warm-up (median step
-time, its spread, tokens/s and MFU of the median: scalelm.study.timing); speedup and scaling efficiency compare
+time, its spread, tokens/s and MFU of the median: scalelm.report.timing); speedup and scaling efficiency compare
 tokens per second with the baseline experiment, strong or weak scaling by the run's batch mode
-(scalelm.study.scaling). A run that trained while another did on one of its hosts is named in `overlapped_by`, and
+(scalelm.report.scaling). A run that trained while another did on one of its hosts is named in `overlapped_by`, and
 `other_cpu_cores` says how busy its hosts were with other work: no contaminated figure goes unmarked. Utilisation
-per device (mean, and the least busy device) comes from the run's monitor files (scalelm.study.utilisation), and
+per device (mean, and the least busy device) comes from the run's monitor files (scalelm.report.utilisation), and
 `utilisation.png` shows it over time.
 
 summary.csv has one row per run (experiment x seed), summary_by_experiment.csv one per experiment with the mean,
-standard deviation, min and max over its seeds (scalelm.study.repeats); expectations.csv says which of the
-experiments' reference values (`expect:`) were met (scalelm.study.expectations).
+standard deviation, min and max over its seeds (scalelm.report.repeats); expectations.csv says which of the
+experiments' reference values (`expect:`) were met (scalelm.report.expectations).
 """
 
 from __future__ import annotations
@@ -26,37 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
-from scalelm.study import expectations, pipeline, repeats
-from scalelm.study.plots import plot_losses, plot_scaling
-from scalelm.study.scaling import SCALING, add_scaling, choose_baseline
-from scalelm.study.timing import overlapping_runs, steady_state
-from scalelm.study.utilisation import plot_utilisation, summarise
+from scalelm.report import bubble, expectations, repeats
+from scalelm.report.figures import COLUMNS
+from scalelm.report.plots import plot_losses, plot_scaling
+from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
+from scalelm.report.timing import overlapping_runs, steady_state
+from scalelm.report.utilisation import plot_utilisation, summarise
 from scalelm.train.peak import mfu
-from scalelm.train.record import read_metrics
+from scalelm.train.record import read_metrics, read_record
 from scalelm.train.rundir import RunDir
-
-COLUMNS = [
-    "experiment", "strategy", "layout", "seed", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
-    "global_batch_tokens", "scaling", "steps", "wall_time_s", "train_time_s",
-    # steady state after warm-up (scalelm.study.timing), against the baseline (scalelm.study.scaling)
-    "warmup_steps", "steady_intervals", "step_time_s", "step_time_s_min", "step_time_s_max", "tokens_per_s",
-    "tokens_per_s_per_device", "baseline", "speedup", "scaling_efficiency", "mfu", "comm_share",
-    # pipelines (scalelm.study.pipeline): schedule, micro-batches, the bubble's share of a step
-    "pp_schedule", "pp_microbatches", "bubble_predicted", "bubble_measured",
-    # memory: measured beside what scalelm.plan predicts for the layout (state exact; peak an upper estimate)
-    "state_mb_per_rank", "planned_state_mb_per_rank", "peak_mem_mb_per_rank", "planned_peak_mb_per_rank",
-    "peak_mem_mb_per_pp_rank", "peak_reserved_mb_per_rank",
-    # utilisation and isolation
-    "util_mean_percent", "util_min_percent",
-    "monitor_cpu_percent",
-    "other_cpu_cores", "overlapped_by",
-    "final_train_loss", "validation_loss", "test_loss", "test_perplexity", "checkpoint", "sha256",
-]  # fmt: skip
 
 
 def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     try:
-        record = json.loads(run.record.read_text())
+        record = read_record(run.path)
         model = json.loads(run.model_meta.read_text())
         test = json.loads(run.test_result.read_text())
     except FileNotFoundError as err:
@@ -67,15 +50,15 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     unprofiled = [m for m in train if not m.get("profiled")] or train
     steady = steady_state(train, warmup_steps)
     state = results.get("state_mb_per_rank") or {}
-    plan = results.get("plan_mb_per_rank") or {}  # absent in runs from before scalelm.plan
-    peak = results.get("peak_flops_per_device")  # absent in runs from before MFU was recorded
+    plan = results["plan_mb_per_rank"]  # what scalelm.plan predicts for the layout
+    peak = results["peak_flops_per_device"]  # None where the device's peak is unknown
     steady_mfu = None
     if peak and steady:
         steady_mfu = mfu(results["flops_per_token"], steady["tokens_per_s"], record["world_size"], peak)
     return {
         "experiment": run.experiment,
         "strategy": results["strategy"],
-        "layout": results.get("layout", ""),  # dp_replicate x dp_shard x tp x pp
+        "layout": results["layout"],
         "seed": config["seed"],
         "nodes": record["launch"]["nodes"],
         "procs_per_node": record["launch"]["procs_per_node"],
@@ -90,7 +73,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "mfu": steady_mfu,
         # the share of the profiled steps with a collective running (scalelm.train.comm); 0 for one process
         "comm_share": (results.get("comm") or {}).get("share"),
-        **pipeline.columns(results),
+        **bubble.columns(results),
         "state_mb_per_rank": state.get("total"),
         "planned_state_mb_per_rank": plan.get("state"),
         "planned_peak_mb_per_rank": plan.get("total"),
@@ -185,7 +168,7 @@ def plot(rows: list[dict[str, Any]], summaries: list[dict[str, Any]], out_dir: P
     plot_losses(rows, "time", "wall time (s)", out_dir / "loss_vs_time.png")
     plot_scaling(summaries, out_dir / "scaling.png")
     plot_utilisation(rows, out_dir / "utilisation.png")
-    pipeline.plot_pipelines(rows, out_dir / "pipeline.png")
+    bubble.plot_pipelines(rows, out_dir / "pipeline.png")
 
 
 def mark_overlaps(rows: list[dict[str, Any]]) -> None:
@@ -215,7 +198,7 @@ def aggregate(
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.study.aggregate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalelm.report.aggregate", description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, action="append", required=True, help="a run directory (repeatable)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument(
@@ -226,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--expect", action="append", default=[], metavar="EXPERIMENT.KEY=VALUE",
-        help="a reference value, e.g. ddp.min_mfu=0.3 or ddp.tolerance=0.1 (repeatable; scalelm.study.expectations)",
+        help="a reference value, e.g. ddp.min_mfu=0.3 or ddp.tolerance=0.1 (repeatable; scalelm.report.expectations)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.warmup_steps is not None and args.warmup_steps < 0:

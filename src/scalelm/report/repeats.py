@@ -1,7 +1,7 @@
 """The seeds of an experiment as one: mean, sample standard deviation, min and max of each figure.
 
 summary.csv keeps one row per experiment x seed; summary_by_experiment.csv has one row per experiment with these
-statistics, and expectations (scalelm.study.expectations) are checked against their means. The standard deviation
+statistics, and expectations (scalelm.report.expectations) are checked against their means. The standard deviation
 is empty for a single seed.
 """
 
@@ -10,15 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-STATISTICS = (
-    "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "speedup", "scaling_efficiency", "mfu", "comm_share",
-    "test_loss", "test_perplexity", "peak_mem_mb_per_rank", "state_mb_per_rank",
-)  # fmt: skip
-# the same in every seed of an experiment
-SHARED = (
-    "experiment", "strategy", "layout", "nodes", "procs_per_node", "world_size", "global_batch_sequences",
-    "global_batch_tokens", "scaling", "baseline", "planned_state_mb_per_rank", "planned_peak_mb_per_rank",
-)  # fmt: skip
+from scalelm.report.figures import SHARED, STATISTICS
+
 SPREAD = ("mean", "std", "min", "max")
 COLUMNS = [*SHARED, "seeds", *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]
 
