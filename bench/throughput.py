@@ -177,7 +177,7 @@ def bench_model(name: str, prepared: Path, workdir: Path, warmup: int, steps: in
         start = time.perf_counter()
         micro_batches = next(batches)
         loaded = time.perf_counter()
-        loss = trainer.train_step(micro_batches)
+        loss, _ = trainer.train_step(micro_batches)
         losses.append(loss.item())  # the CPU is synchronous: .item() only reads the finished value
         done = time.perf_counter()
         if i >= warmup:

@@ -367,6 +367,16 @@ def validate(config: Config) -> None:
     check_degrees(degrees_of(config))
 
 
+def resolve_precision(precision: str, device_type: str) -> str:
+    """train.precision on a device, "bf16" or "fp32": auto is bf16 on CUDA and fp32 elsewhere; bf16 on a CPU is
+    refused (its matmuls are emulated there, far slower than fp32)."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "bf16" and device_type != "cuda":
+        raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
+    return precision
+
+
 def check_optim(optim: OptimConfig) -> None:
     """AdamW's and the schedule's constraints, here rather than at the first step of a run."""
     if optim.lr <= 0:

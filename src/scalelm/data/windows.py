@@ -75,6 +75,12 @@ class TrainBatches:
             rows = self.tokens[starts[:, None] + self._offsets].long()
             yield [(chunk[:, :-1], chunk[:, 1:]) for chunk in rows.split(self.micro_batch)]
 
+    def from_position(self, epoch: int, step_in_epoch: int) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every step's micro-batches from this position on, epoch after epoch, without end (the caller stops)."""
+        while True:
+            yield from self.epoch(epoch, step_in_epoch)
+            epoch, step_in_epoch = epoch + 1, 0
+
 
 @dataclass
 class EvalBatches:

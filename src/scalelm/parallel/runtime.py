@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scalelm.config import Config
+from scalelm.config import Config, resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile
@@ -57,13 +57,8 @@ class Parallel:
     ):
         self.config, self.env, self.layout, self.mesh, self.places = config, env, layout, mesh, places
         dims = self.dims = layout.dims
-        precision = config.train.precision
-        if precision == "auto":
-            precision = "bf16" if env.device.type == "cuda" else "fp32"
-        if precision == "bf16" and env.device.type != "cuda":
-            # bf16 matmuls on CPU are emulated, far slower than fp32: never worth it here
-            raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
-        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.precision = resolve_precision(config.train.precision, env.device.type)
+        self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         matmul_precision(env.device, self.compute_dtype)
         self.uses_fsdp = dims.sharded
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scalelm.config import Config, ModelConfig
+from scalelm.config import Config, ModelConfig, resolve_precision
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout
 
@@ -112,8 +112,7 @@ class Workload:
 
     @property
     def precision(self) -> str:
-        precision = self.config.train.precision
-        return ("bf16" if self.device == "cuda" else "fp32") if precision == "auto" else precision
+        return resolve_precision(self.config.train.precision, self.device)
 
     @property
     def compute_bytes(self) -> int:

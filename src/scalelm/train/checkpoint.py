@@ -125,6 +125,16 @@ class TrainerState:
     train_seconds: float = 0.0  # time in training steps, excluding evaluation and checkpoints
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
 
+    def advance(self, tokens: int, steps_per_epoch: int) -> bool:
+        """One optimizer step of `tokens` done; True if it ended its epoch (the position moves to the next one)."""
+        self.step += 1
+        self.tokens_seen += tokens
+        self.step_in_epoch += 1
+        if self.step_in_epoch < steps_per_epoch:
+            return False
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return True
+
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
@@ -145,6 +155,8 @@ class Checkpointer:
         self.env = env
         self.keep = keep
         self.resumed_from: Path | None = None
+        self.latest_path: Path | None = None  # the newest checkpoint of this run, saved or resumed from
+        self.latest_step = -1
         self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
 
     # ----------------------------------------------------------------------------------------- save
@@ -171,6 +183,7 @@ class Checkpointer:
             publish(partial, final)
             self._prune()
         barrier()
+        self.latest_path, self.latest_step = final, state.step
         return final
 
     def _prune(self) -> None:
@@ -201,6 +214,7 @@ class Checkpointer:
         self.rng_restored = len(rngs) == self.env.world_size
         if self.rng_restored:
             set_rng_state(rngs[self.env.rank], self.env.device)
+        self.latest_path, self.latest_step = path, state.step
         return state
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 from pathlib import Path
@@ -54,6 +55,10 @@ def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
     """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
     keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
     return {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+
+
+def due(step: int, every: int | None) -> bool:
+    return bool(every) and step % every == 0
 
 
 def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -113,10 +118,7 @@ class Trainer:
         )
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
-        self.last_saved = resumed.step if resumed else -1
-        self.last_path = self.checkpointer.resumed_from
         self.last_loss = math.nan
-        self.evaluations: dict[tuple[str, int], dict[str, Any]] = {}
         self.flops_per_token = flops_per_token(config.model, data.vocab_size, config.data.seq_len)
         self.peak_flops, self.peak_source = self.device_peak_flops()
         self.stop = StopFlag()
@@ -131,7 +133,7 @@ class Trainer:
     def device_peak_flops(self) -> tuple[float | None, str]:
         """One device's peak FLOP/s, from rank 0: on CPU its calibration runs while the other ranks wait, so
         nothing shares its cores."""
-        precision = "bf16" if self.parallel.compute_dtype == torch.bfloat16 else "fp32"
+        precision = self.parallel.precision
         mine = peak_flops(self.env.device, precision, self.config.train.peak_tflops) if self.env.is_main else None
         return all_gather_object(mine)[0] if is_distributed() else mine
 
@@ -139,8 +141,9 @@ class Trainer:
         return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)
 
     # ------------------------------------------------------------------------------------------- steps
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the step's mean loss on this rank."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches: the step's mean loss on this rank, and the gradient's
+        global norm (before clipping)."""
         loss_sum = torch.zeros((), device=self.env.device)
         step = self.state.step + 1
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -149,13 +152,13 @@ class Trainer:
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
                 loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
-        self.grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
+        grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         if self.state_bytes is None:  # once: every tensor of the state exists now (gradients until zero_grad)
             self.state_bytes = self.parallel.state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum
+        return loss_sum, grad_norm
 
     def fit(self) -> dict[str, Any]:
         config, env, state = self.config, self.env, self.state
@@ -172,40 +175,32 @@ class Trainer:
         clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
         host_load = HostLoad()
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
+        validation = None  # the last step's
+        remaining = itertools.islice(
+            self.batches.from_position(state.epoch, state.step_in_epoch), self.total_steps - state.step
+        )
         try:
-            while state.step < self.total_steps:
-                for micro_batches in self.batches.epoch(state.epoch, state.step_in_epoch):
-                    with self.comm.step(state.step + 1):
-                        loss_acc += self.train_step(micro_batches)
-                    steps_acc += 1
-                    state.step += 1
-                    state.step_in_epoch += 1
-                    state.tokens_seen += self.tokens_per_step
-                    done = state.step >= self.total_steps
-                    if state.step % config.train.log_every == 0 or done:
-                        self.log_train(loss_acc, steps_acc, clock.lap())
-                        loss_acc.zero_()
-                        steps_acc = 0
-                        reset_peak_memory(env.device)  # each interval's peak is its own
-                    with clock.paused():
-                        if config.train.eval_every and state.step % config.train.eval_every == 0:
-                            self.evaluate_split("validation")
-                        if config.checkpoint.every and state.step % config.checkpoint.every == 0:
-                            self.save(loss_acc)
-                    if self.stop.raised():
-                        raise StopRequested("stop signal during training")
-                    if done:
-                        break
-                if state.step_in_epoch == self.batches.steps_per_epoch:  # the epoch ran to its end
-                    state.epoch += 1
-                    state.step_in_epoch = 0
-                    with clock.paused():
-                        self.evaluate_split("validation")
+            for micro_batches in remaining:
+                with self.comm.step(state.step + 1):
+                    loss, grad_norm = self.train_step(micro_batches)
+                loss_acc += loss
+                steps_acc += 1
+                epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
+                last = state.step == self.total_steps
+                if last or due(state.step, config.train.log_every):
+                    self.log_train(loss_acc, grad_norm, steps_acc, clock.lap())
+                    loss_acc.zero_()
+                    steps_acc = 0
+                    reset_peak_memory(env.device)  # each interval's peak is its own
+                with clock.paused():
+                    if last or epoch_ended or due(state.step, config.train.eval_every):
+                        validation = self.evaluate_split("validation")
+                    if epoch_ended or due(state.step, config.checkpoint.every):
                         self.save(loss_acc)
-
-            if steps_acc:  # steps after the last log line (log_every does not divide the total)
-                self.log_train(loss_acc, steps_acc, clock.lap())
-            validation = self.evaluate_split("validation")
+                if self.stop.raised():
+                    raise StopRequested("stop signal during training")
+            if validation is None:  # resumed after the last step
+                validation = self.evaluate_split("validation")
             test = self.evaluate_split("test")
             self.stop.close()
         except StopRequested:  # every rank agreed: between steps or between evaluation batches
@@ -216,9 +211,10 @@ class Trainer:
         return self.finish(record, clock, host_load, validation, test, checkpoint)
 
     # --------------------------------------------------------------------------------- bookkeeping
-    def log_train(self, loss_acc: torch.Tensor, steps: int, elapsed: float) -> None:
-        """Average the interval's loss over steps and ranks; the only host-device sync of the hot loop."""
-        values = torch.stack([loss_acc / steps, self.grad_norm.detach().float().to(loss_acc.device)])
+    def log_train(self, loss_acc: torch.Tensor, grad_norm: torch.Tensor, steps: int, elapsed: float) -> None:
+        """Average the interval's loss over steps and ranks (the gradient norm: its last step's); the only
+        host-device sync of the hot loop."""
+        values = torch.stack([loss_acc / steps, grad_norm.detach().float().to(loss_acc.device)])
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
         values = global_reduce(values) / divisors
@@ -262,30 +258,26 @@ class Trainer:
         )
 
     def evaluate_split(self, split: str) -> dict[str, Any]:
-        key = (split, self.state.step)
-        if key not in self.evaluations:  # the final validation often coincides with the last epoch's
-            result = evaluate(
-                self.model,
-                self.data.splits[split],
-                self.config.data.seq_len,
-                self.config.train.eval_batch_size,
-                self.env.device,
-                self.parallel,
-                should_stop=self.stop.raised,
-                max_tokens=self.config.train.eval_batch_tokens,
-            )
-            self.evaluations[key] = result
-            self.metrics.log(
-                {"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result}
-            )
-        return self.evaluations[key]
+        result = evaluate(
+            self.model,
+            self.data.splits[split],
+            self.config.data.seq_len,
+            self.config.train.eval_batch_size,
+            self.env.device,
+            self.parallel,
+            should_stop=self.stop.raised,
+            max_tokens=self.config.train.eval_batch_tokens,
+        )
+        self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
+        return result
 
     def save(self, pending_loss: torch.Tensor) -> Path:
-        if self.last_saved != self.state.step:
+        """A checkpoint of this step, once (the last step's is asked for at the end, and maybe at its epoch's end
+        or on a stop signal)."""
+        if self.checkpointer.latest_step != self.state.step:
             self.check_finite(pending_loss)
-            self.last_path = self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
-            self.last_saved = self.state.step
-        return self.last_path
+            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
+        return self.checkpointer.latest_path
 
     def ranks_where(self, flag: torch.Tensor) -> list[int]:
         """The ranks on which `flag` (a 0-dim bool tensor) is true; a collective."""
