@@ -28,19 +28,17 @@ from scalelm.data.prepared import PreparedData, load_prepared
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import disk_errors
-from scalelm.model import TransformerLM, flops_per_token
-from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed, setup, teardown
+from scalelm.model import TransformerLM
+from scalelm.parallel.env import DistEnv, barrier, is_distributed, setup, teardown
 from scalelm.parallel.runtime import Parallel
-from scalelm.plan.memory import Workload, plan_memory
+from scalelm.plan.memory import Workload
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
-from scalelm.train.comm import CommProfile
 from scalelm.train.evaluation import evaluate
-from scalelm.train.hostload import HostLoad
-from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb, reset_peak_memory
+from scalelm.train.instruments import Instruments
+from scalelm.train.metrics import MetricsLogger, Stopwatch, reset_peak_memory
 from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
-from scalelm.train.peak import mfu, peak_flops
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import write_record
 from scalelm.train.rundir import RunDir, identity
@@ -97,7 +95,7 @@ class Trainer:
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.shape = model_shape(config, data.vocab_size)
-        self.workload = Workload(config, data.vocab_size, self.env.device.type)
+        workload = Workload(config, data.vocab_size, self.env.device.type)
         # the initial weights of a single process with this seed, whatever the layout
         self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)
         torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
@@ -119,26 +117,8 @@ class Trainer:
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
         self.last_loss = math.nan
-        self.flops_per_token = flops_per_token(config.model, data.vocab_size, config.data.seq_len)
-        self.peak_flops, self.peak_source = self.device_peak_flops()
         self.stop = StopFlag()
-        self.state_bytes: dict[str, int] | None = None  # this rank's parameters, gradients, optimizer state
-        self.steady_peak_mb = math.nan
-        # the collectives timed on the last steps (the profiler's records would distort every figure after them)
-        self.comm = CommProfile(
-            config.train.comm_profile_steps, self.total_steps, resumed.step if resumed else 0, env.device,
-            env.world_size > 1,
-        )  # fmt: skip
-
-    def device_peak_flops(self) -> tuple[float | None, str]:
-        """One device's peak FLOP/s, from rank 0: on CPU its calibration runs while the other ranks wait, so
-        nothing shares its cores."""
-        precision = self.parallel.precision
-        mine = peak_flops(self.env.device, precision, self.config.train.peak_tflops) if self.env.is_main else None
-        return all_gather_object(mine)[0] if is_distributed() else mine
-
-    def mfu(self, tokens_per_s: float) -> float | None:
-        return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)
+        self.instruments = Instruments(config, env, parallel, workload, self.total_steps, self.state.step)
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +135,7 @@ class Trainer:
         grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        if self.state_bytes is None:  # once: every tensor of the state exists now (gradients until zero_grad)
-            self.state_bytes = self.parallel.state_bytes(self.model, self.optimizer)
+        self.instruments.note_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
@@ -173,7 +152,7 @@ class Trainer:
             )
         record = provenance.collect(config.to_dict(), env.world_size)
         clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
-        host_load = HostLoad()
+        self.instruments.start()
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
         validation = None  # the last step's
         remaining = itertools.islice(
@@ -181,7 +160,7 @@ class Trainer:
         )
         try:
             for micro_batches in remaining:
-                with self.comm.step(state.step + 1):
+                with self.instruments.step(state.step + 1):
                     loss, grad_norm = self.train_step(micro_batches)
                 loss_acc += loss
                 steps_acc += 1
@@ -208,7 +187,7 @@ class Trainer:
                 path = self.save(loss_acc)
             raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume") from None
         checkpoint = self.save(loss_acc)
-        return self.finish(record, clock, host_load, validation, test, checkpoint)
+        return self.finish(record, clock, validation, test, checkpoint)
 
     # --------------------------------------------------------------------------------- bookkeeping
     def log_train(self, loss_acc: torch.Tensor, grad_norm: torch.Tensor, steps: int, elapsed: float) -> None:
@@ -218,13 +197,7 @@ class Trainer:
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
         values = global_reduce(values) / divisors
-        peak, reserved = peak_memory_mb(self.env.device)
-        # the profiler ran in this interval (scalelm.train.comm): its time is not a steady-state figure
-        profiled = any(self.comm.covers(s) for s in range(self.state.step - steps + 1, self.state.step + 1))
-        if not profiled:
-            self.steady_peak_mb = peak  # this rank's, before the profiler's records and the final evaluation
-        memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
-        peak, reserved = global_reduce(memory, dist.ReduceOp.MAX).tolist()
+        peak, reserved, profiled = self.instruments.interval(self.state.step - steps + 1, self.state.step)
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
             bad = self.ranks_where(~loss_acc.isfinite())
@@ -247,9 +220,9 @@ class Trainer:
                 "step_time_s": step_time,
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
-                "mfu": self.mfu(self.tokens_per_step / step_time),
+                "mfu": self.instruments.mfu(self.tokens_per_step / step_time),
                 "peak_mem_mb": peak,
-                "peak_reserved_mb": reserved if reserved >= 0 else None,  # CUDA's caching allocator; None on CPU
+                "peak_reserved_mb": reserved,  # CUDA's caching allocator; None on CPU
                 "profiled": profiled,
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
@@ -298,60 +271,24 @@ class Trainer:
                 f"good checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
 
-    def state_mb_per_rank(self) -> dict[str, float] | None:
-        """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""
-        kinds = ("params", "grads", "optimizer")
-        mine = [float(self.state_bytes[k]) if self.state_bytes else -1.0 for k in kinds]
-        largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX).tolist()
-        if min(largest) < 0:  # no step ran in this attempt (it resumed at the end)
-            return None
-        return {k: v / 2**20 for k, v in zip(kinds, largest)} | {"total": sum(largest) / 2**20}
-
-    def comm_summary(self) -> dict[str, Any] | None:
-        """The share of the profiled steps during which a collective ran: mean and largest over the ranks, with
-        rank 0's time per collective. None if this attempt ended before its profiled steps."""
-        if self.env.world_size == 1:
-            return {"share": 0.0, "comm_s_per_step": 0.0, "note": "one process: no communication"}
-        results = all_gather_object(self.comm.result)
-        if any(r is None for r in results):
-            return None
-        shares = [r["share"] for r in results]
-        return {
-            "steps": results[0]["steps"],
-            "share": sum(shares) / len(shares),
-            "share_max": max(shares),
-            "comm_s_per_step": sum(r["comm_s_per_step"] for r in results) / len(results),
-            "step_s": results[0]["step_s"],
-            "ops_s_per_step_rank0": results[0]["ops_s_per_step"],
-        }
-
-    def finish(self, record, clock, host_load, validation, test, checkpoint) -> dict[str, Any]:
+    def finish(self, record, clock: Stopwatch, validation, test, checkpoint: Path) -> dict[str, Any]:
+        state = self.state
         record.update(
             end_time=provenance.now(),
             wall_time_s=clock.wall(),
-            host_load=host_load.finish(),
+            host_load=self.instruments.host_load.finish(),
             parallel=self.parallel.describe(),
             results={
-                "state_mb_per_rank": self.state_mb_per_rank(),
-                # scalelm.plan's figures for this layout, the measured ones' reference (MiB, the fullest rank)
-                "plan_mb_per_rank": plan_memory(self.workload, self.parallel.dims).mb(),
-                **self.parallel.measurements(self.comm.covers, self.steady_peak_mb),
-                "comm": self.comm_summary(),
+                **self.instruments.results(state.tokens_seen, state.train_seconds),
                 "strategy": self.parallel.name,
                 "layout": self.parallel.dims.layout,
-                "steps": self.state.step,
-                "epochs_completed": self.state.epoch,
-                "tokens_seen": self.state.tokens_seen,
+                "steps": state.step,
+                "epochs_completed": state.epoch,
+                "tokens_seen": state.tokens_seen,
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
-                "train_time_s": self.state.train_seconds,
-                "tokens_per_s": self.state.tokens_seen / self.state.train_seconds if self.state.train_seconds else None,
-                "mfu": self.mfu(self.state.tokens_seen / self.state.train_seconds)
-                if self.state.train_seconds
-                else None,
-                "flops_per_token": self.flops_per_token,
-                "peak_flops_per_device": self.peak_flops,
-                "peak_flops_source": self.peak_source,
+                "train_time_s": state.train_seconds,
+                "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else None,
                 "final_train_loss": self.last_loss,
                 "validation": validation,
                 "test": test,

@@ -1,0 +1,116 @@
+"""What a training measures besides its loss, in one place, behind the few calls the trainer makes: `start`, `step` around each
+optimizer step (the communication profile of the last steps), `note_state` once the state exists (this rank's
+parameters, gradients and optimizer state), `interval` at a log line (the peak memory, and whether the profiler ran),
+`mfu`, and at the end `host_load` and `results` (what run.json records beside the plan). Nothing here changes the
+training; its collectives run on every rank in the same order."""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scalelm.config import Config
+from scalelm.model import flops_per_token
+from scalelm.parallel.env import DistEnv, all_gather_object, is_distributed
+from scalelm.parallel.runtime import Parallel
+from scalelm.plan.memory import Workload, plan_memory
+from scalelm.train.comm import CommProfile
+from scalelm.train.hostload import HostLoad
+from scalelm.train.metrics import peak_memory_mb
+from scalelm.train.peak import mfu, peak_flops
+
+STATE_KINDS = ("params", "grads", "optimizer")
+
+
+class Instruments:
+    def __init__(
+        self, config: Config, env: DistEnv, parallel: Parallel, workload: Workload, total_steps: int, start_step: int
+    ):
+        self.env, self.parallel, self.workload = env, parallel, workload
+        self.flops_per_token = flops_per_token(config.model, workload.vocab_size, config.data.seq_len)
+        # one device's peak, from rank 0: on CPU its calibration runs while the other ranks wait, sharing no core
+        mine = peak_flops(env.device, parallel.precision, config.train.peak_tflops) if env.is_main else None
+        self.peak_flops, self.peak_source = all_gather_object(mine)[0] if is_distributed() else mine
+        # the collectives timed on the last steps (the profiler's records would distort every figure after them)
+        self.comm = CommProfile(
+            config.train.comm_profile_steps, total_steps, start_step, env.device, env.world_size > 1
+        )
+        self.state_bytes: dict[str, int] | None = None  # this rank's, from this attempt's first step
+        self.steady_peak_mb = math.nan  # this rank's, from the last interval without the profiler
+        self.host_load: HostLoad | None = None
+
+    def start(self) -> None:
+        """At the start of training: the hosts' CPU load is measured from here to `results`."""
+        self.host_load = HostLoad()
+
+    def step(self, step: int) -> AbstractContextManager:
+        return self.comm.step(step)
+
+    def note_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Once, after an optimizer step and before zero_grad: every tensor of the state exists then."""
+        if self.state_bytes is None:
+            self.state_bytes = self.parallel.state_bytes(model, optimizer)
+
+    def interval(self, first_step: int, last_step: int) -> tuple[float, float | None, bool]:
+        """At a log line (a collective): the largest rank's peak memory and reserved memory (MiB; None on CPU) in
+        the interval, and whether the profiler ran in it (its time is then no steady-state figure)."""
+        peak, reserved = peak_memory_mb(self.env.device)
+        profiled = any(self.comm.covers(step) for step in range(first_step, last_step + 1))
+        if not profiled:
+            self.steady_peak_mb = peak  # before the profiler's records and the final evaluation
+        memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
+        if is_distributed():
+            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        peak, reserved = memory.tolist()
+        return peak, reserved if reserved >= 0 else None, profiled
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)
+
+    def results(self, tokens_seen: int, train_seconds: float) -> dict[str, Any]:
+        """The measured figures of run.json's results (a collective), beside scalelm.plan's for the layout."""
+        return {
+            "state_mb_per_rank": self.state_mb_per_rank(),
+            # scalelm.plan's figures for this layout, the measured ones' reference (MiB, the fullest rank)
+            "plan_mb_per_rank": plan_memory(self.workload, self.parallel.dims).mb(),
+            **self.parallel.measurements(self.comm.covers, self.steady_peak_mb),
+            "comm": self.comm_summary(),
+            "mfu": self.mfu(tokens_seen / train_seconds) if train_seconds else None,
+            "flops_per_token": self.flops_per_token,
+            "peak_flops_per_device": self.peak_flops,
+            "peak_flops_source": self.peak_source,
+        }
+
+    def state_mb_per_rank(self) -> dict[str, float] | None:
+        """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""
+        mine = [float(self.state_bytes[k]) if self.state_bytes else -1.0 for k in STATE_KINDS]
+        largest = torch.tensor(mine, device=self.env.device)
+        if is_distributed():
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        largest = largest.tolist()
+        if min(largest) < 0:  # no step ran in this attempt (it resumed at the end)
+            return None
+        return {k: v / 2**20 for k, v in zip(STATE_KINDS, largest)} | {"total": sum(largest) / 2**20}
+
+    def comm_summary(self) -> dict[str, Any] | None:
+        """The share of the profiled steps during which a collective ran: mean and largest over the ranks, with
+        rank 0's time per collective. None if this attempt ended before its profiled steps."""
+        if self.env.world_size == 1:
+            return {"share": 0.0, "comm_s_per_step": 0.0, "note": "one process: no communication"}
+        results = all_gather_object(self.comm.result)
+        if any(r is None for r in results):
+            return None
+        shares = [r["share"] for r in results]
+        return {
+            "steps": results[0]["steps"],
+            "share": sum(shares) / len(shares),
+            "share_max": max(shares),
+            "comm_s_per_step": sum(r["comm_s_per_step"] for r in results) / len(results),
+            "step_s": results[0]["step_s"],
+            "ops_s_per_step_rank0": results[0]["ops_s_per_step"],
+        }
