@@ -20,6 +20,7 @@ the picture of one step that the report draws.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from scalelm.model.loss import lm_loss
+from scalelm.parallel.env import all_gather_object
 from scalelm.parallel.layout import Layout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -221,6 +223,27 @@ class Pipeline:
         tensor = torch.empty(size, dtype=DTYPES[dtype], device=self.device)
         dist.recv(tensor, group=self.group, group_src=peer)
         return tensor
+
+    def measurements(self, skip: Callable[[int], bool], peak_mem_mb: float) -> dict:
+        """The pipeline as run.json records it (a collective): its bubble, predicted and measured on the kept steps
+        not in `skip`, every rank's timeline of the latest such step, and the peak memory (this rank's:
+        `peak_mem_mb`) of each pipeline rank's stages."""
+        steps = self.timeline.chunks(skip)
+        everyone = all_gather_object({"stages": self.stage_ids, "steps": steps, "peak_mem_mb": peak_mem_mb})
+        per_pp_rank: list[float | None] = [None] * self.pp  # the largest of the ranks holding the same stages
+        for rank in everyone:
+            if math.isfinite(rank["peak_mem_mb"]):  # NaN: no step of this attempt was logged unprofiled
+                pp_rank = rank["stages"][0]
+                per_pp_rank[pp_rank] = max(per_pp_rank[pp_rank] or 0.0, rank["peak_mem_mb"])
+        latest = [rank["steps"][-1] if rank["steps"] else None for rank in everyone]
+        return {
+            **self.describe(),
+            **bubble([rank["steps"] for rank in everyone]),
+            "timed_steps": [step["step"] for step in everyone[0]["steps"]],
+            "stages_of_pp_rank": [self.layout.stages_of(r) for r in range(self.pp)],
+            "peak_mem_mb_per_pp_rank": per_pp_rank,
+            "timeline": [{"rank": r, **step} for r, step in enumerate(latest) if step is not None],
+        }
 
     def describe(self) -> dict:
         return {

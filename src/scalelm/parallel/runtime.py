@@ -15,7 +15,6 @@ a pipeline differs only inside `forward_backward` and `forward`, where its sched
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import ContextManager
 
@@ -36,7 +35,7 @@ from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv, all_gather_object
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, resolve_layout
-from scalelm.parallel.pipeline import Pipeline, StageParts, bubble, stage_part
+from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
 from scalelm.parallel.tensor import apply_tp
 
 
@@ -247,31 +246,6 @@ class Parallel:
             "params": size(params),
             "grads": size(p.grad for p in params if p.grad is not None),
             "optimizer": size(states),
-        }
-
-    def measurements(self, skip: Callable[[int], bool], peak_mem_mb: float) -> dict:
-        """Layout-specific results for run.json (a collective): a pipeline's bubble, predicted and measured on the
-        kept steps not in `skip`, every rank's timeline of the latest such step, and the peak memory (this rank's:
-        `peak_mem_mb`) of each pipeline rank's stages."""
-        if self.pipeline is None:
-            return {}
-        steps = self.pipeline.timeline.chunks(skip)
-        everyone = all_gather_object({"stages": self.pipeline.stage_ids, "steps": steps, "peak_mem_mb": peak_mem_mb})
-        per_pp_rank: list[float | None] = [None] * self.dims.pp  # the largest of the ranks holding the same stages
-        for rank in everyone:
-            if math.isfinite(rank["peak_mem_mb"]):  # NaN: no step of this attempt was logged unprofiled
-                pp_rank = rank["stages"][0]
-                per_pp_rank[pp_rank] = max(per_pp_rank[pp_rank] or 0.0, rank["peak_mem_mb"])
-        latest = [rank["steps"][-1] if rank["steps"] else None for rank in everyone]
-        return {
-            "pipeline": {
-                **self.pipeline.describe(),
-                **bubble([rank["steps"] for rank in everyone]),
-                "timed_steps": [step["step"] for step in everyone[0]["steps"]],
-                "stages_of_pp_rank": [self.layout.stages_of(r) for r in range(self.dims.pp)],
-                "peak_mem_mb_per_pp_rank": per_pp_rank,
-                "timeline": [{"rank": r, **step} for r, step in enumerate(latest) if step is not None],
-            }
         }
 
     @staticmethod

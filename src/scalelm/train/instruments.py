@@ -78,13 +78,18 @@ class Instruments:
             "state_mb_per_rank": self.state_mb_per_rank(),
             # scalelm.plan's figures for this layout, the measured ones' reference (MiB, the fullest rank)
             "plan_mb_per_rank": plan_memory(self.workload, self.parallel.dims).mb(),
-            **self.parallel.measurements(self.comm.covers, self.steady_peak_mb),
+            **self.pipeline_measurements(),
             "comm": self.comm_summary(),
             "mfu": self.mfu(tokens_seen / train_seconds) if train_seconds else None,
             "flops_per_token": self.flops_per_token,
             "peak_flops_per_device": self.peak_flops,
             "peak_flops_source": self.peak_source,
         }
+
+    def pipeline_measurements(self) -> dict[str, Any]:
+        """A pipeline's bubble, timeline and per-stage memory (scalelm.parallel.pipeline); nothing without one."""
+        pipeline = self.parallel.pipeline
+        return {"pipeline": pipeline.measurements(self.comm.covers, self.steady_peak_mb)} if pipeline else {}
 
     def state_mb_per_rank(self) -> dict[str, float] | None:
         """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""
