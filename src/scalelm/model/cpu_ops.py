@@ -25,8 +25,8 @@ class Dropout(nn.Dropout):
     The same function: every element kept independently with probability 1 - p (to within 2^-24) and scaled by
     1 / (1 - p), computed exactly as F.dropout does. torch's CPU Bernoulli sampler is serial Mersenne-Twister code
     (its vectorised MKL path is taken on Intel CPUs only), much slower on the course model's feed-forward
-    activations (docs/benchmarks.md). The generator is seeded from torch's default generator, so torch.manual_seed and the RNG states
-    saved in checkpoints still determine every mask.
+    activations (docs/benchmarks.md). The generator is seeded from torch's default generator, so torch.manual_seed
+    and the RNG states saved in checkpoints still determine every mask.
 
     `stream` (set by tensor parallelism) is nonzero where this rank holds its own slice of the activations: the
     ranks of a tensor-parallel group share their RNG state, and the stream makes their masks differ.

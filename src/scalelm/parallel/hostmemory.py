@@ -40,8 +40,8 @@ def keep_freed_memory(threshold: int = REUSE_BELOW) -> bool:
     """Ask glibc's malloc to serve allocations below `threshold` from its heap and to keep freed memory mapped.
 
     By default glibc maps every allocation above 32 MB afresh and unmaps it when freed, so the activations and
-    gradients a CPU training step frees are page-faulted and zeroed by the kernel again on the next step, a visible share
-    of the course model's CPU step time (docs/benchmarks.md). The price is that the process keeps its peak memory
+    gradients a CPU training step frees are page-faulted and zeroed by the kernel again on the next step, a visible
+    share of the course model's CPU step time (docs/benchmarks.md). The price is that the process keeps its peak memory
     until it exits, a peak a training process reaches every step anyway.
     Returns whether the setting took effect: glibc on Linux only; elsewhere nothing changes.
     """

@@ -1,8 +1,8 @@
 """Before the queue, optional: whether each experiment's layout is wired right (its memory: plan_check.py).
 
-`snakemake preflight`: every experiment of several processes runs PREFLIGHT_STEPS steps on this
-machine's CPU, all its processes on one node, on a slice of the prepared data, with dropout off and one global batch every
-layout divides; a single process runs the same settings. Every layout trains the same model on the same data, so
+`snakemake preflight`: every experiment of several processes runs PREFLIGHT_STEPS steps on this machine's CPU, all
+its processes on one node, on a slice of the prepared data, with dropout off and one global batch every layout
+divides; a single process runs the same settings. Every layout trains the same model on the same data, so
 their losses must agree step by step (to LOSS_TOLERANCE, fp32's reordered sums): a mismatch names the experiment
 within minutes, before hours of GPU time.
 

@@ -1,8 +1,8 @@
-"""What a training measures besides its loss, in one place, behind the few calls the trainer makes: `start`, `step` around each
-optimizer step (the communication profile of the last steps), `note_state` once the state exists (this rank's
-parameters, gradients and optimizer state), `interval` at a log line (the peak memory, and whether the profiler ran),
-`mfu`, and at the end `host_load` and `results` (what run.json records beside the plan). Nothing here changes the
-training; its collectives run on every rank in the same order."""
+"""What a training measures besides its loss, in one place, behind the few calls the trainer makes: `start`, `step`
+around each optimizer step (the communication profile of the last steps), `note_state` once the state exists (this
+rank's parameters, gradients and optimizer state), `interval` at a log line (the peak memory, and whether the
+profiler ran), `mfu`, and at the end the hosts' load and `results` (what run.json records beside the plan). Nothing
+here changes the training; its collectives run on every rank in the same order."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Instruments:
         self.flops_per_token = flops_per_token(config.model, workload.vocab_size, config.data.seq_len)
         # one device's peak, from rank 0: on CPU its calibration runs while the other ranks wait, sharing no core
         mine = peak_flops(env.device, parallel.precision, config.train.peak_tflops) if env.is_main else None
-        self.peak_flops, self.peak_source = all_gather_object(mine)[0] if is_distributed() else mine
+        self.peak_flops, self.peak_source = all_gather_object(mine)[0]
         # the collectives timed on the last steps (the profiler's records would distort every figure after them)
         self.comm = CommProfile(
             config.train.comm_profile_steps, total_steps, start_step, env.device, env.world_size > 1
