@@ -84,9 +84,14 @@ def singularity_on_path():
             os.environ["PATH"] = previous
 
 
+def is_uri(image: str) -> bool:
+    """docker://, oras://, library://...: an image to fetch, not a file."""
+    return "://" in image
+
+
 def split_base(base_image: str) -> tuple[str, str]:
     """`docker://repo:tag` -> ('docker', 'repo:tag'); a local .sif path -> ('localimage', path)."""
-    if "://" in base_image:
+    if is_uri(base_image):
         agent, _, rest = base_image.partition("://")
         return agent, rest
     path = Path(base_image)
@@ -137,7 +142,7 @@ def pull(uri: str, out: Path) -> Path:
 
 
 def check_image(image: str) -> None:
-    if "://" not in image and not Path(image).is_file():
+    if not is_uri(image) and not Path(image).is_file():
         raise ContainerError(
             f"container image {image} does not exist: build it (container.mode: build), copy it from the cluster "
             "where it was built, or run without a container (container.mode: none)"

@@ -116,6 +116,13 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`values` reduced over every rank, in place (as they are without a process group)."""
+    if is_distributed():
+        dist.all_reduce(values, op=op)
+    return values
+
+
 def all_gather_object(obj):
     """Every rank's obj, in rank order (just [obj] without a process group)."""
     if not is_distributed():

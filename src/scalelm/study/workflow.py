@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from scalelm.errors import ConfigError
-from scalelm.launch.container import check_image, exec_prefix, find_runtime
+from scalelm.launch.container import check_image, exec_prefix, find_runtime, is_uri
 from scalelm.launch.site import load_site
 from scalelm.launch.slurm import check_node_counts
 from scalelm.report.expectations import parse_expectations, to_arguments
@@ -243,10 +243,6 @@ def stop_signal_seconds(resources: dict[str, Any]) -> int:
             "none) or raise runtime_min"
         )
     return ahead
-
-
-def is_uri(image: str) -> bool:
-    return "://" in image
 
 
 def image_file(container: dict[str, Any], results: str) -> str | None:

@@ -154,7 +154,6 @@ class Checkpointer:
         self.directory = Path(directory)
         self.env = env
         self.keep = keep
-        self.resumed_from: Path | None = None
         self.latest_path: Path | None = None  # the newest checkpoint of this run, saved or resumed from
         self.latest_step = -1
         self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
@@ -202,7 +201,7 @@ class Checkpointer:
         return None
 
     def resume(self, model: nn.Module, optimizer, scheduler, expected_shape: dict[str, Any]) -> TrainerState | None:
-        path = self.resumed_from = self.latest()
+        path = self.latest()
         if path is None:
             return None
         trainer = read_trainer(path)

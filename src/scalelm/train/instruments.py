@@ -16,7 +16,7 @@ from torch import nn
 
 from scalelm.config import Config
 from scalelm.model import flops_per_token
-from scalelm.parallel.env import DistEnv, all_gather_object, is_distributed
+from scalelm.parallel.env import DistEnv, all_gather_object, global_reduce
 from scalelm.parallel.runtime import Parallel
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.train.comm import CommProfile
@@ -64,9 +64,7 @@ class Instruments:
         if not profiled:
             self.steady_peak_mb = peak  # before the profiler's records and the final evaluation
         memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
-        if is_distributed():
-            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-        peak, reserved = memory.tolist()
+        peak, reserved = global_reduce(memory, dist.ReduceOp.MAX).tolist()
         return peak, reserved if reserved >= 0 else None, profiled
 
     def mfu(self, tokens_per_s: float) -> float | None:
@@ -94,10 +92,7 @@ class Instruments:
     def state_mb_per_rank(self) -> dict[str, float] | None:
         """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""
         mine = [float(self.state_bytes[k]) if self.state_bytes else -1.0 for k in STATE_KINDS]
-        largest = torch.tensor(mine, device=self.env.device)
-        if is_distributed():
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        largest = largest.tolist()
+        largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX).tolist()
         if min(largest) < 0:  # no step ran in this attempt (it resumed at the end)
             return None
         return {k: v / 2**20 for k, v in zip(STATE_KINDS, largest)} | {"total": sum(largest) / 2**20}

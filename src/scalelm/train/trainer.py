@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scalelm import seeds
 from scalelm.config import Config, dump_config, load_config
@@ -29,7 +28,7 @@ from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import disk_errors
 from scalelm.model import TransformerLM
-from scalelm.parallel.env import DistEnv, barrier, is_distributed, setup, teardown
+from scalelm.parallel.env import DistEnv, barrier, global_reduce, setup, teardown
 from scalelm.parallel.runtime import Parallel
 from scalelm.plan.memory import Workload
 from scalelm.train import provenance
@@ -57,12 +56,6 @@ def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
 
 def due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
-
-
-def global_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if is_distributed():
-        dist.all_reduce(values, op=op)
-    return values
 
 
 def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
@@ -115,7 +108,7 @@ class Trainer:
             self.run_dir.metrics, env.is_main, resumed.step if resumed else None, self.run_dir.tensorboard, wandb
         )
         if resumed and env.is_main:
-            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.resumed_from}")
+            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
         self.last_loss = math.nan
         self.stop = StopFlag()
         self.instruments = Instruments(config, env, parallel, workload, self.total_steps, self.state.step)
