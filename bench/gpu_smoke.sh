@@ -55,6 +55,14 @@ else
 fi
 common=(train.log_every=$((steps / 6)) train.monitor_interval_s=0.5 "${device[@]}")
 
+# nvidia-smi's readings through every run, for the monitor's to be compared with (NVML both, sampled apart)
+if [ "$mode" != --cpu ] && command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,power.draw --format=csv,noheader,nounits \
+        -lms 200 >"$out/nvidia_smi.csv" 2>/dev/null &
+    smi=$!
+    trap 'kill $smi 2>/dev/null' EXIT
+fi
+
 # 1. the course model in the device's precision (bf16 on CUDA): evaluation and checkpoint half-way, the profiled
 #    collectives, the monitor
 step course train course "${common[@]}" train.max_steps=$steps train.eval_every=$((steps / 2)) \
@@ -100,4 +108,5 @@ else
         train.comm_profile_steps=0
 fi
 
+[ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
 $py bench/gpu_smoke_report.py "$out" "$mode"

@@ -10,6 +10,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from scalelm.errors import EXIT_PREEMPTED
@@ -26,7 +27,9 @@ def steady(run: Path) -> dict:
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     kept = [r for r in train[1:] if not r.get("profiled")] or train[-1:]
     record = read_record(run)
-    figures = {k: statistics.median(r[k] for r in kept) for k in ("tokens_per_s", "step_time_s", "peak_mem_mb")}
+    figures = {
+        k: statistics.median(r[k] for r in kept) for k in ("tokens_per_s", "step_time_s", "peak_mem_mb", "data_share")
+    }
     mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
     return {**figures, "mfu": statistics.median(mfu) if mfu else None, "record": record, "train": train}
 
@@ -35,8 +38,22 @@ def describe(figures: dict) -> str:
     mfu = f", MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else ", MFU n/a"
     return (
         f"{figures['tokens_per_s']:,.0f} tokens/s, {figures['step_time_s'] * 1e3:.1f} ms/step{mfu}, "
-        f"peak {figures['peak_mem_mb']:,.0f} MiB"
+        f"peak {figures['peak_mem_mb']:,.0f} MiB, data loading {figures['data_share']:.2%} of the step"
     )
+
+
+def smi_samples(path: Path) -> list[tuple[float, int, dict]]:
+    """nvidia-smi's CSV (timestamp, index, utilisation %, memory used MiB, power W) as (time, index, readings)."""
+    samples = []
+    for line in path.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            when = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            util, memory, power = (float(f) for f in fields[2:5])
+        except (ValueError, IndexError):  # a partial last line, "[N/A]"
+            continue
+        samples.append((when, int(fields[1]), {"util_percent": util, "memory_used_mb": memory, "power_w": power}))
+    return samples
 
 
 class Report:
@@ -151,6 +168,55 @@ class Report:
             f"{recompute['tokens_per_s'] / compiled['tokens_per_s']:.2f}x"
         )
 
+    def plan_vs_peak(self) -> str:
+        """scalelm.plan's peak beside the largest allocation CUDA measured (steady intervals), for the eager runs
+        of one process (within 30%); the compiled ones reported, not checked (the plan does not model
+        compilation). On one GPU every layout is one process: DDP and FSDP need two ranks or more."""
+        self.gpu_only()
+        figures, failed = [], []
+        for name, checked in (("course", 1), ("fp32", 1), ("gpt2_eager", 1), ("course_compiled", 0),
+                              ("gpt2_compiled", 0), ("gpt2_recompute", 0)):  # fmt: skip
+            self.exited(name)
+            run = steady(self.runs / name)
+            planned = run["record"]["results"]["plan_mb_per_rank"]["total"]
+            ratio = planned / run["peak_mem_mb"]
+            figures.append(f"{name} {planned:,.0f}/{run['peak_mem_mb']:,.0f} MiB ({ratio:.2f})")
+            if checked and not 0.7 <= ratio <= 1.3:
+                failed.append(name)
+        assert not failed, f"plan off by more than 30% for {failed}: " + "; ".join(figures)
+        return "planned/measured: " + "; ".join(figures)
+
+    def monitor_vs_smi(self) -> str:
+        """The monitor's GPU readings (NVML through nvidia-ml-py) beside nvidia-smi's nearest sample (within
+        0.25 s): memory within 2% or 256 MiB, power and utilisation reported by their median difference."""
+        self.gpu_only()
+        smi = smi_samples(self.out / "nvidia_smi.csv")
+        assert smi, "nvidia-smi recorded nothing"
+        pairs = []
+        for path in sorted(self.runs.glob("*/monitor/node*.jsonl")):
+            for sample in map(json.loads, path.open()):
+                for index, gpu in enumerate(sample.get("gpus") or []):
+                    near = min(smi, key=lambda s: abs(s[0] - sample["time"]) + (s[1] != index) * 1e9)
+                    if abs(near[0] - sample["time"]) <= 0.25 and near[1] == index:
+                        pairs.append((gpu, near[2]))
+        assert len(pairs) >= 10, f"only {len(pairs)} monitor samples near an nvidia-smi sample"
+
+        def median_difference(key: str) -> float:
+            return statistics.median(
+                abs(mine[key] - theirs[key]) for mine, theirs in pairs if mine.get(key) is not None
+            )
+
+        memory = [abs(m["memory_used_mb"] - t["memory_used_mb"]) / max(t["memory_used_mb"], 1) for m, t in pairs]
+        within = sum(
+            d <= 0.02 or abs(m["memory_used_mb"] - t["memory_used_mb"]) <= 256 for d, (m, t) in zip(memory, pairs)
+        )
+        assert within >= 0.9 * len(pairs), f"memory agrees in {within} of {len(pairs)} pairs"
+        return (
+            f"{len(pairs)} pairs: memory within 2% or 256 MiB in {within}; median |difference| memory "
+            f"{median_difference('memory_used_mb'):.0f} MiB, power {median_difference('power_w'):.0f} W, "
+            f"utilisation {median_difference('util_percent'):.0f} points"
+        )
+
     def compiled_cpu(self) -> str:
         """On CPU: the tiny model trained compiled end to end, its loss beside the eager course run's."""
         if not self.cpu:
@@ -172,6 +238,8 @@ def main(argv: list[str]) -> int:
         "evaluate_on_cpu",
         "gpt2",
         "gpt2_recompute",
+        "plan_vs_peak",
+        "monitor_vs_smi",
         "compiled_cpu",
     ):
         report.check(name, getattr(report, name))

@@ -251,6 +251,17 @@ def test_the_gpu_sampler_survives_unsupported_readings_and_names_gpus_by_uuid(mo
     ]
     assert fake.opened == ["GPU-5c0e", "MIG-77aa"]
 
+    # nvidia-smi's figure: NVML's v2 query sets the driver's reserved memory apart, v1's `used` includes it
+    class FakeNvmlV2(FakeNvml):
+        nvmlMemory_v2 = 0x02000028
+
+        def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+            reserved = 615 * 2**20 if version != self.nvmlMemory_v2 else 0
+            return type("Memory", (), {"used": 3 * 2**20 + reserved})()
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlV2())
+    assert [gpu["memory_used_mb"] for gpu in monitor.GpuSampler(["GPU-5c0e"]).sample()] == [3.0]
+
     properties = type("Properties", (), {"uuid": "5c0e1d2a-0000-1111-2222-333344445555"})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # whatever it says, the UUID names the device
@@ -316,7 +327,7 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     smoked = {r["check"]: r["status"] for r in json.loads((tmp_path / "smoke/smoke.json").read_text())}
     assert smoked == {
         "course": "PASS", "fp32": "N/A", "course_compiled": "N/A", "stop_resume": "PASS", "evaluate_on_cpu": "PASS", "gpt2": "N/A",
-        "gpt2_recompute": "N/A", "compiled_cpu": "PASS",
+        "gpt2_recompute": "N/A", "plan_vs_peak": "N/A", "monitor_vs_smi": "N/A", "compiled_cpu": "PASS",
     }  # fmt: skip
     for output in (probe.stdout, smoke.stdout):  # one line per check, its status first
         assert all(

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -21,12 +22,13 @@ from scalelm.report.utilisation import summarise
 from scalelm.train import peak
 from scalelm.train.comm import clip, union_seconds
 from scalelm.train.hostload import HostLoad
+from scalelm.train.instruments import Instruments
 from scalelm.train.record import read_metrics
 
 
 def intervals(times: list[float], every: int = 3) -> list[dict]:
     return [
-        {"step": every * (i + 1), "step_time_s": t, "tokens_per_step": 1000, "world_size": 2}
+        {"step": every * (i + 1), "step_time_s": t, "tokens_per_step": 1000, "world_size": 2, "data_share": t / 100}
         for i, t in enumerate(times)
     ]
 
@@ -38,6 +40,7 @@ def test_steady_state_leaves_out_the_warmup_and_reports_the_median_and_its_sprea
     assert figures["warmup_steps"] == 5 and figures["steady_intervals"] == 3
     assert (figures["step_time_s"], figures["step_time_s_min"], figures["step_time_s_max"]) == (1.0, 0.8, 1.2)
     assert figures["tokens_per_s"] == 1000.0 and figures["tokens_per_s_per_device"] == 500.0
+    assert figures["data_share"] == 0.01  # the steady intervals' median
     assert steady_state(intervals([9.0, 5.0, 1.0]), warmup_steps=0)["step_time_s"] == 5.0
     # a run that ends inside its warm-up is measured on its last interval, and says so
     short = steady_state(intervals([9.0, 5.0]))
@@ -118,6 +121,23 @@ def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
     assert child > 0.1 and figures["busy_cores"] >= figures["run_cores"]
 
 
+def test_the_data_time_is_the_host_time_spent_producing_batches():
+    """What `data_share` divides: the time inside the batch iterator, not the time the caller spends between items."""
+    holder = SimpleNamespace(data_seconds=0.0)
+
+    def slow(n):
+        for i in range(n):
+            time.sleep(0.02)
+            yield i
+
+    items = []
+    for item in Instruments.batches(holder, slow(3)):
+        items.append(item)
+        time.sleep(0.05)  # the step: not data time
+    assert items == [0, 1, 2]
+    assert 0.06 <= holder.data_seconds < 0.12
+
+
 def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(tiny_config):
     config = tiny_config(train__max_steps=6, train__log_every=2, train__peak_tflops=0.001)
     run_train(config)
@@ -131,6 +151,7 @@ def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(ti
     assert results["flops_per_token"] == per_token
     for line in (m for m in read_metrics(run_dir) if m["kind"] == "train"):
         assert line["mfu"] == pytest.approx(per_token * line["tokens_per_s"] / 1e9)
+        assert 0 < line["data_share"] < 0.5  # host time producing batches, over the interval's training time
     assert results["mfu"] == pytest.approx(per_token * results["tokens_per_s"] / 1e9)
     assert [step for step, _ in board_scalars(run_dir, "train/mfu")] == [2, 4, 6]
     assert [step for step, _ in board_scalars(run_dir, "validation/loss")]  # evaluations too

@@ -52,7 +52,7 @@ class TrainBatches:
                 f"the train split ({self.tokens.numel():,} tokens, {self.windows:,} windows of "
                 f"{self.seq_len}) is too small for one global batch of {self.global_batch}; lower batch.size"
             )
-        self._offsets = torch.arange(self.seq_len + 1)
+        self._offsets = torch.arange(self.seq_len + 1, device=self.tokens.device)
 
     @property
     def per_rank(self) -> int:
@@ -68,7 +68,7 @@ class TrainBatches:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Yields, for each optimizer step from start_step on, this rank's micro-batches (inputs, targets)."""
-        perm = epoch_permutation(self.windows, self.seed, epoch)
+        perm = epoch_permutation(self.windows, self.seed, epoch).to(self.tokens.device)
         for step in range(start_step, self.steps_per_epoch):
             first = step * self.global_batch + self.rank * self.per_rank
             starts = perm[first : first + self.per_rank] * self.stride

@@ -40,6 +40,7 @@ def steady_state(train: list[dict[str, Any]], warmup_steps: int | None = None) -
     median = statistics.median(times)
     tokens = train[-1]["tokens_per_step"]
     world = train[-1]["world_size"]
+    data = [r["data_share"] for r in intervals if r.get("data_share") is not None]
     return {
         "warmup_steps": warmup,
         "steady_intervals": len(intervals) if after_warmup else 0,  # 0: the run ended within its warm-up
@@ -48,6 +49,7 @@ def steady_state(train: list[dict[str, Any]], warmup_steps: int | None = None) -
         "step_time_s_max": max(times),
         "tokens_per_s": tokens / median,
         "tokens_per_s_per_device": tokens / median / world,
+        "data_share": statistics.median(data) if data else None,
     }
 
 

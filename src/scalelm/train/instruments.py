@@ -1,14 +1,16 @@
 """What a training measures besides its loss, in one place, behind the few calls the trainer makes: `start`, `step`
 around each optimizer step (the communication profile of the last steps), `note_state` once the state exists (this
-rank's parameters, gradients and optimizer state), `interval` at a log line (the peak memory, and whether the
-profiler ran), `mfu`, and at the end the hosts' load and `results` (what run.json records beside the plan). Nothing
+rank's parameters, gradients and optimizer state), `batches` around the batch iterator (the host time spent
+producing batches), `interval` at a log line (the peak memory, the data time, and whether the profiler ran), `mfu`, and at the end the hosts' load and `results` (what run.json records beside the plan). Nothing
 here changes the training; its collectives run on every rank in the same order."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from scalelm.train.metrics import peak_memory_mb
 from scalelm.train.peak import mfu, peak_flops
 
 STATE_KINDS = ("params", "grads", "optimizer")
+T = TypeVar("T")
 
 
 class Instruments:
@@ -43,6 +46,7 @@ class Instruments:
         self.state_bytes: dict[str, int] | None = None  # this rank's, from this attempt's first step
         self.steady_peak_mb = math.nan  # this rank's, from the last interval without the profiler
         self.host_load: HostLoad | None = None
+        self.data_seconds = 0.0  # since the last log line
 
     def start(self) -> None:
         """At the start of training: the hosts' CPU load is measured from here to `results`."""
@@ -56,16 +60,36 @@ class Instruments:
         if self.state_bytes is None:
             self.state_bytes = self.parallel.state_bytes(model, optimizer)
 
-    def interval(self, first_step: int, last_step: int) -> tuple[float, float | None, bool]:
-        """At a log line (a collective): the largest rank's peak memory and reserved memory (MiB; None on CPU) in
-        the interval, and whether the profiler ran in it (its time is then no steady-state figure)."""
+    def batches(self, batches: Iterable[T]) -> Iterator[T]:
+        """`batches`, timing how long the host takes to produce each: what data loading costs a step at most (on
+        a GPU the host runs ahead of the device, which may hide it)."""
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            item = next(iterator, None)
+            self.data_seconds += time.perf_counter() - start
+            if item is None:
+                return
+            yield item
+
+    def interval(self, first_step: int, last_step: int, seconds: float) -> dict[str, Any]:
+        """At a log line (a collective), the interval's figures of the metrics line: the largest rank's peak
+        memory and reserved memory (MiB; None on CPU), its largest share of the `seconds` spent producing batches,
+        and whether the profiler ran in it (its time is then no steady-state figure)."""
         peak, reserved = peak_memory_mb(self.env.device)
         profiled = any(self.comm.covers(step) for step in range(first_step, last_step + 1))
         if not profiled:
             self.steady_peak_mb = peak  # before the profiler's records and the final evaluation
-        memory = torch.tensor([peak, reserved if reserved is not None else -1.0], device=self.env.device)
-        peak, reserved = global_reduce(memory, dist.ReduceOp.MAX).tolist()
-        return peak, reserved if reserved >= 0 else None, profiled
+        mine = [peak, reserved if reserved is not None else -1.0, self.data_seconds / seconds if seconds else 0.0]
+        self.data_seconds = 0.0
+        largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX)
+        peak, reserved, data_share = largest.tolist()
+        return {
+            "peak_mem_mb": peak,
+            "peak_reserved_mb": reserved if reserved >= 0 else None,  # CUDA's caching allocator; None on CPU
+            "data_share": data_share,
+            "profiled": profiled,
+        }
 
     def mfu(self, tokens_per_s: float) -> float | None:
         return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)

@@ -53,7 +53,7 @@ class GpuSampler:
         nvml = self.nvml
         readers = {
             "util_percent": lambda handle: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-            "memory_used_mb": lambda handle: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+            "memory_used_mb": lambda handle: self.memory_used(handle) / 2**20,
             "power_w": lambda handle: nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
         }
         readings = []
@@ -66,6 +66,15 @@ class GpuSampler:
                     reading[key] = None
             readings.append(reading)
         return readings
+
+    def memory_used(self, handle) -> int:
+        """Bytes in use as nvidia-smi counts them: NVML's v2 query sets the driver's reserved memory apart, while
+        v1's `used` (total - free) includes it; v1 where the driver or the binding lacks v2."""
+        nvml = self.nvml
+        try:
+            return nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2).used
+        except (nvml.NVMLError, AttributeError, TypeError):
+            return nvml.nvmlDeviceGetMemoryInfo(handle).used
 
 
 def sample_processes(processes: dict[int, psutil.Process]) -> list[dict[str, Any]]:

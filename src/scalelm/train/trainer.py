@@ -60,10 +60,12 @@ def due(step: int, every: int | None) -> bool:
 
 def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
     """This rank's training batches: each data-parallel rank takes its share of the global batch, the ranks of a TP
-    group share theirs (the layout's checks passed: the batch splits over its ranks and micro-batches)."""
+    group share theirs (the layout's checks passed: the batch splits over its ranks and micro-batches). The split
+    lives on the training device, where each batch is then gathered: no host work or copy per step, for a few MiB
+    (WikiText-2's train split in int32 on a GPU)."""
     global_batch, micro_batch = config.batch.sizes(parallel.dims.dp_size)
     batches = TrainBatches(
-        tokens=data.splits["train"],
+        tokens=data.splits["train"].to(parallel.env.device),
         seq_len=config.data.seq_len,
         stride=config.data.stride or config.data.seq_len,
         global_batch=global_batch,
@@ -152,7 +154,7 @@ class Trainer:
             self.batches.from_position(state.epoch, state.step_in_epoch), self.total_steps - state.step
         )
         try:
-            for micro_batches in remaining:
+            for micro_batches in self.instruments.batches(remaining):
                 with self.instruments.step(state.step + 1):
                     loss, grad_norm = self.train_step(micro_batches)
                 loss_acc += loss
@@ -190,7 +192,7 @@ class Trainer:
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
         values = global_reduce(values) / divisors
-        peak, reserved, profiled = self.instruments.interval(self.state.step - steps + 1, self.state.step)
+        interval = self.instruments.interval(self.state.step - steps + 1, self.state.step, elapsed)
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
             bad = self.ranks_where(~loss_acc.isfinite())
@@ -214,9 +216,7 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
                 "mfu": self.instruments.mfu(self.tokens_per_step / step_time),
-                "peak_mem_mb": peak,
-                "peak_reserved_mb": reserved,  # CUDA's caching allocator; None on CPU
-                "profiled": profiled,
+                **interval,
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
                 "world_size": self.env.world_size,
