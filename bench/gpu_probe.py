@@ -34,20 +34,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from scalelm.config import ModelConfig, OptimConfig
-from scalelm.model import TransformerLM, flops_per_token
+from scalelm.measure.comm import collective_intervals
+from scalelm.measure.peak import cuda_peak_flops
+from scalelm.model.architecture import flops_per_token
 from scalelm.model.cpu_ops import Dropout, own_random_stream
-from scalelm.model.transformer import Block
+from scalelm.model.transformer import Block, TransformerLM
 from scalelm.parallel.compile import apply_compile
 from scalelm.parallel.data import apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS
 from scalelm.parallel.env import backend_for
 from scalelm.parallel.runtime import Parallel, matmul_precision
 from scalelm.parallel.tensor import apply_tp
-from scalelm.train.comm import collective_intervals
 from scalelm.train.evaluation import eval_rows
 from scalelm.train.metrics import peak_memory_mb, reset_peak_memory
 from scalelm.train.optim import build_optimizer
-from scalelm.train.peak import cuda_peak_flops
 
 VOCAB = 33_278  # WikiText-2's
 
@@ -155,7 +155,7 @@ def facts(probe: Probe) -> str:
         except Exception as error:
             found["nvml"] = f"unavailable: {error}"
         if not found["peak_tflops_bf16"]:
-            raise AssertionError(f"no peak in scalelm.train.peak's table for {name!r}: MFU would be missing; {found}")
+            raise AssertionError(f"no peak in scalelm.measure.peak's table for {name!r}: MFU would be missing; {found}")
     else:
         found |= {"device": "cpu", "threads": torch.get_num_threads()}
     (probe.out / "facts.json").write_text(json.dumps(found, indent=2) + "\n")
@@ -368,7 +368,7 @@ def dropout_streams(probe: Probe) -> str:
 
 
 def comm_profile(probe: Probe) -> str:
-    """h. scalelm.train.comm finds the collective's kernel (NCCL's on CUDA, gloo's op on CPU) in a profile."""
+    """h. scalelm.measure.comm finds the collective's kernel (NCCL's on CUDA, gloo's op on CPU) in a profile."""
     values = torch.ones(1 << 20, device=probe.device)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if probe.cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -420,10 +420,11 @@ def memory(probe: Probe) -> str:
 
 
 def nvml(probe: Probe) -> str:
-    """j. The monitor's NVML readings by index and by UUID (scalelm.train.monitor), and this process among the
+    """j. The monitor's NVML readings by index and by UUID (scalelm.measure.sampler), and this process among the
     GPU's compute processes."""
     probe.need_cuda()
-    from scalelm.train.monitor import GpuSampler, device_uuid
+    from scalelm.measure.monitor import device_uuid
+    from scalelm.measure.sampler import GpuSampler
 
     uuid = device_uuid(probe.device)
     by_index, by_uuid = GpuSampler([str(probe.device.index or 0)]).sample(), GpuSampler([uuid]).sample()

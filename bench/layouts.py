@@ -12,7 +12,7 @@ as the course compares), and reports from the run's own records:
 - per-rank peak: the largest rank's peak RSS on CPU (max allocated on CUDA);
 - beside both, in brackets, what scalelm.plan predicts for the layout from the shapes alone;
 - communication share: the share of two more steps, run under the profiler after the timed ones, during which a
-  collective ran (scalelm.train.comm).
+  collective ran (scalelm.measure.comm).
 
 Every process has one thread (torchrun's default for several processes, set here for one) and starts as
 `scalelm.launch` starts it (GLIBC_TUNABLES: huge pages for what malloc maps). The models are named by their
@@ -35,8 +35,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalelm.config import ModelConfig  # noqa: E402
-from scalelm.model import count_parameters, flops_per_token  # noqa: E402
-from scalelm.model.transformer import TransformerLM  # noqa: E402
+from scalelm.model.architecture import flops_per_token  # noqa: E402
+from scalelm.model.transformer import (
+    TransformerLM,  # noqa: E402
+    count_parameters,  # noqa: E402
+)
 from scalelm.parallel.hostmemory import with_huge_pages  # noqa: E402
 from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
 

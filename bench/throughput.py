@@ -10,7 +10,7 @@
    data set of random token ids of the right vocabulary, fed by `scalelm.data.TrainBatches` and stepped with
    `Trainer.train_step`. Producing each batch (the data loading) is timed separately from the step.
 3. Reports tokens/s, step time, the data-loading share of step time, model FLOPs per token
-   (`scalelm.model.flops_per_token`: 6 x matmul parameters + the attention term, as nanoGPT and PaLM count them),
+   (`scalelm.model.architecture.flops_per_token`: 6 x matmul parameters + the attention term, as nanoGPT and PaLM count them),
    the achieved FLOP/s and MFU = achieved / measured matmul rate.
 
 Models: (a) d_model 200, 2 heads, 2 layers, d_ff 200, dropout 0.2, seq_len 35, batch 20: the shape of
@@ -38,8 +38,9 @@ import torch
 
 from scalelm.config import BatchConfig, CheckpointConfig, Config, DataConfig, ModelConfig, TrainConfig
 from scalelm.data.prepared import load_prepared, write_prepared
-from scalelm.model import count_parameters, flops_per_token
+from scalelm.model.architecture import flops_per_token
 from scalelm.model.cpu_ops import LinearCrossEntropy
+from scalelm.model.transformer import count_parameters
 from scalelm.parallel.env import setup, teardown
 from scalelm.parallel.runtime import Parallel
 from scalelm.train.trainer import Trainer, train_batches

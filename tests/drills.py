@@ -24,7 +24,7 @@ import yaml
 from scalelm.config import ModelConfig
 from scalelm.errors import EXIT_PREEMPTED
 from scalelm.files import sha256
-from scalelm.model import TransformerLM
+from scalelm.model.transformer import TransformerLM
 from scalelm.train.checkpoint import MARKER, load_weights, read_trainer_state
 from scalelm.train.consolidate import consolidate
 from scalelm.train.rundir import RunDir

@@ -9,9 +9,9 @@ import drills
 from conftest import run_dir_of, run_train
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
-from scalelm.model import TransformerLM
+from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.env import DistEnv
-from scalelm.train.checkpoint import Checkpointer, TrainerState, complete_checkpoints, verify
+from scalelm.train.checkpoint import FORMAT, Checkpointer, TrainerState, complete_checkpoints, verify
 from scalelm.train.optim import build_optimizer, build_scheduler
 
 
@@ -52,9 +52,10 @@ def test_checkpoint_of_another_model_is_refused_naming_the_setting(tmp_path):
     # a checkpoint of another format (a later scalelm's, say) is refused by name, never skipped and overwritten
     [saved] = complete_checkpoints(tmp_path)
     trainer = torch.load(saved / "trainer.pt", weights_only=True)
-    torch.save({**trainer, "format": 2}, saved / "trainer.pt")
+    torch.save({**trainer, "format": FORMAT + 1}, saved / "trainer.pt")
     drills.reseal(saved)
-    with pytest.raises(CheckpointError, match=r"step_00000003 is of checkpoint format 2; this scalelm reads format 1"):
+    refused = rf"step_00000003 is of checkpoint format {FORMAT + 1}; this scalelm reads format {FORMAT}"
+    with pytest.raises(CheckpointError, match=refused):
         checkpointer.resume(*parts(16), {"d_model": 16, "vocab_size": 50})
 
 

@@ -18,7 +18,9 @@ from conftest import REPO, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import ConfigError
 from scalelm.launch.container import passed_environment
-from scalelm.model import TransformerLM, gpu_ops
+from scalelm.measure.peak import cuda_peak_flops
+from scalelm.model import gpu_ops
+from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.data import materialise
 from scalelm.parallel.env import backend_for, pick_device
 from scalelm.parallel.runtime import matmul_precision
@@ -26,7 +28,6 @@ from scalelm.parallel.tensor import apply_tp
 from scalelm.study.workflow import Study
 from scalelm.train.evaluation import eval_rows
 from scalelm.train.optim import build_optimizer
-from scalelm.train.peak import cuda_peak_flops
 from test_study import local_config
 
 
@@ -240,12 +241,12 @@ def test_the_gpu_sampler_survives_unsupported_readings_and_names_gpus_by_uuid(mo
     index through CUDA_VISIBLE_DEVICES, which the container drops and Slurm's cgroups renumber."""
     import sys
 
-    from scalelm.train import monitor
+    from scalelm.measure import monitor, sampler
 
     fake = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    sampler = monitor.GpuSampler(["GPU-5c0e", "MIG-77aa"])
-    assert sampler.sample() == [
+    readings = sampler.GpuSampler(["GPU-5c0e", "MIG-77aa"])
+    assert readings.sample() == [
         {"gpu": "GPU-5c0e", "util_percent": None, "memory_used_mb": 3.0, "power_w": None},
         {"gpu": "MIG-77aa", "util_percent": None, "memory_used_mb": 3.0, "power_w": None},
     ]
@@ -260,7 +261,7 @@ def test_the_gpu_sampler_survives_unsupported_readings_and_names_gpus_by_uuid(mo
             return type("Memory", (), {"used": 3 * 2**20 + reserved})()
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlV2())
-    assert [gpu["memory_used_mb"] for gpu in monitor.GpuSampler(["GPU-5c0e"]).sample()] == [3.0]
+    assert [gpu["memory_used_mb"] for gpu in sampler.GpuSampler(["GPU-5c0e"]).sample()] == [3.0]
 
     properties = type("Properties", (), {"uuid": "5c0e1d2a-0000-1111-2222-333344445555"})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)

@@ -16,13 +16,13 @@ import torch
 from conftest import board_scalars, run_dir_of, run_train
 from scalelm.config import ModelConfig
 from scalelm.data.prepared import load_prepared
-from scalelm.model import flops_per_token
+from scalelm.measure import peak
+from scalelm.measure.comm import clip, union_seconds
+from scalelm.measure.hostload import HostLoad
+from scalelm.measure.instruments import Instruments
+from scalelm.model.architecture import flops_per_token
 from scalelm.report.timing import default_warmup, overlapping_runs, steady_state
 from scalelm.report.utilisation import summarise
-from scalelm.train import peak
-from scalelm.train.comm import clip, union_seconds
-from scalelm.train.hostload import HostLoad
-from scalelm.train.instruments import Instruments
 from scalelm.train.record import read_metrics
 
 
@@ -109,7 +109,7 @@ def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
     while time.time() < deadline:  # this process works too
         sum(range(10_000))
     other.wait()
-    (host, figures), *more = load.finish().items()
+    (host, figures), *more = HostLoad.per_host([load.reading()]).items()
     wall = time.monotonic() - began
     own = time.process_time() - own_before
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -196,7 +196,7 @@ def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_t
 
 def test_the_monitor_without_nvml_samples_cpu_and_memory_and_says_why(tmp_path):
     out = tmp_path / "node0.jsonl"
-    command = [sys.executable, "-m", "scalelm.train.monitor", "--out", str(out), "--interval", "0.05"]
+    command = [sys.executable, "-m", "scalelm.measure.sampler", "--out", str(out), "--interval", "0.05"]
     sampler = subprocess.Popen(
         [*command, "--proc", f"0:{os.getpid()}", "--gpu", "0"], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from scalelm.config import ModelConfig
-from scalelm.model import TransformerLM, count_parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
 from scalelm.model.loss import IGNORE_INDEX
+from scalelm.model.transformer import TransformerLM, count_parameters
 
 
 def test_causal_future_tokens_do_not_change_the_past():

@@ -82,7 +82,7 @@ def test_stages_split_the_blocks_evenly_and_the_bubble_follows_the_schedule():
 
 
 def test_a_stage_keeps_its_blocks_under_the_whole_models_names():
-    from scalelm.model import TransformerLM
+    from scalelm.model.transformer import TransformerLM
     from scalelm.parallel.layout import stage_blocks
     from scalelm.parallel.pipeline import StageParts, stage_part
 

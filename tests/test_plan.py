@@ -10,17 +10,19 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO
 from scalelm.config import Config, load_config
 from scalelm.errors import ConfigError
-from scalelm.model import TransformerLM, count_parameters
+from scalelm.model.architecture import BLOCK_TP_PLAN, parameters
+from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
 from scalelm.plan.layouts import Machine, smallest_fsdp
-from scalelm.plan.memory import Workload, in_flight, parameters, plan_memory
+from scalelm.plan.memory import Workload, in_flight, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, deep_merge, load_matrix
@@ -41,12 +43,18 @@ def plan_json(capsys, *args: str) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("changes", [{}, {"tie_weights": True}, {"n_layers": 3, "d_ff": 96}])
-def test_the_plan_knows_every_parameter_of_the_model(changes):
+def test_the_model_builds_the_parameters_its_architecture_declares(changes):
+    """scalelm.model.architecture, which the planner and tensor parallelism read, is the built model's list: the
+    same names, in the same order, with the same shapes; and the TP plan names the block's linear layers."""
     config = Config()
     model = replace(config.model, **changes)
-    planned = sum(t.numel() for t in parameters(model, 1000))
-    assert planned == count_parameters(TransformerLM(model, 1000))
-    assert planned == sum(t.numel() for t in parameters(model, 1000, loss_parallel=True))
+    built = TransformerLM(model, 1000)
+    declared = parameters(model, 1000)
+    assert [(p.name, p.shape) for p in declared] == [(n, tuple(p.shape)) for n, p in built.named_parameters()]
+    assert sum(p.numel() for p in declared) == count_parameters(built)
+    assert sum(p.numel() for p in declared) == sum(p.numel() for p in parameters(model, 1000, loss_parallel=True))
+    linears = {name for name, module in built.blocks["0"].named_modules() if isinstance(module, torch.nn.Linear)}
+    assert set(BLOCK_TP_PLAN) == linears
 
 
 def test_sharding_divides_the_state_and_schedules_and_options_change_the_activations():

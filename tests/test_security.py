@@ -19,7 +19,7 @@ from conftest import train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError, ConfigError
 from scalelm.files import UnsafeFileError, append_text, sha256
-from scalelm.model import TransformerLM
+from scalelm.model.transformer import TransformerLM
 from scalelm.train.checkpoint import FLAT, complete_checkpoints, load_weights, read_trainer_state, verify
 from scalelm.train.consolidate import consolidate, load_consolidated
 from scalelm.train.evaluation import main as evaluate

@@ -247,7 +247,7 @@ def test_a_site_value_that_would_reach_a_shell_is_refused(tmp_path):
         Study(config)
 
 
-def test_the_workflows_parse_the_planner_and_the_launcher_never_import_torch(tmp_path):
+def test_the_workflows_parse_the_planner_the_launcher_and_the_report_never_import_torch(tmp_path):
     """Snakemake's parse and its in-process rule `plan`, the planner, the launcher and the supervisor run on login
     nodes and batch hosts: importing them, resolving the matrix (every layout checked) and planning a run's memory
     leave torch unimported (a fresh interpreter)."""
@@ -259,6 +259,7 @@ def test_the_workflows_parse_the_planner_and_the_launcher_never_import_torch(tmp
 import json, sys, yaml
 import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
 import scalelm.launch.container, scalelm.launch.launcher, scalelm.launch.site, scalelm.launch.slurm, scalelm.launch.supervise
+import scalelm.report.aggregate, scalelm.report.expectations
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 config = yaml.safe_load(open("config/config.yaml"))

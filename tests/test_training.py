@@ -15,7 +15,7 @@ from conftest import board_scalars, run_dir_of, run_train, train_command, train_
 from scalelm.config import load_config
 from scalelm.data.prepared import load_prepared
 from scalelm.errors import EXIT_PREEMPTED
-from scalelm.model import TransformerLM, count_parameters
+from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.train.checkpoint import complete_checkpoints
 from scalelm.train.record import read_metrics
 

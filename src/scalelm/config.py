@@ -92,11 +92,11 @@ class TrainConfig:
     # an evaluation batch's logits are tokens x vocabulary: long sequences take fewer sequences per batch
     eval_batch_tokens: int = 16384
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.train.peak)
+    # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.measure.peak)
     peak_tflops: float | None = None
-    # seconds between samples of CPU, RSS and GPU utilisation (scalelm.train.monitor, one sampler per node); 0: none
+    # seconds between samples of CPU, RSS and GPU utilisation (scalelm.measure.sampler, one sampler per node); 0: none
     monitor_interval_s: float = 1.0
-    # the last steps run under torch's profiler to time the collectives (scalelm.train.comm); 0: none
+    # the last steps run under torch's profiler to time the collectives (scalelm.measure.comm); 0: none
     comm_profile_steps: int = 2
     wandb: bool = False  # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
     deterministic: bool = False

@@ -1,5 +1,2 @@
-"""The causal Transformer language model (transformer.py) and its CPU fast paths (cpu_ops.py)."""
-
-from scalelm.model.transformer import TransformerLM, count_parameters, flops_per_token
-
-__all__ = ["TransformerLM", "count_parameters", "flops_per_token"]
+"""The causal Transformer language model (transformer.py), its parameters and tensor-parallel plan as data
+(architecture.py, torch-free), its loss (loss.py) and its CPU and GPU fast paths (cpu_ops.py, gpu_ops.py)."""

@@ -59,17 +59,23 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.up = nn.Linear(d_model, d_ff)
+        self.drop = Dropout(dropout)
+        self.down = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(F.relu(self.up(x))))
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.pre_norm = config.norm == "pre"
         self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
-        self.ffn = nn.Sequential(
-            nn.Linear(config.d_model, config.d_ff),
-            nn.ReLU(),
-            Dropout(config.dropout),
-            nn.Linear(config.d_ff, config.d_model),
-        )
+        self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout)
         self.norm1 = nn.LayerNorm(config.d_model)
         self.norm2 = nn.LayerNorm(config.d_model)
         self.drop = Dropout(config.dropout)
@@ -110,6 +116,18 @@ class TransformerLM(nn.Module):
         self.reset_parameters()
         if config.tie_weights:
             self.head.weight = self.embed.weight
+
+    def split_dropout_streams(self, stream: int, sequence_parallel: bool) -> None:
+        """Under tensor parallelism, the dropouts on activations split across the group (a rank's heads, its FFN
+        columns, with sequence parallelism its part of the sequence) draw from `stream`, this rank's own; the others
+        keep the stream the group shares, and so the same masks on every rank."""
+        for block in self.blocks.values():
+            block.attn.dropout_stream = stream
+            block.ffn.drop.stream = stream
+            if sequence_parallel:
+                block.drop.stream = stream
+        if sequence_parallel and self.embed is not None:
+            self.drop.stream = stream
 
     def init_buffers(self) -> None:
         """Values that are not parameters: recomputed after a model built on the meta device is materialised."""
@@ -153,11 +171,3 @@ class TransformerLM(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate."""
-    d, layers = config.d_model, config.n_layers
-    matmul_params = layers * (4 * d * d + 2 * d * config.d_ff) + d * vocab_size
-    attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
-    return 6 * matmul_params + attention

@@ -65,6 +65,7 @@ class StageParts(nn.Module):
         self.norm = parts[-1].norm
         self.head = parts[-1].head
         self.__dict__["parts"] = parts  # not submodules: their blocks are registered above, once
+        self.pipeline: Pipeline | None = None  # their schedule, set once the weights are in (Parallel.build)
 
     def train(self, mode: bool = True) -> StageParts:
         super().train(mode)

@@ -9,7 +9,9 @@ them once on the CPU and each rank receives its own shards), so no rank but the 
 and every layout starts from the same point. With pipeline stages it builds this rank's stages only, each
 parallelized the same way, and returns them as one module (pipeline.StageParts). The trainer then sees the model
 and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm, ...), and never a strategy's name:
-a pipeline differs only inside `forward_backward` and `forward`, where its schedule runs the micro-batches.
+a pipeline differs only inside `forward_backward` and `forward`, where its schedule (the `pipeline` of the
+StageParts that `build` returned) runs the micro-batches. `Parallel` holds the layout, the mesh, the parallel and
+training options and the resolved precision; building a model changes the model, never `Parallel`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scalelm.config import Config, resolve_precision
+from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile
@@ -52,20 +54,30 @@ class Parallel:
     """This rank's place in the layout, and the hooks through which the trainer uses it."""
 
     def __init__(
-        self, config: Config, env: DistEnv, layout: Layout, mesh: DeviceMesh | None, places: list[tuple[str, int]]
+        self,
+        env: DistEnv,
+        layout: Layout,
+        mesh: DeviceMesh | None,
+        places: list[tuple[str, int]],
+        options: ParallelConfig,
+        train: TrainConfig,
     ):
-        self.config, self.env, self.layout, self.mesh, self.places = config, env, layout, mesh, places
+        self.env, self.layout, self.mesh, self.places = env, layout, mesh, places
+        self.options, self.compile, self.activation_checkpointing = (
+            options,
+            train.compile,
+            train.activation_checkpointing,
+        )
         dims = self.dims = layout.dims
-        self.precision = resolve_precision(config.train.precision, env.device.type)
+        self.precision = resolve_precision(train.precision, env.device.type)
         self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         matmul_precision(env.device, self.compute_dtype)
         self.uses_fsdp = dims.sharded
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
-        self.loss_parallel = dims.tp > 1 and config.parallel.loss_parallel
+        self.loss_parallel = dims.tp > 1 and options.loss_parallel
         self.dp_rank = dims.dp_rank(env.rank)
         self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
         self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
-        self.pipeline: Pipeline | None = None  # built with the model where pp > 1
 
     @classmethod
     def start(cls, config: Config, env: DistEnv, vocab_size: int) -> Parallel:
@@ -79,22 +91,23 @@ class Parallel:
             mesh = init_device_mesh(
                 env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
             )
-        return cls(config, env, layout, mesh, places)
+        return cls(env, layout, mesh, places, config.parallel, config.train)
 
     @property
     def name(self) -> str:
         return self.dims.name
 
-    def describe(self) -> dict:
-        """The layout as run.json records it: degrees, the ranks of each tensor- and data-parallel group, and the
-        node (torchrun's node rank) of every rank."""
+    def describe(self, model: nn.Module) -> dict:
+        """The layout as run.json records it: degrees, the ranks of each tensor- and data-parallel group, the node
+        (torchrun's node rank) of every rank, and a pipeline's schedule."""
+        pipeline = pipeline_of(model)
         return {
             "name": self.name,
             "layout": self.dims.layout,
             **self.dims.to_dict(),
             "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp"), "pp": self.dims.groups("pp")},
             "node_of_rank": [node for _, node in self.places],
-            **({"pipeline": self.pipeline.describe()} if self.pipeline else {}),
+            **({"pipeline": pipeline.describe()} if pipeline else {}),
         }
 
     @property
@@ -105,8 +118,7 @@ class Parallel:
     # ------------------------------------------------------------------------------------------ the model
     def build(self, make: Callable[[], nn.Module], seed: int) -> nn.Module:
         """The model of `make()` with its seed's initial weights, parallelized; this rank holds only its part."""
-        options = self.config.parallel
-        device = self.env.device
+        options, device = self.options, self.env.device
         if device.type == "cpu":
             keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
         if self.mesh is None:
@@ -121,7 +133,7 @@ class Parallel:
         stage_ids = self.stage_ids()
         with torch.device("meta"):
             if stage_ids:
-                layers, last = self.layout.stage_blocks(self.config.model.n_layers), self.layout.num_stages - 1
+                layers, last = self.layout.stage_blocks(len(make().blocks)), self.layout.num_stages - 1
                 parts = [stage_part(make(), layers[s], s == 0, s == last) for s in stage_ids]
             else:
                 parts = [make()]
@@ -135,7 +147,7 @@ class Parallel:
         set_model_state_dict(model, initial, options=whole)
         del initial
         if stage_ids:
-            self.pipeline = Pipeline(parts, stage_ids, self.layout, self.pp_group, device)
+            model.pipeline = Pipeline(parts, stage_ids, self.layout, self.pp_group, device)
         if self.uses_ddp:
             model = apply_ddp(model, self.mesh["dp_replicate"], device)
         return model
@@ -147,7 +159,7 @@ class Parallel:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism, activation checkpointing and compilation, then FSDP/HSDP, on a model (or pipeline
         stage) still on the meta device."""
-        options, device = self.config.parallel, self.env.device
+        options, device = self.options, self.env.device
         if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
         self.apply_recompute_and_compile(model)
@@ -160,8 +172,8 @@ class Parallel:
         return model
 
     def apply_recompute_and_compile(self, model: nn.Module) -> None:
-        apply_activation_checkpointing(model, self.config.train.activation_checkpointing)
-        if self.config.train.compile:
+        apply_activation_checkpointing(model, self.activation_checkpointing)
+        if self.compile:
             apply_compile(model, self.env.device)
 
     # ----------------------------------------------------------------------------------- the step's hooks
@@ -170,9 +182,10 @@ class Parallel:
     ) -> torch.Tensor:
         """Forward and backward of one batch for optimizer step `step`, its loss weighted by `scale`; returns that
         weighted mean loss (zero on pipeline ranks without the last stage)."""
-        if self.pipeline is not None:
+        pipeline = pipeline_of(model)
+        if pipeline is not None:
             with self.autocast():  # the schedule runs the forwards (and backwards) inside
-                return self.pipeline.step(inputs, targets, scale, step)
+                return pipeline.step(inputs, targets, scale, step)
         with self.autocast():
             # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
             loss = model(inputs, targets) * scale
@@ -182,7 +195,8 @@ class Parallel:
     def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         """Logits for evaluation, on the ranks that compute the loss (None on a pipeline's other stages)."""
         with self.autocast():
-            return self.pipeline.forward(inputs) if self.pipeline is not None else model(inputs)
+            pipeline = pipeline_of(model)
+            return pipeline.forward(inputs) if pipeline is not None else model(inputs)
 
     def reduce_eval(self, totals: torch.Tensor) -> None:
         """Sum evaluation totals over the data-parallel ranks (and from a pipeline's last stage to all)."""
@@ -192,7 +206,7 @@ class Parallel:
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Context for micro-batches whose gradients are accumulated locally, without communication."""
-        if self.pipeline is not None:  # the schedule switches FSDP's gradient reduction itself
+        if pipeline_of(model) is not None:  # the schedule switches FSDP's gradient reduction itself
             return contextlib.nullcontext()
         if self.uses_ddp:
             return model.no_sync()
@@ -252,6 +266,11 @@ class Parallel:
     def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a tensor (the shard of a DTensor; the whole of a replicated one)."""
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The schedule of a rank's pipeline stages (built with them); None for a model without a pipeline."""
+    return model.pipeline if isinstance(model, StageParts) else None
 
 
 @contextlib.contextmanager

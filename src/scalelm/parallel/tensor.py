@@ -1,10 +1,11 @@
 """Tensor parallelism (Megatron-style) over the mesh's "tp" dimension, applied to a TransformerLM in place.
 
-In every block the first matrix of a pair is split by output columns and the second by input rows, so a block costs
-one all-reduce forward and one backward for attention and one each for the feed-forward network:
+The model declares its plan (scalelm.model.architecture.BLOCK_TP_PLAN): in every block the first matrix of a pair is
+split by output columns and the second by input rows, so a block costs one all-reduce forward and one backward for
+attention and one each for the feed-forward network:
 
     attention   qkv: column-wise (whole heads per rank: the qkv rows are grouped by head)   out: row-wise
-    FFN         in: column-wise                                                             out: row-wise
+    FFN         up: column-wise                                                             down: row-wise
 
 Options:
 - `sequence_parallel`: between those pairs (norms, residual dropout and additions) each rank holds only its part of
@@ -32,31 +33,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scalelm.model.architecture import BLOCK_TP_PLAN
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """Parallelize `model` (on the meta device or materialised) over `tp_mesh`, in place."""
     # the residual stream between the pairs: replicated, or (SP) this rank's part of the sequence as a plain tensor
     between = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "attn.qkv": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=between),
-        "ffn.0": ColwiseParallel(),  # FFN in
-        "ffn.3": RowwiseParallel(output_layouts=between),  # FFN out
-    }
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=between)}
+    plan = {name: styles[split]() for name, split in BLOCK_TP_PLAN.items()}
     if sequence_parallel:
         gather = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
         plan |= {"attn": gather, "ffn": gather}
         plan |= {"norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True)}
-    stream = tp_mesh.get_local_rank() + 1  # 0 is the stream the TP group shares
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, plan)
-        # these dropouts act on activations split across the TP group (heads, FFN columns): each rank its own masks
-        block.attn.dropout_stream = stream
-        block.ffn[2].stream = stream
-        if sequence_parallel:
-            block.drop.stream = stream
+    model.split_dropout_streams(tp_mesh.get_local_rank() + 1, sequence_parallel)  # 0 is the stream the group shares
 
     top = {}
     if sequence_parallel and model.embed is not None:  # (a pipeline stage after the first has no embedding)
@@ -64,7 +58,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         top["drop"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
-        model.drop.stream = stream
     if sequence_parallel and model.norm is not None:
         top["norm"] = SequenceParallel(use_local_output=True)
     if model.head is None:  # a pipeline stage before the last

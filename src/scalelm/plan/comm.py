@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from scalelm.model.architecture import QKV_WEIGHT
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload, rank_tensors
 
@@ -76,7 +77,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     elif dims.dp_replicate > 1:
         add("all-reduce gradients (DDP)", "dp_replicate", ring(dims.dp_replicate, params * 4, True))
     if dims.tp > 1:
-        blocks = sum(1 for t in tensors if t.name.endswith("attn.qkv.weight"))
+        blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
         tokens = per_rank_batch * config.data.seq_len
         add("all-reduce activations (TP, 4 per block)", "tp", 4 * blocks * ring(dims.tp, tokens * d * e, True))
     if dims.pp > 1:

@@ -41,10 +41,10 @@ run measures).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from scalelm.config import Config, ModelConfig, resolve_precision
+from scalelm.config import Config, resolve_precision
+from scalelm.model.architecture import Parameter, parameters
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout
 
@@ -55,46 +55,6 @@ BLOCK_FORMULA = "e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)"  # activation byt
 SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One parameter: its shape, the FSDP unit it belongs to, the dimension tensor parallelism splits (or None)."""
-
-    name: str
-    shape: tuple[int, ...]
-    unit: str  # "embed", "blocks.<i>", "root" (the final norm), "head"
-    tp_dim: int | None
-
-    def numel(self, tp: int = 1, shard: int = 1) -> int:
-        """Elements on one rank: split by `tp` along tp_dim, then FSDP's first dimension by `shard` (rounded up)."""
-        shape = list(self.shape)
-        if tp > 1 and self.tp_dim is not None:
-            shape[self.tp_dim] //= tp
-        shape[0] = -(-shape[0] // shard)
-        return math.prod(shape)
-
-
-def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Tensor]:
-    """Every parameter of scalelm.model.TransformerLM, with the split scalelm.parallel.tensor gives it."""
-    d, f = model.d_model, model.d_ff
-    block = (
-        ("attn.qkv.weight", (3 * d, d), 0), ("attn.qkv.bias", (3 * d,), 0),  # column-wise
-        ("attn.out.weight", (d, d), 1), ("attn.out.bias", (d,), None),  # row-wise
-        ("ffn.0.weight", (f, d), 0), ("ffn.0.bias", (f,), 0),
-        ("ffn.3.weight", (d, f), 1), ("ffn.3.bias", (d,), None),
-        ("norm1.weight", (d,), None), ("norm1.bias", (d,), None),
-        ("norm2.weight", (d,), None), ("norm2.bias", (d,), None),
-    )  # fmt: skip
-    tensors = [Tensor("embed.weight", (vocab_size, d), "embed", None)]
-    for i in range(model.n_layers):
-        tensors += [Tensor(f"blocks.{i}.{name}", shape, f"blocks.{i}", split) for name, shape, split in block]
-    tensors += [Tensor("norm.weight", (d,), "root", None), Tensor("norm.bias", (d,), "root", None)]
-    vocab_split = 0 if loss_parallel else None
-    if not model.tie_weights:
-        tensors.append(Tensor("head.weight", (vocab_size, d), "head", vocab_split))
-    tensors.append(Tensor("head.bias", (vocab_size,), "head", vocab_split))
-    return tensors
 
 
 @dataclass(frozen=True)
@@ -175,7 +135,7 @@ class MemoryPlan:
         return parts | {"state": self.largest_state / 2**20, "total": self.total / 2**20}
 
 
-def stage_of(tensor: Tensor, blocks: list[range]) -> int:
+def stage_of(tensor: Parameter, blocks: list[range]) -> int:
     if tensor.unit == "embed":
         return 0
     if tensor.unit.startswith("blocks."):
@@ -184,11 +144,11 @@ def stage_of(tensor: Tensor, blocks: list[range]) -> int:
     return len(blocks) - 1  # the final norm and the head
 
 
-def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Tensor]]:
+def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Parameter]]:
     """The parameters of each pipeline rank (one list without a pipeline)."""
     tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
     stages = work.layout(dims).stage_blocks(work.config.model.n_layers)
-    held: list[list[Tensor]] = [[] for _ in range(dims.pp)]
+    held: list[list[Parameter]] = [[] for _ in range(dims.pp)]
     for tensor in tensors:
         held[stage_of(tensor, stages) % dims.pp].append(tensor)
     return held

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
+from scalelm.measure.peak import mfu
 from scalelm.report import bubble, expectations, repeats
 from scalelm.report.figures import COLUMNS
 from scalelm.report.plots import plot_losses, plot_scaling
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.timing import overlapping_runs, steady_state
 from scalelm.report.utilisation import plot_utilisation, summarise
-from scalelm.train.peak import mfu
 from scalelm.train.record import read_metrics, read_record
 from scalelm.train.rundir import RunDir
 
@@ -71,13 +71,13 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         "train_time_s": results["train_time_s"],
         **steady,
         "mfu": steady_mfu,
-        # the share of the profiled steps with a collective running (scalelm.train.comm); 0 for one process
+        # the share of the profiled steps with a collective running (scalelm.measure.comm); 0 for one process
         "comm_share": (results.get("comm") or {}).get("share"),
         **bubble.columns(results),
         "state_mb_per_rank": state.get("total"),
         "planned_state_mb_per_rank": plan.get("state"),
         "planned_peak_mb_per_rank": plan.get("total"),
-        # the profiler's records would count (scalelm.train.comm)
+        # the profiler's records would count (scalelm.measure.comm)
         "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
         "peak_reserved_mb_per_rank": max(
             (m["peak_reserved_mb"] for m in unprofiled if m.get("peak_reserved_mb")), default=None

@@ -3,7 +3,7 @@ run shared its host with another training or with other work.
 
 Steady state: the logging intervals that start after the warm-up steps (default the first 10 percent of the run or
 5 steps, whichever is more: allocator growth, caches, first collectives) and ran without the profiler (the last
-steps, which time the collectives: scalelm.train.comm); their median step time, its spread (min and max over the
+steps, which time the collectives: scalelm.measure.comm); their median step time, its spread (min and max over the
 intervals), and the tokens/s of the median. A run too short to have such an interval is measured on its last
 interval, and says so.
 """

@@ -1,4 +1,4 @@
-"""How busy each device of a run was, from its monitor files (scalelm.train.monitor): the summary's mean and least
+"""How busy each device of a run was, from its monitor files (scalelm.measure.sampler): the summary's mean and least
 utilisation per device, so "4 GPUs requested, 1 busy" shows at a glance, and the utilisation-over-time figure.
 
 A device is a GPU where the run had GPUs (NVML utilisation, percent) and otherwise a training process (CPU use,

@@ -50,7 +50,9 @@ from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
 
-FORMAT = 1  # of the files below; a change in what they hold or how is a new format
+# of the files below; a change in what they hold or how is a new format. 2: the feed-forward network's matrices
+# named ffn.up and ffn.down (ffn.0 and ffn.3 in 1)
+FORMAT = 2
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # one process writes and reads DCP too, on purpose: no process group to warn about

@@ -20,7 +20,7 @@ import torch
 from scalelm.config import ModelConfig, load_config
 from scalelm.errors import CheckpointError, friendly_errors
 from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
-from scalelm.model import TransformerLM
+from scalelm.model.transformer import TransformerLM
 from scalelm.train.checkpoint import complete_checkpoints, load_weights, read_trainer_state, require_usable
 from scalelm.train.rundir import RunDir
 

@@ -27,16 +27,16 @@ from scalelm.data.prepared import PreparedData, load_prepared
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import disk_errors
-from scalelm.model import TransformerLM
+from scalelm.measure.instruments import Instruments
+from scalelm.measure.monitor import Monitor
+from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.env import DistEnv, barrier, global_reduce, setup, teardown
-from scalelm.parallel.runtime import Parallel
+from scalelm.parallel.runtime import Parallel, pipeline_of
 from scalelm.plan.memory import Workload
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, TrainerState
 from scalelm.train.evaluation import evaluate
-from scalelm.train.instruments import Instruments
 from scalelm.train.metrics import MetricsLogger, Stopwatch, reset_peak_memory
-from scalelm.train.monitor import Monitor
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import write_record
@@ -113,7 +113,9 @@ class Trainer:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
         self.last_loss = math.nan
         self.stop = StopFlag()
-        self.instruments = Instruments(config, env, parallel, workload, self.total_steps, self.state.step)
+        self.instruments = Instruments(
+            config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
+        )
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,8 +271,8 @@ class Trainer:
         record.update(
             end_time=provenance.now(),
             wall_time_s=clock.wall(),
-            host_load=self.instruments.host_load.finish(),
-            parallel=self.parallel.describe(),
+            host_load=self.instruments.host_loads(),
+            parallel=self.parallel.describe(self.model),
             results={
                 **self.instruments.results(state.tokens_seen, state.train_seconds),
                 "strategy": self.parallel.name,

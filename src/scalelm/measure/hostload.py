@@ -9,8 +9,6 @@ from typing import Any
 
 import psutil
 
-from scalelm.parallel.env import all_gather_object
-
 
 def _busy_seconds() -> float:
     times = psutil.cpu_times()  # Linux counts guest time inside user and nice already
@@ -43,15 +41,17 @@ class OtherWork:
 
 
 class HostLoad:
-    """Started when training starts; `finish` (on every rank) gives each host's CPU use in cores, over the run."""
+    """Started when training starts; `reading` gives this process's part: its host, the wall time, the host's busy
+    CPU time and this process's; `per_host` of every rank's readings each host's CPU use in cores, over the run."""
 
     def __init__(self) -> None:
         self.start = _clocks()
 
-    def finish(self) -> dict[str, dict[str, Any]]:
-        wall, busy, own = _since(self.start)
-        mine = (socket.gethostname(), wall, busy, own)
-        ranks = all_gather_object(mine)
+    def reading(self) -> tuple[str, float, float, float]:
+        return (socket.gethostname(), *_since(self.start))
+
+    @staticmethod
+    def per_host(ranks: list[tuple[str, float, float, float]]) -> dict[str, dict[str, Any]]:
         hosts: dict[str, dict[str, Any]] = {}
         for host, wall, busy, own in ranks:
             entry = hosts.setdefault(host, {"cpus": psutil.cpu_count(), "wall": wall, "busy": busy, "run": 0.0})

@@ -18,11 +18,13 @@ import re
 import socket
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from scalelm.files import atomic_write_text
-from scalelm.train.hostload import OtherWork
+from scalelm.measure.hostload import OtherWork
+
+if TYPE_CHECKING:
+    import torch
 
 # Dense TFLOP/s per GPU by the device name torch reports (matched as whole words, first match wins) and precision.
 # fp32 is the TF32 tensor-core rate where the GPU has one: scalelm turns TF32 on for fp32 runs on CUDA
@@ -64,6 +66,8 @@ def cuda_peak_flops(device_name: str, precision: str) -> float | None:
 
 def measure_cpu_matmul_flops(size: int = CALIBRATION_SIZE, seconds: float = CALIBRATION_SECONDS) -> float:
     """fp32 matmul FLOP/s of this process with its current torch thread count (the best of several timed runs)."""
+    import torch  # here and below, where it measures: the report imports `mfu` without torch
+
     generator = torch.Generator().manual_seed(0)  # not the global one: training's random streams stay untouched
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     out = torch.empty(size, size)
@@ -77,6 +81,8 @@ def measure_cpu_matmul_flops(size: int = CALIBRATION_SIZE, seconds: float = CALI
 
 
 def cpu_cache_key() -> str:
+    import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -115,18 +121,20 @@ def cpu_peak_flops(cache: Path | None = None) -> float:
     return best
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_per_device: float | None) -> float | None:
-    """Model FLOPs utilisation: the model's training FLOPs per second over the peak of all its devices."""
-    if not peak_per_device:
-        return None
-    return flops_per_token * tokens_per_s / (devices * peak_per_device)
-
-
 def peak_flops(device: torch.device, precision: str, configured_tflops: float | None) -> tuple[float | None, str]:
     """One device's peak FLOP/s and where it came from (recorded in run.json beside the MFU it divides)."""
+    import torch
+
     if configured_tflops:
         return configured_tflops * 1e12, "configured (train.peak_tflops)"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return cuda_peak_flops(name, precision), f"datasheet: {name}, {precision}"
     return cpu_peak_flops(), f"measured: fp32 matmul, {torch.get_num_threads()} thread(s) per process"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_per_device: float | None) -> float | None:
+    """Model FLOPs utilisation: the model's training FLOPs per second over the peak of all its devices."""
+    if not peak_per_device:
+        return None
+    return flops_per_token * tokens_per_s / (devices * peak_per_device)

@@ -17,14 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from scalelm.config import Config
-from scalelm.model import flops_per_token
+from scalelm.measure.comm import CommProfile
+from scalelm.measure.hostload import HostLoad
+from scalelm.measure.peak import mfu, peak_flops
+from scalelm.model.architecture import flops_per_token
 from scalelm.parallel.env import DistEnv, all_gather_object, global_reduce
+from scalelm.parallel.pipeline import Pipeline
 from scalelm.parallel.runtime import Parallel
 from scalelm.plan.memory import Workload, plan_memory
-from scalelm.train.comm import CommProfile
-from scalelm.train.hostload import HostLoad
 from scalelm.train.metrics import peak_memory_mb
-from scalelm.train.peak import mfu, peak_flops
 
 STATE_KINDS = ("params", "grads", "optimizer")
 T = TypeVar("T")
@@ -32,9 +33,16 @@ T = TypeVar("T")
 
 class Instruments:
     def __init__(
-        self, config: Config, env: DistEnv, parallel: Parallel, workload: Workload, total_steps: int, start_step: int
+        self,
+        config: Config,
+        env: DistEnv,
+        parallel: Parallel,
+        pipeline: Pipeline | None,
+        workload: Workload,
+        total_steps: int,
+        start_step: int,
     ):
-        self.env, self.parallel, self.workload = env, parallel, workload
+        self.env, self.parallel, self.pipeline, self.workload = env, parallel, pipeline, workload
         self.flops_per_token = flops_per_token(config.model, workload.vocab_size, config.data.seq_len)
         # one device's peak, from rank 0: on CPU its calibration runs while the other ranks wait, sharing no core
         mine = peak_flops(env.device, parallel.precision, config.train.peak_tflops) if env.is_main else None
@@ -94,6 +102,10 @@ class Instruments:
     def mfu(self, tokens_per_s: float) -> float | None:
         return mfu(self.flops_per_token, tokens_per_s, self.env.world_size, self.peak_flops)
 
+    def host_loads(self) -> dict[str, dict[str, Any]]:
+        """Each host's CPU use since `start`, by the run and by other work (a collective)."""
+        return HostLoad.per_host(all_gather_object(self.host_load.reading()))
+
     def results(self, tokens_seen: int, train_seconds: float) -> dict[str, Any]:
         """The measured figures of run.json's results (a collective), beside scalelm.plan's for the layout."""
         return {
@@ -110,8 +122,9 @@ class Instruments:
 
     def pipeline_measurements(self) -> dict[str, Any]:
         """A pipeline's bubble, timeline and per-stage memory (scalelm.parallel.pipeline); nothing without one."""
-        pipeline = self.parallel.pipeline
-        return {"pipeline": pipeline.measurements(self.comm.covers, self.steady_peak_mb)} if pipeline else {}
+        if self.pipeline is None:
+            return {}
+        return {"pipeline": self.pipeline.measurements(self.comm.covers, self.steady_peak_mb)}
 
     def state_mb_per_rank(self) -> dict[str, float] | None:
         """The largest rank's parameters, gradients and optimizer state (MiB), measured on this attempt's first step."""

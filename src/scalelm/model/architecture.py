@@ -1,0 +1,87 @@
+"""The model's parameters as data, without torch: each one's name, shape and FSDP unit, the model's tensor-parallel
+plan (how each of a block's matrices is split), and its training FLOPs per token. scalelm.model.transformer builds
+exactly these parameters (tests/test_plan.py compares a built model with them), scalelm.parallel.tensor applies the
+plan, scalelm.plan counts their bytes, and MFU (scalelm.measure.peak) divides the FLOPs: one declaration for all,
+importable where torch is not (the workflow's planning, the report).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from scalelm.config import ModelConfig
+
+Split = Literal["colwise", "rowwise"]
+
+# Megatron's pairs: the first matrix split by output rows (its weight's dim 0, its bias too), the second by input
+# columns (dim 1; its bias is added once, after the sum). The qkv rows are grouped by head: whole heads per rank.
+BLOCK_TP_PLAN: dict[str, Split] = {
+    "attn.qkv": "colwise",
+    "attn.out": "rowwise",
+    "ffn.up": "colwise",
+    "ffn.down": "rowwise",
+}
+QKV_WEIGHT = "attn.qkv.weight"  # one per block
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One parameter: its shape, the FSDP unit it belongs to, the dimension tensor parallelism splits (or None)."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str  # "embed", "blocks.<i>", "root" (the final norm), "head"
+    tp_dim: int | None
+
+    def numel(self, tp: int = 1, shard: int = 1) -> int:
+        """Elements on one rank: split by `tp` along tp_dim, then FSDP's first dimension by `shard` (rounded up)."""
+        shape = list(self.shape)
+        if tp > 1 and self.tp_dim is not None:
+            shape[self.tp_dim] //= tp
+        shape[0] = -(-shape[0] // shard)
+        return math.prod(shape)
+
+
+def linear(name: str, out_features: int, in_features: int, unit: str) -> list[Parameter]:
+    """A linear layer's weight and bias, split as the block's TP plan says."""
+    split = BLOCK_TP_PLAN.get(name)
+    weight_dim = {"colwise": 0, "rowwise": 1, None: None}[split]
+    bias_dim = 0 if split == "colwise" else None
+    prefix = f"{unit}.{name}"
+    return [
+        Parameter(f"{prefix}.weight", (out_features, in_features), unit, weight_dim),
+        Parameter(f"{prefix}.bias", (out_features,), unit, bias_dim),
+    ]
+
+
+def norm(name: str, d: int, unit: str) -> list[Parameter]:
+    prefix = f"{unit}.{name}" if unit != "root" else name
+    return [Parameter(f"{prefix}.weight", (d,), unit, None), Parameter(f"{prefix}.bias", (d,), unit, None)]
+
+
+def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Parameter]:
+    """Every parameter of scalelm.model.transformer.TransformerLM, in its order, with the split tensor parallelism
+    gives it (the head's by vocabulary with loss_parallel)."""
+    d, f = model.d_model, model.d_ff
+    tensors = [Parameter("embed.weight", (vocab_size, d), "embed", None)]
+    for i in range(model.n_layers):
+        unit = f"blocks.{i}"
+        tensors += linear("attn.qkv", 3 * d, d, unit) + linear("attn.out", d, d, unit)
+        tensors += linear("ffn.up", f, d, unit) + linear("ffn.down", d, f, unit)
+        tensors += norm("norm1", d, unit) + norm("norm2", d, unit)
+    tensors += norm("norm", d, "root")
+    vocab_split = 0 if loss_parallel else None
+    if not model.tie_weights:
+        tensors.append(Parameter("head.weight", (vocab_size, d), "head", vocab_split))
+    tensors.append(Parameter("head.bias", (vocab_size,), "head", vocab_split))
+    return tensors
+
+
+def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate."""
+    d, layers = config.d_model, config.n_layers
+    matmul_params = layers * (4 * d * d + 2 * d * config.d_ff) + d * vocab_size
+    attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
+    return 6 * matmul_params + attention
