@@ -15,7 +15,7 @@ from scalelm.report import expectations
 from scalelm.report.aggregate import aggregate
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
-from scalelm.report.figures import COLUMNS
+from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import across_seeds
 from scalelm.report.scaling import choose_baseline
 from scalelm.train.record import write_record
@@ -134,8 +134,8 @@ def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):
 
 
 def test_loss_curves_of_several_seeds_are_their_mean_and_range(tmp_path, two_seeds):
-    runs = [{"_metrics": [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines()],
-             "global_batch_tokens": 512} for p in two_seeds[:2]]  # fmt: skip
+    runs = [RunSummary({"global_batch_tokens": 512}, [json.loads(line) for line in (p / "metrics.jsonl").open()])
+            for p in two_seeds[:2]]  # fmt: skip
     x, mean, low, high = across_seeds(runs, "tokens", "train")
     assert x[:2] == [1024, 2048] and len(x) == 10
     assert mean[0] == pytest.approx(8.0 - 0.2 - 0.015) and (low[0], high[0]) == (8.0 - 0.2 - 0.02, 8.0 - 0.2 - 0.01)

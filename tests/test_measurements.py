@@ -22,7 +22,7 @@ from scalelm.measure.hostload import HostLoad
 from scalelm.measure.instruments import Instruments
 from scalelm.model.architecture import flops_per_token
 from scalelm.report.timing import default_warmup, overlapping_runs, steady_state
-from scalelm.report.utilisation import summarise
+from scalelm.report.utilisation import device_series, summarise
 from scalelm.train.record import read_metrics
 
 
@@ -176,8 +176,9 @@ def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_t
     assert all(0.05 < b - a < 1.0 for a, b in zip(times, times[1:]))
     leftover = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftover  # the sampler ended with the training
-    summary = summarise(run_dir / "monitor")
-    assert set(summary["_util_series"]) == {"rank 0", "rank 1"} and summary["util_mean_percent"] > 0
+    series, cost = device_series(run_dir / "monitor")
+    summary = summarise(series, cost)
+    assert set(series) == {"rank 0", "rank 1"} and summary["util_mean_percent"] > 0
     assert 0 <= summary["monitor_cpu_percent"] < 100
     cpu = board_scalars(run_dir, "utilisation/rank1_cpu_percent", "tensorboard/node0")
     assert [step for step, _ in cpu] == list(range(len(samples)))

@@ -28,16 +28,16 @@ from typing import Any
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
 from scalelm.report import bubble, expectations, repeats
-from scalelm.report.figures import COLUMNS
+from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.timing import overlapping_runs, steady_state
-from scalelm.report.utilisation import plot_utilisation, summarise
+from scalelm.report.utilisation import device_series, plot_utilisation, summarise
 from scalelm.train.record import read_metrics, read_record
 from scalelm.train.rundir import RunDir
 
 
-def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
+def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
     try:
         record = read_record(run.path)
         model = json.loads(run.model_meta.read_text())
@@ -55,7 +55,8 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
     steady_mfu = None
     if peak and steady:
         steady_mfu = mfu(results["flops_per_token"], steady["tokens_per_s"], record["world_size"], peak)
-    return {
+    series, monitor_cost = device_series(run.monitor)
+    figures = {
         "experiment": run.experiment,
         "strategy": results["strategy"],
         "layout": results["layout"],
@@ -84,16 +85,15 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> dict[str, Any]:
         ),
         "other_cpu_cores": max((h["other_cores"] for h in (record.get("host_load") or {}).values()), default=None),
         "overlapped_by": "",
-        **summarise(run.monitor),
+        **summarise(series, monitor_cost),
         "final_train_loss": results["final_train_loss"],
         "validation_loss": results["validation"]["loss"],
         "test_loss": test["loss"],
         "test_perplexity": test["perplexity"],
         "checkpoint": model["model"],
         "sha256": model["sha256"],
-        "_metrics": metrics,
-        "_record": record,
     }
+    return RunSummary(figures, metrics, record, series)
 
 
 def fmt(value: Any) -> str:
@@ -160,21 +160,21 @@ def write_tables(
     (out_dir / "summary.md").write_text(text)
 
 
-def plot(rows: list[dict[str, Any]], summaries: list[dict[str, Any]], out_dir: Path) -> None:
+def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    plot_losses(rows, "tokens", "tokens seen", out_dir / "loss_vs_tokens.png")
-    plot_losses(rows, "time", "wall time (s)", out_dir / "loss_vs_time.png")
+    plot_losses(runs, "tokens", "tokens seen", out_dir / "loss_vs_tokens.png")
+    plot_losses(runs, "time", "wall time (s)", out_dir / "loss_vs_time.png")
     plot_scaling(summaries, out_dir / "scaling.png")
-    plot_utilisation(rows, out_dir / "utilisation.png")
-    bubble.plot_pipelines(rows, out_dir / "pipeline.png")
+    plot_utilisation(runs, out_dir / "utilisation.png")
+    bubble.plot_pipelines(runs, out_dir / "pipeline.png")
 
 
-def mark_overlaps(rows: list[dict[str, Any]]) -> None:
-    names = {f"{r['experiment']}/seed{r['seed']}": r for r in rows}
-    for name, others in overlapping_runs({name: r["_record"] for name, r in names.items()}).items():
-        names[name]["overlapped_by"] = " ".join(sorted(others))
+def mark_overlaps(runs: list[RunSummary]) -> None:
+    names = {f"{r.figures['experiment']}/seed{r.figures['seed']}": r for r in runs}
+    for name, others in overlapping_runs({name: r.record for name, r in names.items()}).items():
+        names[name].figures["overlapped_by"] = " ".join(sorted(others))
 
 
 def aggregate(
@@ -184,15 +184,16 @@ def aggregate(
     baseline: str | None = None,
     expected: list[expectations.Expectation] | None = None,
 ) -> list[dict[str, Any]]:
-    rows = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
-    mark_overlaps(rows)
-    rows.sort(key=lambda r: (r["world_size"], r["experiment"], r["seed"]))
+    runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
+    mark_overlaps(runs)
+    runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
+    rows = [run.figures for run in runs]
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
     summaries = repeats.by_experiment(rows)
     checks = expectations.check(expected or [], summaries)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tables(rows, summaries, checks, out_dir)
-    plot(rows, summaries, out_dir)
+    plot(runs, summaries, out_dir)
     return rows
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from scalelm.report.figures import RunSummary
+
 COLORS = {"F": "#9ecae1", "L": "#bdbdbd", "B": "#fd8d3c"}
 
 
@@ -42,14 +44,14 @@ def stage_rows(pipeline: dict[str, Any], groups: list[list[int]]) -> list[tuple[
     return sorted(first.items())
 
 
-def plot_pipelines(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_pipelines(summaries: list[RunSummary], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = {}
-    for row in rows:  # one run per pipeline experiment: its first seed
-        pipeline = row["_record"]["results"].get("pipeline")
-        if pipeline and pipeline.get("timeline") and row["experiment"] not in runs:
-            runs[row["experiment"]] = row
+    for run in summaries:  # one run per pipeline experiment: its first seed
+        pipeline = run.record["results"].get("pipeline")
+        if pipeline and pipeline.get("timeline") and run.figures["experiment"] not in runs:
+            runs[run.figures["experiment"]] = run
     if not runs:
         fig, ax = plt.subplots(figsize=(7, 1.5))
         ax.text(0.5, 0.5, "no pipeline experiment in this study", ha="center", va="center")
@@ -58,8 +60,8 @@ def plot_pipelines(rows: list[dict[str, Any]], path: Path) -> None:
         plt.close(fig)
         return
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.4 + 0.9 * max(len(runs), 1) * 2), squeeze=False)
-    for ax, (name, row) in zip(axes[:, 0], runs.items()):
-        record = row["_record"]
+    for ax, (name, run) in zip(axes[:, 0], runs.items()):
+        record = run.record
         pipeline = record["results"]["pipeline"]
         stages = stage_rows(pipeline, record["parallel"]["groups"]["pp"])
         for p, timeline in stages:
@@ -74,7 +76,7 @@ def plot_pipelines(rows: list[dict[str, Any]], path: Path) -> None:
                     ax.text(start + width / 2, p, str(chunk["mb"]), ha="center", va="center", fontsize=7)
         measured = pipeline["measured_bubble"]
         ax.set_title(
-            f"{name} ({row['layout']}): {pipeline['schedule']}, {pipeline['microbatches']} micro-batches, step "
+            f"{name} ({run.figures['layout']}): {pipeline['schedule']}, {pipeline['microbatches']} micro-batches, step "
             f"{stages[0][1]['step']}; bubble predicted {pipeline['predicted_bubble']:.0%}, measured "
             + (f"{measured:.0%}" if measured is not None else "-"),
             fontsize=9,

@@ -6,8 +6,8 @@ its value in `aggregate.read_run`; the tables, the statistics, the expectations 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,18 @@ COLUMNS = [figure.name for figure in FIGURES]  # summary.csv
 SHARED = tuple(figure.name for figure in FIGURES if figure.seeds == "shared")
 STATISTICS = tuple(figure.name for figure in FIGURES if figure.seeds == "spread")
 LIMITS = tuple(f"{figure.expect}_{figure.name}" for figure in FIGURES if figure.expect)
+
+
+@dataclass
+class RunSummary:
+    """One run as the report reads it: its row of summary.csv (`figures`, keyed by COLUMNS), and what the plots
+    draw besides: its metrics lines, its run record, each device's utilisation samples (time, percent)."""
+
+    figures: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+    utilisation: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.figures['experiment']} {self.figures['layout']} (seed {self.figures['seed']})"

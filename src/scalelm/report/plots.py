@@ -10,22 +10,22 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from scalelm.report.repeats import group_by_experiment
+from scalelm.report.figures import RunSummary
 
 
-def loss_points(row: dict[str, Any], x_key: str, split: str) -> dict[int, tuple[float, float]]:
+def loss_points(run: RunSummary, x_key: str, split: str) -> dict[int, tuple[float, float]]:
     """step -> (tokens seen or time, loss) of one run's train records or evaluations of `split`."""
-    train = [m for m in row["_metrics"] if m["kind"] == "train"]
+    train = [m for m in run.metrics if m["kind"] == "train"]
     if split == "train":
         return {m["step"]: (m[x_key], m["loss"]) for m in train}
     tokens_at = {m["step"]: m["tokens"] for m in train}
-    evals = [m for m in row["_metrics"] if m["kind"] == "eval" and m["split"] == split]
+    evals = [m for m in run.metrics if m["kind"] == "eval" and m["split"] == split]
     # an evaluation's tokens: those of the train record at its step (or, without one, the steps' worth)
-    tokens = {m["step"]: tokens_at.get(m["step"], m["step"] * row["global_batch_tokens"]) for m in evals}
+    tokens = {m["step"]: tokens_at.get(m["step"], m["step"] * run.figures["global_batch_tokens"]) for m in evals}
     return {m["step"]: (m["time"] if x_key == "time" else tokens[m["step"]], m["loss"]) for m in evals}
 
 
-def across_seeds(runs: list[dict[str, Any]], x_key: str, split: str) -> tuple[list[float], ...]:
+def across_seeds(runs: list[RunSummary], x_key: str, split: str) -> tuple[list[float], ...]:
     """x, mean loss, min and max over the seeds, at the steps every seed logged."""
     curves = [loss_points(r, x_key, split) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -34,13 +34,17 @@ def across_seeds(runs: list[dict[str, Any]], x_key: str, split: str) -> tuple[li
     return x, [statistics.fmean(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
 
 
-def plot_losses(rows: list[dict[str, Any]], x_key: str, x_label: str, path: Path) -> None:
+def plot_losses(runs: list[RunSummary], x_key: str, x_label: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for name, runs in group_by_experiment(rows).items():
-        seeds = f"seed {runs[0]['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
-        label = f"{name} ({runs[0]['layout']}, {seeds})"  # dp_replicate x dp_shard x tp x pp
+    experiments: dict[str, list[RunSummary]] = {}
+    for run in runs:
+        experiments.setdefault(run.figures["experiment"], []).append(run)
+    for name, runs in experiments.items():
+        first = runs[0].figures
+        seeds = f"seed {first['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
+        label = f"{name} ({first['layout']}, {seeds})"  # dp_replicate x dp_shard x tp x pp
         for ax, split in zip(axes, ("train", "validation")):
             x, mean, low, high = across_seeds(runs, x_key, split)
             (line,) = ax.plot(x, mean, marker=None if split == "train" else "o", label=label)

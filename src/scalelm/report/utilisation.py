@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from scalelm.report.figures import RunSummary
+
 
 def device_series(monitor_dir: Path) -> tuple[dict[str, list[tuple[float, float]]], dict[str, float]]:
     """Every device's (time, utilisation) samples, and the samplers' own cost (CPU seconds, wall seconds)."""
@@ -34,33 +36,32 @@ def device_series(monitor_dir: Path) -> tuple[dict[str, list[tuple[float, float]
     return series, cost
 
 
-def summarise(monitor_dir: Path) -> dict[str, Any]:
-    series, cost = device_series(monitor_dir)
+def summarise(series: dict[str, list[tuple[float, float]]], cost: dict[str, float]) -> dict[str, Any]:
+    """The summary's figures of a run's `device_series`."""
     means = [statistics.fmean(u for _, u in samples) for samples in series.values() if samples]
     return {
         "util_mean_percent": statistics.fmean(means) if means else None,
         "util_min_percent": min(means) if means else None,  # the least busy device
         "monitor_cpu_percent": 100 * cost["cpu_s"] / cost["wall_s"] if cost["wall_s"] else None,  # of one core
-        "_util_series": series,
     }
 
 
-def plot_utilisation(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_utilisation(runs: list[RunSummary], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    columns = min(4, max(1, len(rows)))
-    lines = -(-len(rows) // columns)
+    columns = min(4, max(1, len(runs)))
+    lines = -(-len(runs) // columns)
     fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3 * lines), squeeze=False, sharey=True)
-    for ax, row in zip(axes.flat, rows):
-        for device, samples in sorted(row["_util_series"].items()):
+    for ax, run in zip(axes.flat, runs):
+        for device, samples in sorted(run.utilisation.items()):
             start = samples[0][0]
             ax.plot([t - start for t, _ in samples], [u for _, u in samples], label=device, linewidth=1)
-        ax.set_title(f"{row['experiment']} {row['layout']} (seed {row['seed']})", fontsize=9)
+        ax.set_title(run.label, fontsize=9)
         ax.set_xlabel("time (s)")
         ax.grid(alpha=0.3)
-        if row["_util_series"]:
+        if run.utilisation:
             ax.legend(fontsize=6)
-    for ax in axes.flat[len(rows) :]:
+    for ax in axes.flat[len(runs) :]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("utilisation (%)")
