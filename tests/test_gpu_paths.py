@@ -160,12 +160,17 @@ def test_a_site_with_gpus_asks_every_experiment_for_cuda(tmp_path):
     import yaml
 
     site = tmp_path / "site.yaml"
-    site.write_text(yaml.safe_dump({"gpus_per_node": 4}))
+    site.write_text(yaml.safe_dump({"gpus_per_node": 4, "peak_tflops": 400.0}))
     config = local_config()
     config["site"] = str(site)
+    config["experiments"]["fsdp"]["training"] = {"train": {"peak_tflops": 100.0}}
     study = Study(config, on_login_node=False)
-    assert {e.training["device"] for e in study.matrix.values()} == {"cuda"}
-    assert {e.training["device"] for e in Study(local_config()).matrix.values()} == {"auto"}
+    assert {e.config.device for e in study.matrix.values()} == {"cuda"}
+    assert {e.config.device for e in Study(local_config()).matrix.values()} == {"auto"}
+    # the site's peak for MFU, unless the experiment names its own
+    peaks = {e.name: e.config.train.peak_tflops for e in study.matrix.values()}
+    assert peaks["fsdp"] == 100.0 and {p for name, p in peaks.items() if name != "fsdp"} == {400.0}
+    assert study.matrix["ddp", "1"].settings["train"]["peak_tflops"] == 400.0  # what train.yaml holds
     # finding 11: the launcher's srun step asks for the GPUs, with or without a container
     wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
     assert "--gpu" in study.launch_args(wildcards).split()

@@ -19,7 +19,7 @@ rule plan:
     log:
         f"{RESULTS}/logs/plan/{{experiment}}/seed{{seed}}.log",
     params:  # what the plan depends on: a change plans again
-        training=lambda wildcards: experiment(wildcards).training,
+        training=lambda wildcards: experiment(wildcards).settings,
         geometry=lambda wildcards: experiment(wildcards).geometry,
         gpus=(STUDY.site.gpus_per_node, STUDY.site.gpu_memory_gb),
     run:

@@ -11,7 +11,7 @@ rule train_config:
     log:
         f"{RESULTS}/logs/train_config/{{experiment}}/seed{{seed}}.log",
     params:
-        settings=lambda wildcards: experiment(wildcards).training,
+        settings=lambda wildcards: experiment(wildcards).settings,
     run:
         write_settings(params.settings, output[0])
 

@@ -1,18 +1,20 @@
 """The experiment matrix of the workflow config: experiments x seeds, each resolved to one training config.
 
 The workflow calls `load_matrix` at parse time (scalelm.study.workflow), so a bad setting in any experiment
-fails before a single job runs, naming the experiment and the key.
+fails before a single job runs, naming the experiment and the key. An experiment's training config is resolved once,
+the site's defaults included (`with_site_defaults`), and typed from then on.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
+from scalelm.launch.site import SiteConfig
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout, resolve_layout
 from scalelm.train.rundir import RunDir
@@ -25,7 +27,7 @@ class Experiment:
     nodes: int
     procs_per_node: int
     seed: int
-    training: dict[str, Any] = field(compare=False, hash=False)  # resolved training settings (scalelm.config)
+    config: Config = field(compare=False, hash=False)  # the resolved training settings
     layout: Layout = field(default=Layout(ParallelDims()), compare=False, hash=False)  # resolved and checked
     check_memory: bool = field(default=True, compare=False)  # refused before the queue if it cannot fit (plan)
 
@@ -45,6 +47,11 @@ class Experiment:
     @property
     def key(self) -> str:
         return f"{self.name}/seed{self.seed}"
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The training settings as the run's train.yaml holds them (and the rules' params compare them)."""
+        return self.config.to_dict()
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +97,17 @@ def training_config(config: dict[str, Any], name: str, seed: int, run_dir: str) 
         raise ConfigError(f"experiments.{name}: {err}") from None
 
 
+def with_site_defaults(config: Config, site: SiteConfig) -> Config:
+    """What the site decides unless the experiment does: the GPU's peak for MFU where scalelm's table lacks it, and
+    the device on a GPU site (a job that sees no GPU then fails with a clear error instead of training for hours on
+    the CPU)."""
+    if site.peak_tflops and not config.train.peak_tflops:
+        config = replace(config, train=replace(config.train, peak_tflops=site.peak_tflops))
+    if site.gpus_per_node and config.device == "auto":
+        config = replace(config, device="cuda")
+    return config
+
+
 def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> Layout:
     """The experiment's layout on its nodes, checked: a layout, batch or model it cannot run is refused before any
     job is queued."""
@@ -131,7 +149,7 @@ def check_seeds(seeds: Any) -> list[int]:
     return seeds
 
 
-def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
+def load_matrix(config: dict[str, Any], results: str, site: SiteConfig | None = None) -> list[Experiment]:
     experiments = config.get("experiments") or {}
     if not experiments:
         raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
@@ -148,8 +166,8 @@ def load_matrix(config: dict[str, Any], results: str) -> list[Experiment]:
                 raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
         for seed in seeds:
             run_dir = str(RunDir.of(results, name, seed).path)
-            training = training_config(config, name, seed, run_dir)
+            training = with_site_defaults(training_config(config, name, seed, run_dir), site or SiteConfig())
             layout = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
             geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
-            matrix.append(Experiment(name, *geometry, seed, training.to_dict(), layout, spec.get("check_memory", True)))
+            matrix.append(Experiment(name, *geometry, seed, training, layout, spec.get("check_memory", True)))
     return matrix

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scalelm.config import from_dict
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
@@ -21,7 +20,7 @@ from scalelm.study.experiments import Experiment
 
 def plan_experiment(experiment: Experiment, site: SiteConfig, vocab_size: int) -> dict[str, Any]:
     """The experiment's plan on the site's GPUs (CPU nodes without a site: nothing to check against)."""
-    work = Workload(from_dict(experiment.training), vocab_size, "cuda" if site.gpus_per_node else "cpu")
+    work = Workload(experiment.config, vocab_size, "cuda" if site.gpus_per_node else "cpu")
     memory_gb = site.gpu_memory_gb if site.gpus_per_node else None
     machine = Machine(experiment.nodes, experiment.procs_per_node, memory_gb or math.inf)
     plan = plan_layout(work, Candidate(experiment.name, experiment.dims, experiment.strategy), machine)

@@ -71,11 +71,11 @@ def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str
     for e in matrix:
         if e.name in runs or e.world_size == 1:
             continue
-        settings = preflight_settings(e.training, e.dims, batch, data, f"{runs_dir}/{e.name}")
+        settings = preflight_settings(e.settings, e.dims, batch, data, f"{runs_dir}/{e.name}")
         same = json.dumps({k: v for k, v in settings.items() if k not in ("parallel", "run_dir")}, sort_keys=True)
         reference = references.setdefault(same, f"reference.{len(references)}")
         if reference not in runs:
-            alone = preflight_settings(e.training, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
+            alone = preflight_settings(e.settings, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
             runs[reference] = {"settings": alone, "world_size": 1, "reference": None}
         runs[e.name] = {"settings": settings, "world_size": e.world_size, "reference": reference}
     return runs

@@ -43,17 +43,11 @@ class Study:
         check_command_line_values(dataclasses.asdict(self.site), "site file: ")
         self.resources = config["resources"]
         self.stop_signal_s = stop_signal_seconds(self.resources)
-        self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results)}
+        self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results, self.site)}
         if not config.get("site"):
             check_local_capacity(self.matrix.values())
         for e in self.matrix.values():
             self.site.check_fits(e.name, e.procs_per_node)
-            if self.site.peak_tflops and not e.training["train"].get("peak_tflops"):
-                e.training["train"]["peak_tflops"] = self.site.peak_tflops
-            if self.site.gpus_per_node and e.training["device"] == "auto":
-                # a job that sees no GPU (no --nv, GPUs not in the step, a CPU-only torch) fails with a clear error
-                # instead of training for hours on the CPU
-                e.training["device"] = "cuda"
         # what the aggregation compares with and checks, refused now rather than after the training
         self.baseline = choose_baseline({e.name: e.world_size for e in self.matrix.values()}, config.get("baseline"))
         self.expectations = parse_expectations(config["experiments"])
