@@ -10,6 +10,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def steady(run: Path) -> dict:
     out; with the run's own results."""
     train = [r for r in read_metrics(run) if r["kind"] == "train"]
     kept = [r for r in train[1:] if not r.get("profiled")] or train[-1:]
-    record = read_record(run)
+    record = asdict(read_record(run))
     figures = {
         k: statistics.median(r[k] for r in kept) for k in ("tokens_per_s", "step_time_s", "peak_mem_mb", "data_share")
     }
@@ -133,8 +134,8 @@ class Report:
         log = (self.out / "resume.log").read_text()
         resumed = [line for line in log.splitlines() if line.startswith("resumed from step")]
         assert resumed, "the rerun did not resume"
-        record = read_record(self.runs / "stop")
-        return f"stopped with exit {EXIT_PREEMPTED}; {resumed[0].split(' in ')[0]}; finished {record['results']['steps']} steps"
+        steps = read_record(self.runs / "stop").results.steps
+        return f"stopped with exit {EXIT_PREEMPTED}; {resumed[0].split(' in ')[0]}; finished {steps} steps"
 
     def evaluate_on_cpu(self) -> str:
         """The device-trained model consolidated and evaluated on the CPU: the same test loss as the run's own

@@ -64,7 +64,7 @@ def tiny_config(tmp_path, prepared):
     return make
 
 
-def train_here(config_path: Path, *overrides: str) -> dict:
+def train_here(config_path: Path, *overrides: str):
     """One process, in this process: no interpreter or torch start-up to pay."""
     from scalelm.config import load_config
     from scalelm.train.trainer import run

@@ -18,7 +18,7 @@ from scalelm.report.expectations import Expectation, from_arguments, parse_expec
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import across_seeds
 from scalelm.report.scaling import choose_baseline
-from scalelm.train.record import write_record
+from scalelm.train.record import RECORD_FORMAT, RunRecord, write_record
 from scalelm.train.rundir import RunDir
 
 
@@ -61,7 +61,7 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             "peak_flops_per_device": None, "flops_per_token": 6000, "final_train_loss": 6.0, "validation": {"loss": 5.5},
         },
     }  # fmt: skip
-    write_record(run.path, record)
+    write_record(run.path, RunRecord.from_dict(record | {"format": RECORD_FORMAT}))
     run.model_meta.write_text(json.dumps({"model": str(run.model), "sha256": "0" * 64}))
     run.test_result.write_text(json.dumps({"loss": test_loss, "perplexity": math.exp(test_loss)}))
     return run.path

@@ -113,7 +113,7 @@ def test_a_typo_never_costs_a_finished_run(run_copy, capsys):
     record = train_here(run_copy)  # the typo reverted
     out = capsys.readouterr().out
     assert "is back from" in out and "resumed from step 20" in out, out[-2000:]
-    assert record["results"]["steps"] == 20 and record["results"]["test"] == finished["results"]["test"]
+    assert record.results.steps == 20 and record.results.test == finished["results"]["test"]
     assert not run.previous.exists()
 
 
@@ -123,7 +123,7 @@ def test_a_second_training_in_the_same_run_directory_is_refused_naming_the_first
         with pytest.raises(ConfigError, match=rf"another training is running in {run.path} \(pid {os.getpid()} on "):
             train_here(run_copy)
         assert run.record.is_file()
-    assert train_here(run_copy)["results"]["steps"] == 20  # the lock goes with its holder
+    assert train_here(run_copy).results.steps == 20  # the lock goes with its holder
 
 
 def test_a_full_disk_is_one_clear_line_and_the_checkpoints_before_it_are_kept(tiny_config, tmp_path):

@@ -127,7 +127,7 @@ def test_bad_geometry_is_refused(monkeypatch):
 
 
 def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and_launch_flags(tmp_path):
-    from scalelm.launch.site import load_site
+    from scalelm.site import load_site
 
     path = tmp_path / "site.yaml"
     path.write_text(
@@ -167,7 +167,7 @@ def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and
     ],
 )
 def test_a_bad_site_file_is_a_clear_error_naming_the_key(tmp_path, text, message):
-    from scalelm.launch.site import load_site
+    from scalelm.site import load_site
 
     path = tmp_path / "site.yaml"
     path.write_text(text)
@@ -177,7 +177,7 @@ def test_a_bad_site_file_is_a_clear_error_naming_the_key(tmp_path, text, message
 
 def test_the_shipped_site_file_loads():
     from conftest import REPO
-    from scalelm.launch.site import load_site
+    from scalelm.site import load_site
 
     site = load_site(REPO / "profiles/slurm/site.yaml")
     assert site.gpus_per_node == 4 and site.port_range == (29500, 29999)

@@ -57,8 +57,8 @@ def test_collective_time_counts_overlapping_collectives_once_and_only_inside_the
 
 def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():
     def run(start, end, *hosts):
-        return {"start_time": f"2026-11-25T10:{start:02d}:00+0000", "end_time": f"2026-11-25T10:{end:02d}:00+0000",
-                "nodes": list(hosts)}  # fmt: skip
+        return SimpleNamespace(start_time=f"2026-11-25T10:{start:02d}:00+0000",
+                               end_time=f"2026-11-25T10:{end:02d}:00+0000", nodes=list(hosts))  # fmt: skip
 
     records = {
         "a": run(0, 10, "n1"),

@@ -26,7 +26,7 @@ from scalelm.plan.memory import Workload, in_flight, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, load_matrix
-from scalelm.train.record import write_record
+from scalelm.train.record import Results, RunRecord, write_record
 from test_study import resolve
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
@@ -245,7 +245,8 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
         run = tmp_path / name
         run.mkdir()
         (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "loss": x}) + "\n" for x in losses))
-        write_record(run, {"world_size": 2, "results": {"layout": "2x1x1x1"}})
+        results = Results("ddp", "2x1x1x1", len(losses), 2, 64, 1.0, losses[-1], {}, {}, 1000)
+        write_record(run, RunRecord({}, 2, {"nodes": 1, "procs_per_node": 2}, ["n1"], "", "", 1.0, results))
         return run
 
     reference = fake_run("reference", [5.0, 4.0, 3.0])

@@ -133,7 +133,7 @@ def test_a_tampered_checkpoint_is_refused_by_name_everywhere_and_its_code_never_
         load_weights(last, *model_of(earlier))
     # training skips it, naming why, resumes from the one before and finishes
     capsys.readouterr()
-    assert train_here(run_copy)["results"]["steps"] == 20
+    assert train_here(run_copy).results.steps == 20
     out = capsys.readouterr().out
     assert re.search(rf"skipping checkpoint {last}: .*{problem}", out) and "resumed from step 10" in out, out[-2000:]
     assert verify(last) is None  # written anew by the resumed run

@@ -258,7 +258,7 @@ def test_the_workflows_parse_the_planner_the_launcher_and_the_report_never_impor
     code = f"""
 import json, sys, yaml
 import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
-import scalelm.launch.container, scalelm.launch.launcher, scalelm.launch.site, scalelm.launch.slurm, scalelm.launch.supervise
+import scalelm.launch.container, scalelm.launch.launcher, scalelm.site, scalelm.launch.slurm, scalelm.launch.supervise
 import scalelm.report.aggregate, scalelm.report.expectations
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study

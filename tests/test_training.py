@@ -249,10 +249,10 @@ def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_af
     """Two whole epochs and no max_steps (the default): the run ends on an epoch boundary. Moving the finished run
     directory and the prepared data elsewhere, and changing how often it logs, changes nothing that was trained."""
     config = tiny_config("epochs", batch__size=512, train__max_steps=None, train__epochs=2, checkpoint__every=None)
-    results = train_here(config)["results"]
-    steps_per_epoch = results["steps"] // 2
-    assert steps_per_epoch > 1 and results["steps"] == 2 * steps_per_epoch
-    assert results["epochs_completed"] == 2
+    results = train_here(config).results
+    steps_per_epoch = results.steps // 2
+    assert steps_per_epoch > 1 and results.steps == 2 * steps_per_epoch
+    assert results.epochs_completed == 2
     identity = json.loads((run_dir_of(config) / "identity.json").read_text())
     assert "run_dir" not in identity["settings"] and "prepared_dir" not in identity["settings"]["data"]
 
@@ -263,12 +263,12 @@ def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_af
     again = train_here(
         config, f"run_dir={moved / 'run'}", f"data.prepared_dir={moved / 'prepared'}", "train.log_every=7"
     )
-    assert f"resumed from step {results['steps']}" in capsys.readouterr().out
+    assert f"resumed from step {results.steps}" in capsys.readouterr().out
     assert not (moved / "run" / "previous").exists()
-    assert again["results"]["validation"] == results["validation"] and again["results"]["epochs_completed"] == 2
+    assert again.results.validation == results.validation and again.results.epochs_completed == 2
 
     changed = train_here(config, f"run_dir={moved / 'run'}", "optim.lr=1e-3", "train.epochs=1")  # another model
-    assert (moved / "run" / "previous" / "checkpoints").is_dir() and changed["results"]["steps"] == steps_per_epoch
+    assert (moved / "run" / "previous" / "checkpoints").is_dir() and changed.results.steps == steps_per_epoch
 
 
 def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evaluation(tiny_config, monkeypatch):
@@ -296,7 +296,7 @@ def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evalua
     assert not [r for r in read_metrics(run_dir_of(config)) if r["kind"] == "eval"]
 
     monkeypatch.setattr(TransformerLM, "forward", forward)
-    assert train_here(config)["results"]["steps"] == 20
+    assert train_here(config).results.steps == 20
 
 
 COMPILED = ("single", "ddp", "fsdp", "tp")

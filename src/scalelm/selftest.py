@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         record = run(config)
-    loss = record["results"]["final_train_loss"]
+    loss = record.results.final_train_loss
     if not math.isfinite(loss) or loss > math.log(64):
         raise SystemExit(f"selftest failed: final train loss {loss} (a learnable pattern should fall below log(64))")
     print(f"selftest passed: torch {torch.__version__}, final train loss {loss:.3f}")

@@ -37,6 +37,9 @@ from scalelm.parallel.layout import Layout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage may hand on, by index in a shape message
+HIDDEN_DIMS = 3  # what a stage hands on: hidden states (batch, sequence, d_model); the shape message holds them
+# the methods of torch's (prototype) PipelineStage that the schedules call per micro-batch: StageTimeline wraps them
+TIMED_METHODS = {"F": "forward_one_chunk", "B": "backward_one_chunk"}
 TIMED_STEPS = 8  # the last steps whose timelines are kept
 
 
@@ -162,8 +165,14 @@ class Pipeline:
         stages = []
         for part, index in zip(parts, stage_ids):
             stage = PipelineStage(part, index, self.num_stages, device, group=pp_group)
-            stage.forward_one_chunk = self.timeline.wrap(index, "F", stage.forward_one_chunk)
-            stage.backward_one_chunk = self.timeline.wrap(index, "B", stage.backward_one_chunk)
+            for kind, method in TIMED_METHODS.items():
+                if not callable(getattr(stage, method, None)):  # a torch whose prototype API moved on
+                    raise RuntimeError(
+                        f"torch {torch.__version__}'s PipelineStage has no {method}, which scalelm's stage timeline "
+                        "wraps: use the torch version of the image or requirements, or update "
+                        "scalelm.parallel.pipeline.TIMED_METHODS"
+                    )
+                setattr(stage, method, self.timeline.wrap(index, kind, getattr(stage, method)))
             stages.append(stage)
         kind = SCHEDULES[layout.schedule]
         loss = self.timeline.wrap(stage_ids[-1], "L", self.loss)
@@ -211,6 +220,8 @@ class Pipeline:
         return x if self.holds_loss else None
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        if tensor.dim() != HIDDEN_DIMS:
+            raise ValueError(f"a stage hands on {HIDDEN_DIMS}-d hidden states, got shape {tuple(tensor.shape)}")
         peer = stage % self.pp
         shape = torch.tensor([*tensor.shape, DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
         dist.send(shape, group=self.group, group_dst=peer)
@@ -218,7 +229,7 @@ class Pipeline:
 
     def _receive(self, stage: int) -> torch.Tensor:
         peer = stage % self.pp
-        shape = torch.empty(4, dtype=torch.int64, device=self.device)
+        shape = torch.empty(HIDDEN_DIMS + 1, dtype=torch.int64, device=self.device)
         dist.recv(shape, group=self.group, group_src=peer)
         *size, dtype = shape.tolist()
         tensor = torch.empty(size, dtype=DTYPES[dtype], device=self.device)

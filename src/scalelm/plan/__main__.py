@@ -18,11 +18,11 @@ import sys
 from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
-from scalelm.launch.site import load_site
 from scalelm.model.architecture import parameters
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, smallest_fsdp, smallest_machine
 from scalelm.plan.memory import PARTS, Workload
+from scalelm.site import load_site
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

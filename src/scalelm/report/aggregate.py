@@ -45,35 +45,35 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
     except FileNotFoundError as err:
         raise DataError(f"{run.path} is incomplete ({err.filename} is missing): run the workflow up to it") from None
     metrics = read_metrics(run.path)
-    results, config = record["results"], record["config"]
+    results, config = record.results, record.config
     train = [m for m in metrics if m["kind"] == "train"]
     unprofiled = [m for m in train if not m.get("profiled")] or train
     steady = steady_state(train, warmup_steps)
-    state = results.get("state_mb_per_rank") or {}
-    plan = results["plan_mb_per_rank"]  # what scalelm.plan predicts for the layout
-    peak = results["peak_flops_per_device"]  # None where the device's peak is unknown
+    state = results.state_mb_per_rank or {}
+    plan = results.plan_mb_per_rank  # what scalelm.plan predicts for the layout
+    peak = results.peak_flops_per_device  # None where the device's peak is unknown
     steady_mfu = None
     if peak and steady:
-        steady_mfu = mfu(results["flops_per_token"], steady["tokens_per_s"], record["world_size"], peak)
+        steady_mfu = mfu(results.flops_per_token, steady["tokens_per_s"], record.world_size, peak)
     series, monitor_cost = device_series(run.monitor)
     figures = {
         "experiment": run.experiment,
-        "strategy": results["strategy"],
-        "layout": results["layout"],
+        "strategy": results.strategy,
+        "layout": results.layout,
         "seed": config["seed"],
-        "nodes": record["launch"]["nodes"],
-        "procs_per_node": record["launch"]["procs_per_node"],
-        "world_size": record["world_size"],
-        "global_batch_sequences": results["global_batch"],
-        "global_batch_tokens": results["tokens_per_step"],
+        "nodes": record.launch["nodes"],
+        "procs_per_node": record.launch["procs_per_node"],
+        "world_size": record.world_size,
+        "global_batch_sequences": results.global_batch,
+        "global_batch_tokens": results.tokens_per_step,
         "scaling": SCALING[config["batch"]["mode"]],  # strong: global batch fixed; weak: per-device batch fixed
-        "steps": results["steps"],
-        "wall_time_s": record["wall_time_s"],
-        "train_time_s": results["train_time_s"],
+        "steps": results.steps,
+        "wall_time_s": record.wall_time_s,
+        "train_time_s": results.train_time_s,
         **steady,
         "mfu": steady_mfu,
         # the share of the profiled steps with a collective running (scalelm.measure.comm); 0 for one process
-        "comm_share": (results.get("comm") or {}).get("share"),
+        "comm_share": (results.comm or {}).get("share"),
         **bubble.columns(results),
         "state_mb_per_rank": state.get("total"),
         "planned_state_mb_per_rank": plan.get("state"),
@@ -83,11 +83,11 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "peak_reserved_mb_per_rank": max(
             (m["peak_reserved_mb"] for m in unprofiled if m.get("peak_reserved_mb")), default=None
         ),
-        "other_cpu_cores": max((h["other_cores"] for h in (record.get("host_load") or {}).values()), default=None),
+        "other_cpu_cores": max((h["other_cores"] for h in record.host_load.values()), default=None),
         "overlapped_by": "",
         **summarise(series, monitor_cost),
-        "final_train_loss": results["final_train_loss"],
-        "validation_loss": results["validation"]["loss"],
+        "final_train_loss": results.final_train_loss,
+        "validation_loss": results.validation["loss"],
         "test_loss": test["loss"],
         "test_perplexity": test["perplexity"],
         "checkpoint": model["model"],

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.report.figures import RunSummary
+from scalelm.train.record import Results
 
 COLORS = {"F": "#9ecae1", "L": "#bdbdbd", "B": "#fd8d3c"}
 
 
-def columns(results: dict[str, Any]) -> dict[str, Any]:
+def columns(results: Results) -> dict[str, Any]:
     """The summary's pipeline columns of a run's results (empty for other layouts)."""
-    pipeline = results.get("pipeline")
+    pipeline = results.pipeline
     if not pipeline:
         return {"pp_schedule": "", "pp_microbatches": None, "bubble_predicted": None, "bubble_measured": None,
                 "peak_mem_mb_per_pp_rank": ""}  # fmt: skip
@@ -49,7 +50,7 @@ def plot_pipelines(summaries: list[RunSummary], path: Path) -> None:
 
     runs = {}
     for run in summaries:  # one run per pipeline experiment: its first seed
-        pipeline = run.record["results"].get("pipeline")
+        pipeline = run.record.results.pipeline
         if pipeline and pipeline.get("timeline") and run.figures["experiment"] not in runs:
             runs[run.figures["experiment"]] = run
     if not runs:
@@ -62,8 +63,8 @@ def plot_pipelines(summaries: list[RunSummary], path: Path) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.4 + 0.9 * max(len(runs), 1) * 2), squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items()):
         record = run.record
-        pipeline = record["results"]["pipeline"]
-        stages = stage_rows(pipeline, record["parallel"]["groups"]["pp"])
+        pipeline = record.results.pipeline
+        stages = stage_rows(pipeline, record.parallel["groups"]["pp"])
         for p, timeline in stages:
             for chunk in timeline["chunks"]:
                 start, width = chunk["start"] * 1e3, (chunk["end"] - chunk["start"]) * 1e3

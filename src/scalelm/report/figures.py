@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from scalelm.train.record import RunRecord
+
 
 @dataclass(frozen=True)
 class Figure:
@@ -85,7 +87,7 @@ class RunSummary:
 
     figures: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    record: dict[str, Any] = field(default_factory=dict)
+    record: RunRecord | None = None
     utilisation: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property

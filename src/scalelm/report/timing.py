@@ -14,6 +14,8 @@ import statistics
 from datetime import datetime
 from typing import Any
 
+from scalelm.train.record import RunRecord
+
 MIN_WARMUP_STEPS = 5
 WARMUP_FRACTION = 0.1
 
@@ -53,16 +55,16 @@ def steady_state(train: list[dict[str, Any]], warmup_steps: int | None = None) -
     }
 
 
-def _interval(record: dict[str, Any]) -> tuple[datetime, datetime] | None:
+def _interval(record: RunRecord) -> tuple[datetime, datetime] | None:
     try:
-        return datetime.fromisoformat(record["start_time"]), datetime.fromisoformat(record["end_time"])
-    except (KeyError, TypeError, ValueError):
+        return datetime.fromisoformat(record.start_time), datetime.fromisoformat(record.end_time)
+    except (TypeError, ValueError):
         return None
 
 
-def overlapping_runs(records: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """For each run (name -> run.json), the other runs that trained on one of its hosts at the same time."""
-    spans = {name: (_interval(r), set(r.get("nodes") or [])) for name, r in records.items()}
+def overlapping_runs(records: dict[str, RunRecord]) -> dict[str, list[str]]:
+    """For each run (name -> its record), the other runs that trained on one of its hosts at the same time."""
+    spans = {name: (_interval(r), set(r.nodes)) for name, r in records.items()}
     found: dict[str, list[str]] = {name: [] for name in records}
     for name, (span, hosts) in spans.items():
         for other, (other_span, other_hosts) in spans.items():

@@ -14,9 +14,9 @@ from typing import Any
 
 from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
-from scalelm.launch.site import SiteConfig
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout, resolve_layout
+from scalelm.site import SiteConfig
 from scalelm.train.rundir import RunDir
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
-from scalelm.launch.site import SiteConfig
 from scalelm.plan.layouts import Candidate, Machine, gb, plan_layout
 from scalelm.plan.memory import PARTS, Workload
+from scalelm.site import SiteConfig
 from scalelm.study.experiments import Experiment
 
 

@@ -91,7 +91,7 @@ def compare(pairs: dict[str, tuple[Path, Path]], out: Path) -> list[dict[str, An
         complete = len(mine) == len(theirs) == PREFLIGHT_STEPS
         gap = max(gaps) if gaps else math.inf
         rows.append({
-            "experiment": name, "layout": record["results"]["layout"], "world_size": record["world_size"],
+            "experiment": name, "layout": record.results.layout, "world_size": record.world_size,
             "reference": reference.name, "steps": len(mine), "max_relative_gap": gap,
             "matches": complete and gap <= LOSS_TOLERANCE,
         })  # fmt: skip

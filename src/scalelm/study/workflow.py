@@ -16,10 +16,10 @@ import psutil
 
 from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime, is_uri
-from scalelm.launch.site import load_site
 from scalelm.launch.slurm import check_node_counts
 from scalelm.report.expectations import parse_expectations, to_arguments
 from scalelm.report.scaling import choose_baseline
+from scalelm.site import load_site
 from scalelm.study import plan_check, preflight
 from scalelm.study.experiments import Experiment, load_matrix
 from scalelm.train.rundir import RunDir

@@ -1,10 +1,12 @@
 """What a run leaves for the report, read without torch: `metrics.jsonl` (a line per log interval and evaluation,
-written by train.metrics) and `run.json` (the run's record: provenance and results, written by the trainer at its
-end, of format RECORD_FORMAT; a record of another format is refused by name rather than misread)."""
+written by train.metrics) and `run.json`, the run's record (`RunRecord`: provenance, layout and `Results`), written
+by the trainer at its end and read by the report and the preflight, of format RECORD_FORMAT; a record of another
+format, or with keys this format does not have, is refused by name rather than misread."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +17,81 @@ from scalelm.train.rundir import RunDir
 RECORD_FORMAT = 1  # of run.json: a change in what a key means, or a key removed, is a new format
 
 
+@dataclass(frozen=True)
+class Results:
+    """What the run did and measured, beside what scalelm.plan predicted for its layout (MiB, the fullest rank)."""
+
+    strategy: str  # the layout's name: single, ddp, fsdp, hsdp, tp, fsdp_tp, pp, ...
+    layout: str  # dp_replicate x dp_shard x tp x pp
+    steps: int
+    global_batch: int  # sequences per optimizer step
+    tokens_per_step: int
+    train_time_s: float  # training only: evaluations and checkpoints paused the clock
+    final_train_loss: float
+    validation: dict[str, Any]  # the last evaluation: loss, perplexity, tokens
+    plan_mb_per_rank: dict[str, float]
+    flops_per_token: int
+    test: dict[str, Any] | None = None
+    epochs_completed: int = 0
+    tokens_seen: int = 0
+    tokens_per_s: float | None = None
+    checkpoint: str | None = None
+    state_mb_per_rank: dict[str, float] | None = None  # measured on this attempt's first step; None without one
+    mfu: float | None = None
+    peak_flops_per_device: float | None = None  # None where the device's peak is unknown
+    peak_flops_source: str | None = None
+    comm: dict[str, Any] | None = None  # the profiled steps' communication share (scalelm.measure.comm)
+    pipeline: dict[str, Any] | None = None  # schedule, bubble, timeline (scalelm.parallel.pipeline)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """run.json: where and with what the run ran (scalelm.train.provenance), its layout, and its results."""
+
+    config: dict[str, Any]  # the resolved training settings
+    world_size: int
+    launch: dict[str, int]  # torchrun's view: nodes, procs_per_node
+    nodes: list[str]
+    start_time: str
+    end_time: str
+    wall_time_s: float
+    results: Results
+    hostnames: list[str] = field(default_factory=list)  # by rank
+    parallel: dict[str, Any] = field(default_factory=dict)  # degrees, groups, node of each rank, pipeline
+    host_load: dict[str, dict[str, float]] = field(default_factory=dict)  # per host: the run's and other work's cores
+    git_commit: str | None = None
+    versions: dict[str, Any] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=dict)
+    container: dict[str, Any] | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+    format: int = RECORD_FORMAT
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "run.json") -> RunRecord:
+        if data.get("format") != RECORD_FORMAT:
+            raise DataError(
+                f"{source} is a run record of format {data.get('format')!r}; this scalelm reads format "
+                f"{RECORD_FORMAT}: report it with the scalelm that trained it, or train the run again"
+            )
+        try:
+            return cls(**{**data, "results": Results(**data["results"])})
+        except (KeyError, TypeError) as err:
+            raise DataError(
+                f"{source} is not a run record of format {RECORD_FORMAT} ({err}): train the run again"
+            ) from None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = RunDir(Path(run_dir)).metrics
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
+def write_record(run_dir: str | Path, record: RunRecord) -> None:
     path = RunDir(Path(run_dir)).record
-    atomic_write_text(path, json.dumps({"format": RECORD_FORMAT, **record}, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(asdict(record), indent=2) + "\n")
 
 
-def read_record(run_dir: str | Path) -> dict[str, Any]:
+def read_record(run_dir: str | Path) -> RunRecord:
     """run.json of the run at `run_dir` (FileNotFoundError if the training has not finished)."""
     path = RunDir(Path(run_dir)).record
-    record = json.loads(path.read_text())
-    if record.get("format") != RECORD_FORMAT:
-        raise DataError(
-            f"{path} is a run record of format {record.get('format')!r}; this scalelm reads format {RECORD_FORMAT}: "
-            "report it with the scalelm that trained it, or train the run again"
-        )
-    return record
+    return RunRecord.from_dict(json.loads(path.read_text()), str(path))

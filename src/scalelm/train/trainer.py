@@ -39,7 +39,7 @@ from scalelm.train.evaluation import evaluate
 from scalelm.train.metrics import MetricsLogger, Stopwatch, reset_peak_memory
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
-from scalelm.train.record import write_record
+from scalelm.train.record import Results, RunRecord, write_record
 from scalelm.train.rundir import RunDir, identity
 from scalelm.train.wandb_offline import WandbRun
 
@@ -136,7 +136,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> RunRecord:
         config, env, state = self.config, self.env, self.state
         if env.is_main:
             dump_config(config, self.run_dir.config)
@@ -147,7 +147,7 @@ class Trainer:
                 f"{self.batches.global_batch} x {config.data.seq_len} tokens, accumulation {self.batches.accumulation}",
                 flush=True,
             )
-        record = provenance.collect(config.to_dict(), env.world_size)
+        where = provenance.collect(config.to_dict(), env.world_size)
         clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
         self.instruments.start()
         loss_acc, steps_acc = torch.zeros((), device=env.device), 0
@@ -184,7 +184,7 @@ class Trainer:
                 path = self.save(loss_acc)
             raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume") from None
         checkpoint = self.save(loss_acc)
-        return self.finish(record, clock, validation, test, checkpoint)
+        return self.finish(where, clock, validation, test, checkpoint)
 
     # --------------------------------------------------------------------------------- bookkeeping
     def log_train(self, loss_acc: torch.Tensor, grad_norm: torch.Tensor, steps: int, elapsed: float) -> None:
@@ -266,36 +266,38 @@ class Trainer:
                 f"good checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
 
-    def finish(self, record, clock: Stopwatch, validation, test, checkpoint: Path) -> dict[str, Any]:
+    def finish(self, where: dict[str, Any], clock: Stopwatch, validation, test, checkpoint: Path) -> RunRecord:
+        """run.json (written by rank 0; a collective): `where` (scalelm.train.provenance) and the results."""
         state = self.state
-        record.update(
+        record = RunRecord(
+            **where,
             end_time=provenance.now(),
             wall_time_s=clock.wall(),
             host_load=self.instruments.host_loads(),
             parallel=self.parallel.describe(self.model),
-            results={
+            results=Results(
                 **self.instruments.results(state.tokens_seen, state.train_seconds),
-                "strategy": self.parallel.name,
-                "layout": self.parallel.dims.layout,
-                "steps": state.step,
-                "epochs_completed": state.epoch,
-                "tokens_seen": state.tokens_seen,
-                "global_batch": self.batches.global_batch,
-                "tokens_per_step": self.tokens_per_step,
-                "train_time_s": state.train_seconds,
-                "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else None,
-                "final_train_loss": self.last_loss,
-                "validation": validation,
-                "test": test,
-                "checkpoint": str(checkpoint),
-            },
+                strategy=self.parallel.name,
+                layout=self.parallel.dims.layout,
+                steps=state.step,
+                epochs_completed=state.epoch,
+                tokens_seen=state.tokens_seen,
+                global_batch=self.batches.global_batch,
+                tokens_per_step=self.tokens_per_step,
+                train_time_s=state.train_seconds,
+                tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
+                final_train_loss=self.last_loss,
+                validation=validation,
+                test=test,
+                checkpoint=str(checkpoint),
+            ),
         )
         if self.env.is_main:
             write_record(self.run_dir.path, record)
         return record
 
 
-def run(config: Config) -> dict[str, Any]:
+def run(config: Config) -> RunRecord:
     # Compute nodes have no internet: never let a library try it (and wait for its retries).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
