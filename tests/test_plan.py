@@ -26,6 +26,7 @@ from scalelm.plan.memory import Workload, in_flight, plan_memory
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, load_matrix
+from scalelm.study.settings import load_study
 from scalelm.train.record import Results, RunRecord, write_record
 from test_study import resolve
 
@@ -208,8 +209,8 @@ def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queu
 
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config["experiments"]["single_gpu"]["check_memory"] = "no"  # the package's own check, behind the schema's
-    with pytest.raises(ConfigError, match="experiments.single_gpu.check_memory must be true or false, got 'no'"):
-        load_matrix(config, "results")
+    with pytest.raises(ConfigError, match="experiments.single_gpu.check_memory: expected true or false, got 'no'"):
+        load_matrix(load_study(config))
 
     study, prepared = real_matrix(tmp_path, 4, check_memory=False)
     study.write_plan(single, str(prepared), tmp_path / "anyway.json")

@@ -17,6 +17,7 @@ from conftest import REPO
 from scalelm.errors import ConfigError, ScaleLMError
 from scalelm.report.figures import LIMITS
 from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.settings import Resources
 from scalelm.study.workflow import Study, stop_signal_seconds
 
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
@@ -150,8 +151,8 @@ def test_the_schema_knows_the_same_expectations_as_the_package():
 
 
 def test_a_stop_signal_at_or_before_the_jobs_start_is_refused():
-    assert stop_signal_seconds({"runtime_min": 30}) == 300
-    assert stop_signal_seconds({"runtime_min": 30, "stop_signal_s": 0}) == 0
+    assert stop_signal_seconds(Resources(cpus_per_proc=1, mem_mb_per_proc=1000, runtime_min=30)) == 300
+    assert stop_signal_seconds(Resources(cpus_per_proc=1, mem_mb_per_proc=1000, runtime_min=30, stop_signal_s=0)) == 0
     message = r"resources.stop_signal_s \(300 s\) must be less than resources.runtime_min \(5 min = 300 s\)"
     with pytest.raises(ConfigError, match=message):
         resolve(local_config(lambda local: local["resources"].update(runtime_min=5, stop_signal_s=300)))

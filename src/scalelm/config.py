@@ -194,6 +194,14 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if annotation is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        if dataclasses.is_dataclass(args[1]):  # named sections of one kind (the study's experiments)
+            return {k: from_mapping(args[1], v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
+        return {k: _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -236,6 +244,13 @@ def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
             raise ConfigError(f"unknown setting '{prefix}{key}'{hint}")
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: missing {', '.join(repr(m) for m in missing)}")
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]

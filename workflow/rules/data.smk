@@ -8,7 +8,7 @@ localrules:
 
 rule prefetch:
     output:
-        directory(config["data"]["raw_dir"]),
+        directory(STUDY.settings.data.raw_dir),
     log:
         f"{RESULTS}/logs/prefetch.log",
     conda:
@@ -23,7 +23,7 @@ rule prepare:
     input:
         rules.prefetch.output,
     output:
-        directory(config["data"]["prepared_dir"]),
+        directory(STUDY.settings.data.prepared_dir),
     log:
         f"{RESULTS}/logs/prepare.log",
     conda:

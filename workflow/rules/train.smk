@@ -27,7 +27,7 @@ rule train:
     log:
         f"{RESULTS}/logs/train/{{experiment}}/seed{{seed}}.log",
     # resubmitted by the main Snakemake only: in the job's own Snakemake a stopped training must end the job
-    retries: config["resources"].get("retries", 0) if workflow.is_main_process else 0
+    retries: STUDY.resources.retries if workflow.is_main_process else 0
     conda:
         "../envs/scalelm.yaml"
     threads: lambda wildcards: STUDY.train_threads(wildcards, workflow.cores)

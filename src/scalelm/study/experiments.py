@@ -8,7 +8,6 @@ the site's defaults included (`with_site_defaults`), and typed from then on.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +16,7 @@ from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout, resolve_layout
 from scalelm.site import SiteConfig
+from scalelm.study.settings import StudySettings
 from scalelm.train.rundir import RunDir
 
 
@@ -79,16 +79,16 @@ def apply_local_overlay(config: dict[str, Any]) -> dict[str, Any]:
     raise ConfigError(f"local: expected a mapping of settings or null, got {overlay!r}")
 
 
-def training_config(config: dict[str, Any], name: str, seed: int, run_dir: str) -> Config:
-    spec = config["experiments"][name]
-    settings = deep_merge(config.get("training", {}), spec.get("training", {}))
+def training_config(study: StudySettings, name: str, seed: int, run_dir: str) -> Config:
+    spec = study.experiments[name]
+    settings = deep_merge(study.training, spec.training)
     settings = deep_merge(
         settings,
         {
             "run_dir": run_dir,
             "seed": seed,
-            "data": {"prepared_dir": config["data"]["prepared_dir"]},
-            "parallel": {"strategy": spec["strategy"]},
+            "data": {"prepared_dir": study.data.prepared_dir},
+            "parallel": {"strategy": spec.strategy},
         },
     )
     try:
@@ -117,25 +117,6 @@ def layout_of(name: str, training: Config, nodes: int, procs_per_node: int) -> L
         raise ConfigError(f"experiments.{name} ({nodes} x {procs_per_node} processes): {err}") from None
 
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # workflow/schemas/config.schema.yaml says the same
-# Snakemake refuses a wildcard value ending in a part repeated 20 or more times (PeriodicWildcardError)
-PERIODIC = re.compile(r"(.+)\1{19,}$")
-
-
-def check_name(name: Any) -> None:
-    """An experiment's name becomes a directory and a wildcard: refused now, not in a later rule."""
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ConfigError(
-            f"experiments: the name {name!r} must be 1 to 64 letters, digits, '_' or '-', starting with a letter "
-            "or digit; rename the experiment"
-        )
-    if PERIODIC.search(name):
-        raise ConfigError(
-            f"experiments: the name {name!r} ends in a part repeated 20 or more times, which Snakemake refuses as a "
-            "wildcard value; rename the experiment"
-        )
-
-
 def check_seeds(seeds: Any) -> list[int]:
     """The study's seeds: a list of distinct integers within the range every layout can derive its streams from."""
     if not isinstance(seeds, list) or not seeds:
@@ -149,25 +130,14 @@ def check_seeds(seeds: Any) -> list[int]:
     return seeds
 
 
-def load_matrix(config: dict[str, Any], results: str, site: SiteConfig | None = None) -> list[Experiment]:
-    experiments = config.get("experiments") or {}
-    if not experiments:
-        raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
+def load_matrix(study: StudySettings, site: SiteConfig | None = None) -> list[Experiment]:
     matrix = []
-    seeds = check_seeds(config.get("seeds", [1]))
-    for name, spec in experiments.items():
-        check_name(name)
-        if not isinstance(spec, dict):
-            raise ConfigError(f"experiments.{name}: expected a mapping of settings, got {spec!r}")
-        if not isinstance(spec.get("check_memory", True), bool):
-            raise ConfigError(f"experiments.{name}.check_memory must be true or false, got {spec['check_memory']!r}")
-        for key in ("nodes", "procs_per_node"):
-            if not isinstance(spec.get(key), int) or isinstance(spec.get(key), bool) or spec[key] <= 0:
-                raise ConfigError(f"experiments.{name}.{key} must be a positive integer, got {spec.get(key)!r}")
+    seeds = check_seeds(study.seeds)
+    for name, spec in study.experiments.items():
         for seed in seeds:
-            run_dir = str(RunDir.of(results, name, seed).path)
-            training = with_site_defaults(training_config(config, name, seed, run_dir), site or SiteConfig())
-            layout = layout_of(name, training, spec["nodes"], spec["procs_per_node"])
-            geometry = (spec["strategy"], spec["nodes"], spec["procs_per_node"])
-            matrix.append(Experiment(name, *geometry, seed, training, layout, spec.get("check_memory", True)))
+            run_dir = str(RunDir.of(study.results, name, seed).path)
+            training = with_site_defaults(training_config(study, name, seed, run_dir), site or SiteConfig())
+            layout = layout_of(name, training, spec.nodes, spec.procs_per_node)
+            geometry = (spec.strategy, spec.nodes, spec.procs_per_node)
+            matrix.append(Experiment(name, *geometry, seed, training, layout, spec.check_memory))
     return matrix

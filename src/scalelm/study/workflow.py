@@ -22,6 +22,7 @@ from scalelm.report.scaling import choose_baseline
 from scalelm.site import load_site
 from scalelm.study import plan_check, preflight
 from scalelm.study.experiments import Experiment, load_matrix
+from scalelm.study.settings import ContainerSettings, Resources, load_study
 from scalelm.train.rundir import RunDir
 
 DEFAULT_STOP_SIGNAL_S = 300
@@ -34,37 +35,31 @@ MIB_PER_PROC = 512  # and each training process needs at least this much memory 
 
 class Study:
     def __init__(self, config: dict[str, Any], on_login_node: bool = True):
-        self.config = config
-        self.results = config["results"]
-        if not isinstance(self.results, str) or not self.results.strip():
-            raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
+        """`config`: the workflow's config as Snakemake holds it (after the `local:` overlay), typed here once."""
         check_command_line_values(config)
-        self.site = load_site(config.get("site"))
+        settings = self.settings = load_study(config)
+        self.results = settings.results
+        self.site = load_site(settings.site)
         check_command_line_values(dataclasses.asdict(self.site), "site file: ")
-        self.resources = config["resources"]
+        self.resources = settings.resources
         self.stop_signal_s = stop_signal_seconds(self.resources)
-        self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(config, self.results, self.site)}
-        if not config.get("site"):
+        self.matrix = {(e.name, str(e.seed)): e for e in load_matrix(settings, self.site)}
+        if not settings.site:
             check_local_capacity(self.matrix.values())
         for e in self.matrix.values():
             self.site.check_fits(e.name, e.procs_per_node)
         # what the aggregation compares with and checks, refused now rather than after the training
-        self.baseline = choose_baseline({e.name: e.world_size for e in self.matrix.values()}, config.get("baseline"))
+        self.baseline = choose_baseline({e.name: e.world_size for e in self.matrix.values()}, settings.baseline)
         self.expectations = parse_expectations(config["experiments"])
-        self.expect_strict = config.get("expect_strict", False)
-        if not isinstance(self.expect_strict, bool):
-            raise ConfigError(f"expect_strict must be true (a missed expectation fails the workflow) or false, got "
-                              f"{self.expect_strict!r}")  # fmt: skip
-        if config.get("site") and on_login_node:  # before any job is submitted; jobs need not ask again
+        self.expect_strict = settings.expect_strict
+        if settings.site and on_login_node:  # before any job is submitted; jobs need not ask again
             check_node_counts({e.name: e.nodes for e in self.matrix.values()}, self.site.partition)
-        container = config["container"]
+        container = settings.container
         self.image = image_file(container, self.results)
         self.runtime = find_runtime() if self.image else None
         # what the container rules need: the definition to build from (mode build), the URI to pull (an image URI)
-        self.image_definition = (
-            container.get("definition", "containers/scalelm.def") if container["mode"] == "build" else None
-        )
-        self.image_uri = container["image"] if container["mode"] == "image" and is_uri(container["image"]) else None
+        self.image_definition = container.definition if container.mode == "build" else None
+        self.image_uri = container.image if container.mode == "image" and is_uri(container.image) else None
 
     # ---------------------------------------------------------------------------------------- the runs
     def experiment(self, wildcards) -> Experiment:
@@ -110,17 +105,15 @@ class Study:
 
     # ------------------------------------------------------------------------------ command arguments
     def prefetch_args(self) -> str:
-        source = self.config["data"]["source"]
-        if "files" in source:
-            files = ",".join(f"{split}={path}" for split, path in source["files"].items())
-            return shlex.join(["--files", files, "--format", source.get("format", "text")])
-        return shlex.join(["--dataset", source["dataset"], "--name", source["name"]])
+        source = self.settings.data.source
+        if source.files:
+            files = ",".join(f"{split}={path}" for split, path in source.files.items())
+            return shlex.join(["--files", files, "--format", source.format])
+        return shlex.join(["--dataset", source.dataset, "--name", source.name])
 
     def prepare_args(self) -> str:
-        data = self.config["data"]
-        return shlex.join(
-            [*(["--lowercase"] if data.get("lowercase") else []), "--min-freq", str(data.get("min_freq", 1))]
-        )
+        data = self.settings.data
+        return shlex.join([*(["--lowercase"] if data.lowercase else []), "--min-freq", str(data.min_freq)])
 
     def launch_args(self, wildcards) -> str:
         e = self.experiment(wildcards)
@@ -133,17 +126,17 @@ class Study:
 
     def aggregate_args(self) -> str:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
-        if self.config.get("warmup_steps") is not None:
-            args += ["--warmup-steps", str(self.config["warmup_steps"])]
+        if self.settings.warmup_steps is not None:
+            args += ["--warmup-steps", str(self.settings.warmup_steps)]
         args += ["--baseline", self.baseline]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
         return shlex.join(args)
 
     def build_image_args(self) -> str:
         """`scalelm.launch.container build`'s base image and build options (container.mode: build)."""
-        container = self.config["container"]
-        options = [f"--build-option={option}" for option in container.get("build_options", [])]
-        return shlex.join(["--base-image", container.get("base_image", ""), *options])
+        container = self.settings.container
+        options = [f"--build-option={option}" for option in container.build_options]
+        return shlex.join(["--base-image", container.base_image, *options])
 
     def in_container(self) -> str:
         """Prefix that runs a single-process command inside the image (empty without a container)."""
@@ -152,7 +145,7 @@ class Study:
         return shlex.join(exec_prefix(self.runtime, self.image, self.binds())) + " "
 
     def binds(self) -> list[str]:
-        return [os.path.abspath(p) for p in (self.config["data"]["prepared_dir"], self.results)]
+        return [os.path.abspath(p) for p in (self.settings.data.prepared_dir, self.results)]
 
     # -------------------------------------------------------------------------------------- resources
     def job_resources(self) -> dict[str, Any]:
@@ -162,7 +155,7 @@ class Study:
     def train_threads(self, wildcards, cores: int) -> int:
         """A training job's Snakemake threads: its processes per node on a cluster; without a site, all of this
         machine's cores, so that no consolidation or evaluation runs beside a timed training either."""
-        return self.experiment(wildcards).procs_per_node if self.config.get("site") else max(1, cores)
+        return self.experiment(wildcards).procs_per_node if self.settings.site else max(1, cores)
 
     def train_resources(self) -> dict[str, Any]:
         """A training job: one task per node, sized from its experiment, stopped by USR1 before its time limit.
@@ -178,14 +171,14 @@ class Study:
             "tasks": lambda wildcards: experiment(wildcards).nodes,
             "mpi": lambda wildcards: "srun" if experiment(wildcards).nodes > 1 else "",
             "tasks_per_gpu": 0,  # else the plugin asks for --ntasks-per-gpu=<tasks>: tasks x GPUs tasks
-            "cpus_per_task": lambda wildcards: per_proc["cpus_per_proc"] * experiment(wildcards).procs_per_node,
-            "mem_mb": lambda wildcards: per_proc["mem_mb_per_proc"] * experiment(wildcards).procs_per_node,
-            "runtime": per_proc["runtime_min"],
+            "cpus_per_task": lambda wildcards: per_proc.cpus_per_proc * experiment(wildcards).procs_per_node,
+            "mem_mb": lambda wildcards: per_proc.mem_mb_per_proc * experiment(wildcards).procs_per_node,
+            "runtime": per_proc.runtime_min,
             "gres": lambda wildcards: self.site.gres(experiment(wildcards).procs_per_node),
             "slurm_extra": self.site.slurm_extra(self.stop_signal_s, training=True),
             # Without a site (this machine, not a cluster) one training at a time (profiles/default: training_run=1):
             # timings that shared cores with another training mean nothing. On a cluster, whole nodes (exclusive).
-            "training_run": 0 if self.config.get("site") else 1,
+            "training_run": 0 if self.settings.site else 1,
         }
 
 
@@ -224,12 +217,11 @@ def check_local_capacity(experiments) -> None:
             )
 
 
-def stop_signal_seconds(resources: dict[str, Any]) -> int:
+def stop_signal_seconds(resources: Resources) -> int:
     """Seconds before the time limit at which Slurm sends USR1 to a training job: it checkpoints and exits 75, and
     Snakemake resubmits it (retries), which resumes. 0 sends none (Slurm's SIGTERM at the limit still checkpoints)."""
-    ahead = resources.get("stop_signal_s")
-    ahead = DEFAULT_STOP_SIGNAL_S if ahead is None else ahead
-    runtime = resources["runtime_min"]
+    ahead = DEFAULT_STOP_SIGNAL_S if resources.stop_signal_s is None else resources.stop_signal_s
+    runtime = resources.runtime_min
     if ahead >= runtime * 60:
         raise ConfigError(
             f"resources.stop_signal_s ({ahead} s) must be less than resources.runtime_min ({runtime} min = "
@@ -239,9 +231,9 @@ def stop_signal_seconds(resources: dict[str, Any]) -> int:
     return ahead
 
 
-def image_file(container: dict[str, Any], results: str) -> str | None:
+def image_file(container: ContainerSettings, results: str) -> str | None:
     """The .sif every job runs in: built here, pulled here (a URI), or given (a path); None without a container."""
-    mode, image = container["mode"], container.get("image")
+    mode, image = container.mode, container.image
     if mode == "none":
         return None
     if not image:
