@@ -3,6 +3,7 @@ baseline, and expectations met or missed (with expect_strict, the check command 
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import json
 import math
@@ -11,7 +12,7 @@ import statistics
 import pytest
 
 from scalelm.errors import ConfigError, DataError
-from scalelm.report import expectations
+from scalelm.report import expectations, history
 from scalelm.report.aggregate import aggregate
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
@@ -85,9 +86,9 @@ def two_seeds(tmp_path):
 
 def test_two_seeds_give_one_row_per_run_and_mean_std_min_max_per_experiment(tmp_path, two_seeds):
     out = tmp_path / "summary"
-    rows = aggregate(two_seeds, out)
+    runs = aggregate(two_seeds, out)
     # every figure of a run is one report.figures names, and each one it names is there: none vanishes from the CSV
-    assert all({key for key in row if not key.startswith("_")} == set(COLUMNS) for row in rows)
+    assert all(set(run.figures) == set(COLUMNS) for run in runs)
     runs = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
     assert sorted(runs) == [("ddp", "1"), ("ddp", "2"), ("single", "1"), ("single", "2")]
     assert {r["experiment"]: (r["scaling"], r["baseline"]) for r in runs.values()} == {
@@ -241,3 +242,76 @@ def test_expectations_travel_to_the_aggregate_command_unchanged():
         from_arguments(["ddp=3"])
     with pytest.raises(ConfigError, match=r"experiments.ddp.expect.min_mfu must be a positive number, got 'high'"):
         from_arguments(["ddp.min_mfu=high"])
+
+
+# ------------------------------------------------------------------------------------------ the results history
+def history_row(study, experiment, seed, figures, torch_version="2.13.0"):
+    return {
+        "key": f"{study}|{experiment}|{seed}", "study": study, "recorded": study, "experiment": experiment,
+        "seed": seed, "layout": "1x1x1x1", "settings_hash": "s", "start_time": None, "end_time": None,
+        "figures": figures, "environment": {"device": "cpu", "torch": torch_version},
+    }  # fmt: skip
+
+
+def write_history(db, worker):
+    """One of several writers at once: 25 runs of its own and 5 every writer adds."""
+    rows = [history_row("A", f"w{worker}", seed, {}) for seed in range(25)]
+    return history.insert(db, rows + [history_row("A", "shared", seed, {}) for seed in range(5)])
+
+
+def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp_path, two_seeds, capsys):
+    db = tmp_path / "shared" / "history.sqlite"
+    arguments = [arg for run in two_seeds for arg in ("--run", str(run))] + ["--history", str(db)]
+    aggregate_main([*arguments, "--out-dir", str(tmp_path / "first")])
+    aggregate_main([*arguments, "--out-dir", str(tmp_path / "again")])  # the same attempts: recorded once
+    assert "0 new run(s) of 4" in capsys.readouterr().out
+    rows = history.read_rows(db)
+    assert len(rows) == 4 and len({r["study"] for r in rows}) == 1
+    assert {(r["experiment"], r["seed"]) for r in rows} == {("single", 1), ("single", 2), ("ddp", 1), ("ddp", 2)}
+    assert rows[0]["figures"]["tokens_per_s"] and rows[0]["environment"]["site"] == "local"
+
+    parallel = tmp_path / "parallel.sqlite"
+    with concurrent.futures.ProcessPoolExecutor(4) as pool:
+        added = list(pool.map(write_history, [parallel] * 4, range(4)))
+    assert sum(added) == 4 * 25 + 5 and len(history.read_rows(parallel)) == 105
+
+    exported = tmp_path / "runs.jsonl"
+    with exported.open("w") as out:
+        assert history.export_rows(db, out) == 4
+    merged = tmp_path / "merged.sqlite"
+    assert history.import_rows(merged, [exported]) == 4 and history.import_rows(merged, [exported]) == 0
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1 is not a JSON line of a history export"):
+        history.import_rows(merged, [tmp_path / "bad.jsonl"])
+
+
+def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_path, capsys):
+    db = tmp_path / "history.sqlite"
+    before = {"tokens_per_s_per_device": [100, 102, 98, 101], "test_loss": [5.0, 5.01, 4.99, 5.0],
+              "step_time_s": [1.0, 1.5, 0.5, 1.2]}  # fmt: skip
+    after = {"tokens_per_s_per_device": [80, 82, 79, 81], "test_loss": [5.02, 5.0, 5.01, 4.99],
+             "step_time_s": [1.3, 0.6, 1.9, 1.0]}  # fmt: skip
+    rows = []
+    for study, values, version in (("2026-11-01 a", before, "2.9.0"), ("2026-11-02 b", after, "2.13.0")):
+        rows += [history_row(study, "ddp", seed, {k: v[seed] for k, v in values.items()}, version) for seed in range(4)]
+        rows.append(history_row(study, "one", 0, {"tokens_per_s_per_device": 100 if version == "2.9.0" else 90}))
+    history.insert(db, rows)
+    with pytest.raises(SystemExit) as exit_status:
+        history.main(["--db", str(db), "compare", "--out", str(tmp_path / "cmp"), "--json"])
+    assert exit_status.value.code == 1  # a regression fails the command (a weekly job can stop on it)
+    changes = {(c["experiment"], c["figure"]): c for c in json.loads(capsys.readouterr().out)["changes"]}
+    slower = changes["ddp", "tokens_per_s_per_device"]
+    assert (
+        slower["verdict"] == "regression"
+        and slower["p_value"] < 0.01
+        and slower["relative"] == pytest.approx(80.5 / 100.25 - 1)
+    )
+    assert slower["low"] < 80.5 - 100.25 < slower["high"] < 0  # the difference of the means, its 95% interval
+    assert slower["environment"] == {"torch": [['"2.9.0"'], ['"2.13.0"']]}  # what changed beside it
+    assert changes["ddp", "test_loss"]["verdict"] == "within tolerance"
+    assert changes["ddp", "step_time_s"]["verdict"] == "not significant"  # 5% slower, but noise of that order
+    assert changes["one", "tokens_per_s_per_device"]["verdict"] == "regression (not tested)"  # one seed a side
+    assert "regression" in (tmp_path / "cmp/compare.md").read_text()
+    assert len(read_csv(tmp_path / "cmp/compare.csv")) == len(changes)
+    with pytest.raises(ConfigError, match="'2026-12' names 0 studies"):
+        history.choose(db, "2026-12", None)

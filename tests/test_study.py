@@ -111,8 +111,8 @@ def test_baseline_and_expectations_reach_the_aggregation():
     study = resolve(local_config())
     assert study.baseline == "single_gpu" and not study.expect_strict  # the single-device experiment by default
     args = study.aggregate_args()
-    assert args.endswith("--baseline single_gpu --expect single_gpu.max_test_perplexity=5000.0 --expect "
-                         "single_gpu.tolerance=0.05")  # fmt: skip
+    assert args.endswith("--baseline single_gpu --history results/local/history.sqlite --expect "
+                         "single_gpu.max_test_perplexity=5000.0 --expect single_gpu.tolerance=0.05")  # fmt: skip
 
     def strict(local):
         local.update(baseline="ddp", expect_strict=True)
@@ -124,6 +124,8 @@ def test_baseline_and_expectations_reach_the_aggregation():
         ("single_gpu", "max_test_perplexity", 5000.0, 0.05), ("ddp", "min_scaling_efficiency", 0.5, 0.2),
     ]  # fmt: skip
     assert "--baseline ddp" in study.aggregate_args() and "--expect ddp.tolerance=0.2" in study.aggregate_args()
+    shared = resolve(local_config(lambda local: local.update(history="/shared/scalelm/history.sqlite")))
+    assert "--history /shared/scalelm/history.sqlite" in shared.aggregate_args()  # several studies, one history
 
 
 @pytest.mark.parametrize(
@@ -260,7 +262,7 @@ def test_the_workflows_parse_the_planner_the_launcher_and_the_report_never_impor
 import json, sys, yaml
 import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
 import scalelm.launch.container, scalelm.launch.launcher, scalelm.site, scalelm.launch.slurm, scalelm.launch.supervise
-import scalelm.report.aggregate, scalelm.report.expectations
+import scalelm.report.aggregate, scalelm.report.expectations, scalelm.report.history
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 config = yaml.safe_load(open("config/config.yaml"))

@@ -29,6 +29,7 @@ COMMANDS = {
     "preflight": ("scalelm.study.preflight", "compare the wiring check's losses with one process's"),
     "aggregate": ("scalelm.report.aggregate", "the summary tables, figures and report of a study"),
     "expectations": ("scalelm.report.expectations", "check a summary against its `expect:` values"),
+    "history": ("scalelm.report.history", "the results history: list studies, compare two, export and import"),
 }
 # commands that may hold a process group: the process ends at once after them (scalelm.parallel.env.exit_after)
 ENDS_PROCESS = {"train"}

@@ -27,7 +27,7 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
-from scalelm.report import bubble, expectations, repeats
+from scalelm.report import bubble, expectations, history, repeats
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
@@ -183,7 +183,7 @@ def aggregate(
     warmup_steps: int | None = None,
     baseline: str | None = None,
     expected: list[expectations.Expectation] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[RunSummary]:
     runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
     mark_overlaps(runs)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
@@ -194,7 +194,7 @@ def aggregate(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tables(rows, summaries, checks, out_dir)
     plot(runs, summaries, out_dir)
-    return rows
+    return runs
 
 
 @friendly_errors
@@ -212,14 +212,18 @@ def main(argv: list[str] | None = None) -> None:
         "--expect", action="append", default=[], metavar="EXPERIMENT.KEY=VALUE",
         help="a reference value, e.g. ddp.min_mfu=0.3 or ddp.tolerance=0.1 (repeatable; scalelm.report.expectations)",
     )  # fmt: skip
+    parser.add_argument("--history", type=Path, help="also append the runs to this results history (SQLite)")
     args = parser.parse_args(argv)
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     expected = expectations.from_arguments(args.expect)
-    rows = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected)
+    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected)
     print((args.out_dir / "summary.md").read_text())
-    print(f"{len(rows)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
+    print(f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
           "expectations.csv and *.png")  # fmt: skip
+    if args.history:
+        study, new = history.record_runs(args.history, runs, args.out_dir)
+        print(f"results history {args.history}: study {study!r}, {new} new run(s) of {len(runs)}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class StudySettings:
     warmup_steps: int | None = None
     baseline: str | None = None
     expect_strict: bool = False
+    history: str | None = None  # the results history (SQLite); None: <results>/history.sqlite
     local: dict[str, Any] | None = None  # the embedded default's overlay, applied before (or switched off)
 
 

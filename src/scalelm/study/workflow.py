@@ -128,7 +128,7 @@ class Study:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
         if self.settings.warmup_steps is not None:
             args += ["--warmup-steps", str(self.settings.warmup_steps)]
-        args += ["--baseline", self.baseline]
+        args += ["--baseline", self.baseline, "--history", self.settings.history or f"{self.results}/history.sqlite"]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
         return shlex.join(args)
 
