@@ -24,7 +24,7 @@ from scalelm.train.rundir import RunDir
 
 
 def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_time=0.1, tokens_per_step=512,
-             test_loss=5.0, peak_mem_mb=100.0):  # fmt: skip
+             test_loss=5.0, peak_mem_mb=100.0, hour=10):  # fmt: skip
     """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
     `step_time` long, validation at steps 10 and 20."""
     run = RunDir.of(results, experiment, seed)
@@ -52,8 +52,8 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         "world_size": world_size,
         "launch": {"nodes": 1, "procs_per_node": world_size},
         "nodes": [f"{experiment}-{seed}"],  # a host of its own: no overlaps
-        "start_time": "2026-11-25T10:00:00+0000",
-        "end_time": "2026-11-25T10:01:00+0000",
+        "start_time": f"2026-11-25T{hour:02d}:00:00+0000",
+        "end_time": f"2026-11-25T{hour:02d}:01:00+0000",
         "wall_time_s": 60.0,
         "results": {
             "strategy": "single" if world_size == 1 else "ddp", "layout": f"{world_size}x1x1x1", "global_batch": 16,
@@ -185,6 +185,7 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
     assert checks["single", "max_step_time_s"]["seeds"] == "2"
     summary = (out / "summary.md").read_text()
     assert "## Expectations" in summary and "2 met, 1 missed" in summary
+    assert "| missed min_tokens_per_s_per_device |" in summary  # flagged in the lead table too
     assert "| ddp | min_tokens_per_s_per_device | 5120 | 6000 | 0.05 | 5700 | 2 | **missed** |" in summary
     capsys.readouterr()
 
@@ -280,6 +281,27 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
         assert history.export_rows(db, out) == 4
     merged = tmp_path / "merged.sqlite"
     assert history.import_rows(merged, [exported]) == 4 and history.import_rows(merged, [exported]) == 0
+    # a week later the ddp runs are slower (a new torch, say): the summary says so first
+    later = tmp_path / "later"
+    slower = [fake_run(later, "single", seed, hour=12) for seed in (1, 2)] + [
+        fake_run(later, "ddp", seed, world_size=2, mode="per_device", tokens_per_step=1024, step_time=0.2, hour=12)
+        for seed in (1, 2)
+    ]
+    capsys.readouterr()
+    aggregate_main([arg for run in slower for arg in ("--run", str(run))] + ["--history", str(db), "--out-dir",
+                   str(tmp_path / "week2")])  # fmt: skip
+    summary = (tmp_path / "week2/summary.md").read_text()
+    assert "## Since the previous study" in summary and "first" in summary
+    assert "| regression tokens_per_s_per_device, regression step_time_s |" in summary  # the lead table's flags
+    lead = summary.split("\n\n")[2]  # the lead table: a few columns, every figure in summary.csv
+    assert (
+        lead.startswith("| experiment | seed | layout | world_size | tokens_per_s_per_device |")
+        and "sha256" not in lead
+    )
+
+    (tmp_path / "not.sqlite").write_text("a text file")
+    with pytest.raises(DataError, match=r"not.sqlite is not a scalelm results history"):
+        history.read_rows(tmp_path / "not.sqlite")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:1 is not a JSON line of a history export"):
         history.import_rows(merged, [tmp_path / "bad.jsonl"])

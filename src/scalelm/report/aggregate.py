@@ -123,14 +123,40 @@ def fmt_spread(summary: dict[str, Any], figure: str) -> str:
     return f"{mean} ± {fmt(summary[f'{figure}_std'])} ({low}–{high})"
 
 
+# the summary's first table: what a reader looks at first, per run (every figure: summary.csv)
+LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device", "speedup", "scaling_efficiency",
+        "mfu", "comm_share", "peak_mem_mb_per_rank", "state_mb_per_rank", "test_perplexity"]  # fmt: skip
+
+
+def flags(row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change]) -> str:
+    """What a reader must not miss about a run: shared hosts, missed expectations, regressions since last time."""
+    found = ["not isolated"] if row["overlapped_by"] else []
+    found += [
+        f"missed {c['expectation']}" for c in checks if c["experiment"] == row["experiment"] and c["status"] != "met"
+    ]
+    found += [f"{c.verdict} {c.figure}" for c in changes
+              if c.experiment == row["experiment"] and c.verdict.startswith("regression")]  # fmt: skip
+    return ", ".join(found)
+
+
 def write_tables(
-    rows: list[dict[str, Any]], summaries: list[dict[str, Any]], checks: list[dict[str, Any]], out_dir: Path
+    rows: list[dict[str, Any]],
+    summaries: list[dict[str, Any]],
+    checks: list[dict[str, Any]],
+    out_dir: Path,
+    since: tuple[str, list[history.Change]] | None = None,
 ) -> None:
+    """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, and summary.md: the
+    lead table, the statistics per experiment, the expectations, the changes since the previous study (`since`:
+    its id and the changes, from the results history)."""
     write_csv(out_dir / "summary.csv", COLUMNS, rows)
     write_csv(out_dir / "summary_by_experiment.csv", repeats.COLUMNS, summaries)
     write_csv(out_dir / "expectations.csv", expectations.COLUMNS, checks)
-    shown = [c for c in COLUMNS if c not in ("checkpoint", "sha256")]
-    lines = markdown_table(shown, [[fmt(r.get(c)) for c in shown] for r in rows])
+    changes = since[1] if since else []
+    lines = ["Per run; every figure of every run is in `summary.csv`.", ""]
+    lines += markdown_table(
+        [*LEAD, "flags"], [[fmt(r.get(c)) for c in LEAD] + [flags(r, checks, changes)] for r in rows]
+    )
     shared = [f"`{r['experiment']}` seed {r['seed']} (with {r['overlapped_by']})" for r in rows if r["overlapped_by"]]
     if shared:
         lines += ["", "**Not isolated**: trained while another run trained on the same host, so their speed figures "
@@ -155,6 +181,18 @@ def write_tables(
             expectations.COLUMNS,
             [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in expectations.COLUMNS] for c in checks],
         )
+    if since:
+        previous, shown = since[0], [c for c in changes if c.verdict != "within tolerance"]
+        lines += ["", "## Since the previous study", "",
+                  f"Against `{previous}` in the results history (`scalelm history compare`): "
+                  f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
+                  "tolerance below, the others within it.", ""]  # fmt: skip
+        lines += markdown_table(
+            ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed"],
+            [[c.experiment, c.figure, fmt(c.before), fmt(c.after), f"{c.relative:+.1%}",
+              fmt(c.p_value) if c.p_value is not None else "one seed", c.verdict, history.describe(c.environment)]
+             for c in shown],
+        )  # fmt: skip
     files = [f"- `{r['experiment']}` seed {r['seed']}: `{r['checkpoint']}` (sha256 `{r['sha256']}`)" for r in rows]
     text = "# scalelm summary\n\n" + "\n".join(lines) + "\n\n## Consolidated models\n\n" + "\n".join(files) + "\n"
     (out_dir / "summary.md").write_text(text)
@@ -183,7 +221,10 @@ def aggregate(
     warmup_steps: int | None = None,
     baseline: str | None = None,
     expected: list[expectations.Expectation] | None = None,
+    history_db: Path | None = None,
 ) -> list[RunSummary]:
+    """The summary of `run_dirs` in `out_dir`; with `history_db` the runs are appended to the results history first,
+    and the summary compares them with the previous study there."""
     runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
     mark_overlaps(runs)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
@@ -191,8 +232,13 @@ def aggregate(
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
     summaries = repeats.by_experiment(rows)
     checks = expectations.check(expected or [], summaries)
+    since = None
+    if history_db:
+        study, new = history.record_runs(history_db, runs, out_dir)
+        print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
+        since = history.since_previous(history_db, runs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir)
+    write_tables(rows, summaries, checks, out_dir, since)
     plot(runs, summaries, out_dir)
     return runs
 
@@ -217,13 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     expected = expectations.from_arguments(args.expect)
-    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected)
+    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected, args.history)
     print((args.out_dir / "summary.md").read_text())
     print(f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
           "expectations.csv and *.png")  # fmt: skip
-    if args.history:
-        study, new = history.record_runs(args.history, runs, args.out_dir)
-        print(f"results history {args.history}: study {study!r}, {new} new run(s) of {len(runs)}")
 
 
 if __name__ == "__main__":

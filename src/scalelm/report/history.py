@@ -93,8 +93,12 @@ def connect(db: str | Path) -> sqlite3.Connection:
     path = Path(db)
     path.parent.mkdir(parents=True, exist_ok=True)
     connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    connection.execute("PRAGMA journal_mode=DELETE")
-    connection.executescript(SCHEMA)
+    try:
+        connection.execute("PRAGMA journal_mode=DELETE")
+        connection.executescript(SCHEMA)
+    except sqlite3.DatabaseError as err:
+        connection.close()
+        raise DataError(f"{db} is not a scalelm results history ({err}): point `history:` at another file") from None
     return connection
 
 
@@ -119,17 +123,23 @@ def insert(db: str | Path, rows: Iterable[dict[str, Any]]) -> int:
         return connection.total_changes - before
 
 
+def run_key(run: RunSummary) -> str:
+    """A run attempt: its experiment, seed, settings, start and end."""
+    figures, record = run.figures, run.record
+    attempt = f"{figures['experiment']}|{figures['seed']}|{settings_hash(record.config)}|{record.start_time}|{record.end_time}"
+    return hashlib.sha256(attempt.encode()).hexdigest()
+
+
 def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path) -> tuple[str, int]:
     """Append an aggregation's runs as one study; returns the study's id and how many runs were new."""
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(timezone.utc).isoformat(timespec="microseconds")  # ids sort as the studies were recorded
     study = f"{now} {Path(results_dir).resolve()}"
     rows = []
     for run in runs:
         figures, record = run.figures, run.record
         digest = settings_hash(record.config)
-        attempt = f"{figures['experiment']}|{figures['seed']}|{digest}|{record.start_time}|{record.end_time}"
         rows.append({
-            "key": hashlib.sha256(attempt.encode()).hexdigest(), "study": study, "recorded": now,
+            "key": run_key(run), "study": study, "recorded": now,
             "experiment": figures["experiment"], "seed": figures["seed"], "layout": figures["layout"],
             "settings_hash": digest, "start_time": record.start_time, "end_time": record.end_time,
             "figures": figures, "environment": fingerprint(run),
@@ -149,6 +159,23 @@ def read_rows(db: str | Path, where: str = "", args: tuple = ()) -> list[dict[st
 
 def studies(db: str | Path) -> list[str]:
     return sorted({row["study"] for row in read_rows(db)})
+
+
+def since_previous(
+    db: str | Path, runs: list[RunSummary], tolerance: float = 0.05, alpha: float = 0.05
+) -> tuple[str, list[Change]] | None:
+    """These runs (as recorded) against the latest study recorded before them: its id and the changes; None if
+    there is none."""
+    keys = {run_key(run) for run in runs}
+    rows = read_rows(db)
+    current = [r for r in rows if r["key"] in keys]
+    if not current:
+        return None
+    first = min(r["study"] for r in current)
+    earlier = sorted({r["study"] for r in rows if r["study"] < first})
+    if not earlier:
+        return None
+    return earlier[-1], compare([r for r in rows if r["study"] == earlier[-1]], current, tolerance, alpha)
 
 
 # --------------------------------------------------------------------------------------------- comparison
@@ -178,6 +205,9 @@ def welch(before: list[float], after: list[float], confidence: float = 0.95) -> 
     """Welch's t-test p-value and the confidence interval of mean(after) - mean(before)."""
     from scipy import stats
 
+    if len(set(before)) == 1 and len(set(after)) == 1:  # no spread on either side: the difference is exact
+        difference = after[0] - before[0]
+        return (0.0 if difference else 1.0), difference, difference
     test = stats.ttest_ind(after, before, equal_var=False)
     interval = test.confidence_interval(confidence)
     p_value = float(test.pvalue) if math.isfinite(test.pvalue) else (1.0 if after == before else 0.0)
@@ -233,13 +263,18 @@ COLUMNS = ["experiment", "figure", "before", "after", "relative", "seeds", "p_va
            "environment"]  # fmt: skip
 
 
+def describe(environment: dict[str, tuple[Any, Any]]) -> str:
+    """What changed between two environments, e.g. `torch: "2.9.0" -> "2.13.0"`."""
+    return "; ".join(f"{k}: {' | '.join(a or ['-'])} -> {' | '.join(b or ['-'])}" for k, (a, b) in environment.items())
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return "; ".join(f"{k}: {' | '.join(v[0] or ['-'])} -> {' | '.join(v[1] or ['-'])}" for k, v in value.items())
+        return describe(value)
     if isinstance(value, (list, tuple)):
         return "/".join(map(str, value))
     return str(value)
