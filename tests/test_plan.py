@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from snakemake.utils import validate
 
 from conftest import REPO
 from scalelm.config import Config, load_config
@@ -27,8 +28,9 @@ from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, load_matrix
 from scalelm.study.settings import load_study
+from scalelm.study.workflow import Study
 from scalelm.train.record import Results, RunRecord, write_record
-from test_study import resolve
+from test_study import SCHEMA
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
 SEVEN_B = [
@@ -187,7 +189,10 @@ def real_matrix(tmp_path, gpu_memory_gb, check_memory=True):
     prepared = tmp_path / "prepared"
     if not prepared.exists():
         write_corpus(prepared, vocab_size=28785)
-    return resolve(apply_local_overlay(config)), prepared
+    config = apply_local_overlay(config)
+    validate(config, SCHEMA)
+    # not the login node's check of node counts against sinfo: the Slurm tier's cluster may be up, with 2 nodes
+    return Study(config, on_login_node=False), prepared
 
 
 def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queue(tmp_path):
