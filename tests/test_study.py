@@ -111,8 +111,8 @@ def test_baseline_and_expectations_reach_the_aggregation():
     study = resolve(local_config())
     assert study.baseline == "single_gpu" and not study.expect_strict  # the single-device experiment by default
     args = study.aggregate_args()
-    assert args.endswith("--baseline single_gpu --history results/local/history.sqlite --expect "
-                         "single_gpu.max_test_perplexity=5000.0 --expect single_gpu.tolerance=0.05")  # fmt: skip
+    assert args.endswith("--baseline single_gpu --expect single_gpu.max_test_perplexity=5000.0 --expect "
+                         "single_gpu.tolerance=0.05 --history results/local/history.sqlite")  # fmt: skip
 
     def strict(local):
         local.update(baseline="ddp", expect_strict=True)

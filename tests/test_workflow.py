@@ -65,6 +65,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
+    assert "--history results/history.sqlite" in result.stdout  # every aggregation appends to the results history
     commands = [line for line in result.stdout.splitlines() if "scalelm.launch" in line]
     launched = {
         re.search(r"runs/(\w+)/seed1", c)[1]: re.search(r"--nodes (\d+) --procs-per-node (\d+)", c).groups()

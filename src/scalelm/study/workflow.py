@@ -128,8 +128,9 @@ class Study:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
         if self.settings.warmup_steps is not None:
             args += ["--warmup-steps", str(self.settings.warmup_steps)]
-        args += ["--baseline", self.baseline, "--history", self.settings.history or f"{self.results}/history.sqlite"]
+        args += ["--baseline", self.baseline]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
+        args += ["--history", self.settings.history or f"{self.results}/history.sqlite"]
         return shlex.join(args)
 
     def build_image_args(self) -> str:
