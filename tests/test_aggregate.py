@@ -47,6 +47,7 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
                 }
             )
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run.identity.write_text(json.dumps({"settings": {"seed": seed, "batch": {"mode": mode}}, "world_size": world_size}))
     record = {
         "config": {"seed": seed, "batch": {"mode": mode}},
         "world_size": world_size,

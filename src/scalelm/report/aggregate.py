@@ -42,6 +42,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         record = read_record(run.path)
         model = json.loads(run.model_meta.read_text())
         test = json.loads(run.test_result.read_text())
+        identity = json.loads(run.identity.read_text())
     except FileNotFoundError as err:
         raise DataError(f"{run.path} is incomplete ({err.filename} is missing): run the workflow up to it") from None
     metrics = read_metrics(run.path)
@@ -93,7 +94,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "checkpoint": model["model"],
         "sha256": model["sha256"],
     }
-    return RunSummary(figures, metrics, record, series)
+    return RunSummary(figures, metrics, record, series, identity)
 
 
 def fmt(value: Any) -> str:

@@ -89,6 +89,7 @@ class RunSummary:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     record: RunRecord | None = None
     utilisation: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)  # identity.json: what determines the trained model
 
     @property
     def label(self) -> str:

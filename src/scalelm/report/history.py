@@ -63,11 +63,10 @@ CREATE INDEX IF NOT EXISTS runs_by_study ON runs (study);
 DIRECTIONS = {figure.name: 1 if figure.expect == "min" else -1 for figure in FIGURES if figure.expect}
 
 
-def settings_hash(settings: dict[str, Any]) -> str:
-    """The training settings that make a run what it is: all but where it writes and reads."""
-    kept = {k: v for k, v in settings.items() if k != "run_dir"}
-    kept["data"] = {k: v for k, v in (kept.get("data") or {}).items() if k != "prepared_dir"}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+def settings_hash(run: RunSummary) -> str:
+    """The run's identity (scalelm.train.rundir.identity: the settings that determine the model, the data's
+    checksums, the world size), hashed."""
+    return hashlib.sha256(json.dumps(run.identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint(run: RunSummary) -> dict[str, Any]:
@@ -126,7 +125,7 @@ def insert(db: str | Path, rows: Iterable[dict[str, Any]]) -> int:
 def run_key(run: RunSummary) -> str:
     """A run attempt: its experiment, seed, settings, start and end."""
     figures, record = run.figures, run.record
-    attempt = f"{figures['experiment']}|{figures['seed']}|{settings_hash(record.config)}|{record.start_time}|{record.end_time}"
+    attempt = f"{figures['experiment']}|{figures['seed']}|{settings_hash(run)}|{record.start_time}|{record.end_time}"
     return hashlib.sha256(attempt.encode()).hexdigest()
 
 
@@ -137,7 +136,7 @@ def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path)
     rows = []
     for run in runs:
         figures, record = run.figures, run.record
-        digest = settings_hash(record.config)
+        digest = settings_hash(run)
         rows.append({
             "key": run_key(run), "study": study, "recorded": now,
             "experiment": figures["experiment"], "seed": figures["seed"], "layout": figures["layout"],
