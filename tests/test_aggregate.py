@@ -7,6 +7,7 @@ import concurrent.futures
 import csv
 import json
 import math
+import shlex
 import statistics
 
 import pytest
@@ -187,7 +188,7 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
     summary = (out / "summary.md").read_text()
     assert "## Expectations" in summary and "2 met, 1 missed" in summary
     assert "| missed min_tokens_per_s_per_device |" in summary  # flagged in the lead table too
-    assert "| ddp | min_tokens_per_s_per_device | 5120 | 6000 | 0.05 | 5700 | 2 | **missed** |" in summary
+    assert "| ddp | min_tokens_per_s_per_device | 5120 | 6000 |  | 0.05 | 5700 | 2 | **missed** |" in summary
     capsys.readouterr()
 
     with pytest.raises(SystemExit) as failed:
@@ -217,12 +218,16 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
             r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you mean "
             r"'min_tokens_per_s_per_device'\? \(known: min_tokens_per_s_per_device, .*tolerance\)",
         ),  # fmt: skip
-        ({"max_test_loss": 0}, r"experiments.ddp.expect.max_test_loss must be a positive number, got 0"),
-        ({"min_mfu": True}, r"experiments.ddp.expect.min_mfu must be a positive number, got True"),
-        ({"min_mfu": float("nan")}, r"experiments.ddp.expect.min_mfu must be a positive number, got nan"),
+        ({"max_test_loss": 0}, r"experiments.ddp.expect.max_test_loss must be a positive number or .*, got 0"),
+        ({"min_mfu": True}, r"experiments.ddp.expect.min_mfu must be a positive number or .*, got True"),
+        ({"min_mfu": float("nan")}, r"experiments.ddp.expect.min_mfu must be a positive number or .*, got nan"),
         ({"tolerence": 0.1}, r"experiments.ddp.expect: unknown key 'tolerence'; did you mean 'tolerance'\?"),
         ({"min_mfu": 0.3, "tolerance": 1.5}, r"experiments.ddp.expect.tolerance must be a fraction from 0 to below 1"),
         ([1], r"experiments.ddp.expect: expected a mapping such as \{max_test_perplexity: 200\}, got \[1\]"),
+        ({"min_mfu": {"history": "mean"}}, r"experiments.ddp.expect.min_mfu.history must be one of median_of_last"),
+        ({"min_mfu": {"history": "median_of_last", "n": 0}}, r"experiments.ddp.expect.min_mfu.n must be a whole"),
+        ({"min_mfu": {"history": "median_of_last", "last": 3}}, r"min_mfu: unknown key\(s\) 'last' \(known: history"),
+        ({"min_mfu": {"history": "median_of_last", "tolerance": 2}}, r"expect.min_mfu.tolerance must be a fraction"),
     ],
 )
 def test_bad_expectations_are_refused_naming_the_key(expect, message):
@@ -233,16 +238,22 @@ def test_bad_expectations_are_refused_naming_the_key(expect, message):
 def test_expectations_travel_to_the_aggregate_command_unchanged():
     parsed = parse_expectations({
         "single": {"expect": {"max_test_perplexity": 5000}},
-        "ddp": {"expect": {"min_mfu": 0.25, "max_peak_mem_mb_per_rank": 4000, "tolerance": 0.1}},
+        "ddp": {"expect": {"min_mfu": 0.25, "max_peak_mem_mb_per_rank": 4000, "tolerance": 0.1,
+                           "min_tokens_per_s_per_device": {"history": "median_of_last", "n": 3, "tolerance": 0.2},
+                           "max_step_time_s": {"history": "median_of_last"}}},
     })  # fmt: skip
-    assert [(e.figure, e.is_minimum, e.threshold) for e in parsed] == [
-        ("test_perplexity", False, pytest.approx(5250)), ("mfu", True, pytest.approx(0.225)),
-        ("peak_mem_mb_per_rank", False, pytest.approx(4400)),
+    assert [(e.figure, e.is_minimum, e.threshold, e.tolerance, e.history_n) for e in parsed] == [
+        ("test_perplexity", False, pytest.approx(5250), 0.05, None), ("mfu", True, pytest.approx(0.225), 0.1, None),
+        ("peak_mem_mb_per_rank", False, pytest.approx(4400), 0.1, None),
+        ("tokens_per_s_per_device", True, None, 0.2, 3), ("step_time_s", False, None, 0.1, 5),
     ]  # fmt: skip
     assert from_arguments(to_arguments(parsed)) == parsed
+    assert shlex.split(shlex.join(to_arguments(parsed))) == to_arguments(parsed)  # through the rule's shell
+    with pytest.raises(ConfigError, match=r"ddp.min_mfu take their limit from the results history: give the"):
+        expectations.resolve(from_arguments(["ddp.min_mfu={history: median_of_last}"]), None)
     with pytest.raises(ConfigError, match=r"--expect 'ddp=3': expected EXPERIMENT.KEY=VALUE"):
         from_arguments(["ddp=3"])
-    with pytest.raises(ConfigError, match=r"experiments.ddp.expect.min_mfu must be a positive number, got 'high'"):
+    with pytest.raises(ConfigError, match=r"expect.min_mfu must be a positive number or .*, got .high."):
         from_arguments(["ddp.min_mfu=high"])
 
 
@@ -263,10 +274,23 @@ def write_history(db, worker):
 
 def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp_path, two_seeds, capsys):
     db = tmp_path / "shared" / "history.sqlite"
-    arguments = [arg for run in two_seeds for arg in ("--run", str(run))] + ["--history", str(db)]
+    # limits from the history: ddp's speed and test loss against the median of its last 3 earlier studies
+    drift = ["--expect", "ddp.min_tokens_per_s_per_device={history: median_of_last, n: 3, tolerance: 0.1}",
+             "--expect", "ddp.max_test_loss={history: median_of_last, n: 3}"]  # fmt: skip
+    arguments = [arg for run in two_seeds for arg in ("--run", str(run))] + [*drift, "--history", str(db)]
     aggregate_main([*arguments, "--out-dir", str(tmp_path / "first")])
     aggregate_main([*arguments, "--out-dir", str(tmp_path / "again")])  # the same attempts: recorded once
     assert "0 new run(s) of 4" in capsys.readouterr().out
+    # the first study has nothing earlier to compare with: no reference, which only the strict check refuses
+    first = {c["expectation"]: c for c in read_csv(tmp_path / "again/expectations.csv")}
+    assert {c["status"] for c in first.values()} == {"no reference"} and first["max_test_loss"]["limit"] == ""
+    assert "0 met, 0 missed, 2 without a reference" in (tmp_path / "again/summary.md").read_text()
+    with pytest.raises(SystemExit):
+        expectations.main([str(tmp_path / "again/expectations.csv")])
+    message = capsys.readouterr().err
+    assert "error: 2 of 2 expectations missed (expect_strict): ddp: tokens_per_s_per_device 5120 (mean of 2 seeds) "
+    "has no minimum from the history: no earlier study of ddp with these settings on this site and device in " in message
+    assert "so the next study has the reference it lacked; a first study passes with expect_strict: false" in message
     rows = history.read_rows(db)
     assert len(rows) == 4 and len({r["study"] for r in rows}) == 1
     assert {(r["experiment"], r["seed"]) for r in rows} == {("single", 1), ("single", 2), ("ddp", 1), ("ddp", 2)}
@@ -289,11 +313,17 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
         for seed in (1, 2)
     ]
     capsys.readouterr()
-    aggregate_main([arg for run in slower for arg in ("--run", str(run))] + ["--history", str(db), "--out-dir",
+    aggregate_main([arg for run in slower for arg in ("--run", str(run))] + [*drift, "--history", str(db), "--out-dir",
                    str(tmp_path / "week2")])  # fmt: skip
     summary = (tmp_path / "week2/summary.md").read_text()
     assert "## Since the previous study" in summary and "first" in summary
-    assert "| regression tokens_per_s_per_device, regression step_time_s |" in summary  # the lead table's flags
+    flagged = "| missed min_tokens_per_s_per_device, regression tokens_per_s_per_device, regression step_time_s |"
+    assert flagged in summary  # the lead table's flags
+    week2 = {c["expectation"]: c for c in read_csv(tmp_path / "week2/expectations.csv")}
+    assert (week2["min_tokens_per_s_per_device"]["limit"], week2["min_tokens_per_s_per_device"]["status"]) == (
+        "5120.0", "missed")  # fmt: skip
+    assert week2["max_test_loss"]["status"] == "met" and week2["max_test_loss"]["threshold"] == "5.25"
+    assert week2["max_test_loss"]["reference"] == "median of the last 1 study (n 3)"
     lead = summary.split("\n\n")[2]  # the lead table: a few columns, every figure in summary.csv
     assert (
         lead.startswith("| experiment | seed | layout | world_size | tokens_per_s_per_device |")

@@ -86,6 +86,8 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ),  # fmt: skip
         ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
         ({"expect": {"min_mfu": 0.3, "tolerance": 1}}, "1 is greater than or equal to the maximum of 1"),
+        ({"expect": {"min_mfu": {"history": "median_of_last", "n": 0}}}, "0 is less than the minimum of 1"),
+        ({"expect": {"min_mfu": {"n": 3}}}, "'history' is a required property"),
         # the batch against the processes, at parse time rather than in training (or a division by zero in plan)
         (
             {"training": {"batch": {"size": 31}}},
@@ -116,14 +118,22 @@ def test_baseline_and_expectations_reach_the_aggregation():
 
     def strict(local):
         local.update(baseline="ddp", expect_strict=True)
-        local["experiments"]["ddp"]["expect"] = {"min_scaling_efficiency": 0.5, "tolerance": 0.2}
+        local["experiments"]["ddp"]["expect"] = {
+            "min_scaling_efficiency": 0.5,
+            "tolerance": 0.2,
+            "min_tokens_per_s_per_device": {"history": "median_of_last", "n": 4},
+        }
 
     study = resolve(local_config(strict))
     assert study.baseline == "ddp" and study.expect_strict
-    assert [(e.experiment, e.key, e.limit, e.tolerance) for e in study.expectations] == [
-        ("single_gpu", "max_test_perplexity", 5000.0, 0.05), ("ddp", "min_scaling_efficiency", 0.5, 0.2),
+    assert [(e.experiment, e.key, e.limit, e.tolerance, e.history_n) for e in study.expectations] == [
+        ("single_gpu", "max_test_perplexity", 5000.0, 0.05, None), ("ddp", "min_scaling_efficiency", 0.5, 0.2, None),
+        ("ddp", "min_tokens_per_s_per_device", None, 0.2, 4),
     ]  # fmt: skip
     assert "--baseline ddp" in study.aggregate_args() and "--expect ddp.tolerance=0.2" in study.aggregate_args()
+    assert """--expect 'ddp.min_tokens_per_s_per_device={"history": "median_of_last", "n": 4, "tolerance": 0.2}'""" in (
+        study.aggregate_args()
+    )
     shared = resolve(local_config(lambda local: local.update(history="/shared/scalelm/history.sqlite")))
     assert "--history /shared/scalelm/history.sqlite" in shared.aggregate_args()  # several studies, one history
 

@@ -132,9 +132,8 @@ LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device",
 def flags(row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change]) -> str:
     """What a reader must not miss about a run: shared hosts, missed expectations, regressions since last time."""
     found = ["not isolated"] if row["overlapped_by"] else []
-    found += [
-        f"missed {c['expectation']}" for c in checks if c["experiment"] == row["experiment"] and c["status"] != "met"
-    ]
+    found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}" for c in checks
+              if c["experiment"] == row["experiment"] and c["status"] != "met"]  # fmt: skip
     found += [f"{c.verdict} {c.figure}" for c in changes
               if c.experiment == row["experiment"] and c.verdict.startswith("regression")]  # fmt: skip
     return ", ".join(found)
@@ -174,10 +173,12 @@ def write_tables(
         [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] for s in summaries],
     )
     if checks:
-        missed = sum(c["status"] != "met" for c in checks)
+        missed = sum(c["status"] == "missed" for c in checks)
+        unchecked = sum(c["status"] == "no reference" for c in checks)
         lines += ["", "## Expectations", "",
-                  f"{len(checks) - missed} met, {missed} missed; each checked against the mean over the experiment's "
-                  "seeds (threshold: the limit with its relative tolerance).", ""]  # fmt: skip
+                  f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
+                  "from the results history before it holds an earlier study); each checked against the mean over "
+                  "the experiment's seeds (threshold: the limit with its relative tolerance).", ""]  # fmt: skip
         lines += markdown_table(
             expectations.COLUMNS,
             [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in expectations.COLUMNS] for c in checks],
@@ -232,12 +233,14 @@ def aggregate(
     rows = [run.figures for run in runs]
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
     summaries = repeats.by_experiment(rows)
-    checks = expectations.check(expected or [], summaries)
+    expected = expectations.resolve(expected or [], None if history_db is None else (
+        lambda experiment, figure, n: history.reference(history_db, runs, experiment, figure, n)))  # fmt: skip
     since = None
     if history_db:
         study, new = history.record_runs(history_db, runs, out_dir)
         print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
         since = history.since_previous(history_db, runs)
+    checks = expectations.check(expected, summaries)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tables(rows, summaries, checks, out_dir, since)
     plot(runs, summaries, out_dir)

@@ -7,9 +7,20 @@
 A key is `min_` or `max_` and a figure of summary_by_experiment.csv (scalelm.report.repeats); the figure's mean over
 the experiment's seeds is checked. `tolerance` is relative and applies to every limit of the experiment (default
 0.05): a minimum is met by a mean of at least limit x (1 - tolerance), a maximum by one of at most
-limit x (1 + tolerance). A figure without a value (MFU of an unknown GPU) misses. The aggregation lists every check
-in expectations.csv and summary.md; this module's command fails when one was missed, which the workflow runs with
-`expect_strict: true` (rule check_expectations), so rerunning the matrix later detects a regression:
+limit x (1 + tolerance). A figure without a value (MFU of an unknown GPU) misses.
+
+A limit may come from the results history instead of a number, so that a matrix run every week fails on drift
+without hand-written limits:
+
+        expect: {min_tokens_per_s_per_device: {history: median_of_last, n: 5, tolerance: 0.1}}
+
+the median, over the last `n` earlier studies of the experiment with the same settings on the same site and device
+(scalelm.report.history.reference), of each study's mean; its own `tolerance` wins over the experiment's. Before
+there is such a study the check has no reference: the study's runs are recorded, and the next one has one.
+
+The aggregation lists every check in expectations.csv and summary.md; this module's command fails when one was
+missed or had no reference, which the workflow runs with `expect_strict: true` (rule check_expectations), so
+rerunning the matrix later detects a regression:
 
     python -m scalelm.report.expectations results/expectations.csv
 """
@@ -19,16 +30,21 @@ from __future__ import annotations
 import argparse
 import csv
 import difflib
+import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
 from scalelm.report.figures import LIMITS
 
 DEFAULT_TOLERANCE = 0.05
-COLUMNS = ["experiment", "expectation", "value", "limit", "tolerance", "threshold", "seeds", "status"]
+HISTORY_METHODS = ("median_of_last",)
+COLUMNS = ["experiment", "expectation", "value", "limit", "reference", "tolerance", "threshold", "seeds", "status"]
 
 
 class ExpectationsMissed(ScaleLMError):
@@ -43,8 +59,14 @@ def _is_number(value: Any) -> bool:
 class Expectation:
     experiment: str
     key: str  # one of LIMITS
-    limit: float
+    limit: float | None  # None: from the history, not (or not yet) found there
     tolerance: float = DEFAULT_TOLERANCE
+    history_n: int | None = None  # the limit is the median of the last this many comparable studies
+    reference: str = ""  # where a limit from the history came from, or why there is none
+
+    @property
+    def from_history(self) -> bool:
+        return self.history_n is not None
 
     @property
     def figure(self) -> str:
@@ -55,14 +77,18 @@ class Expectation:
         return self.key.startswith("min_")
 
     @property
-    def threshold(self) -> float:
+    def threshold(self) -> float | None:
         """The limit with the tolerance applied in the lenient direction."""
+        if self.limit is None:
+            return None
         return self.limit * (1 - self.tolerance if self.is_minimum else 1 + self.tolerance)
 
-    def met(self, value: float | None) -> bool:
+    def status(self, value: float | None) -> str:
+        if self.threshold is None:
+            return "no reference"
         if value is None:
-            return False
-        return value >= self.threshold if self.is_minimum else value <= self.threshold
+            return "missed"
+        return "met" if (value >= self.threshold if self.is_minimum else value <= self.threshold) else "missed"
 
 
 def parse_expectations(experiments: dict[str, dict[str, Any]]) -> list[Expectation]:
@@ -87,16 +113,59 @@ def parse_expectations(experiments: dict[str, dict[str, Any]]) -> list[Expectati
                 raise ConfigError(
                     f"{where}: unknown key {key!r}{hint} (known: {', '.join(LIMITS)}, tolerance); rename or remove it"
                 )
+            if isinstance(limit, dict):
+                found.append(from_history(name, key, limit, tolerance, f"{where}.{key}"))
+                continue
             if not _is_number(limit) or limit <= 0:
-                raise ConfigError(f"{where}.{key} must be a positive number, got {limit!r}")
+                raise ConfigError(
+                    f"{where}.{key} must be a positive number or {{history: median_of_last, n: 5}}, got {limit!r}"
+                )
             found.append(Expectation(name, key, float(limit), float(tolerance)))
     return found
+
+
+def from_history(experiment: str, key: str, spec: dict[str, Any], tolerance: float, where: str) -> Expectation:
+    """`{history: median_of_last, n: 5, tolerance: 0.1}`: a limit the aggregation takes from the results history."""
+    unknown = sorted(set(spec) - {"history", "n", "tolerance"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (known: history, n, tolerance)")
+    if spec.get("history") not in HISTORY_METHODS:
+        raise ConfigError(f"{where}.history must be one of {', '.join(HISTORY_METHODS)}, got {spec.get('history')!r}")
+    n = spec.get("n", 5)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{where}.n must be a whole number of earlier studies, 1 or more, got {n!r}")
+    tolerance = spec.get("tolerance", tolerance)
+    if not _is_number(tolerance) or not 0 <= tolerance < 1:
+        raise ConfigError(f"{where}.tolerance must be a fraction from 0 to below 1 (0.05: 5%), got {tolerance!r}")
+    return Expectation(experiment, key, None, float(tolerance), history_n=n)
+
+
+def resolve(
+    expected: list[Expectation], reference: Callable[[str, str, int], tuple[float | None, str]] | None
+) -> list[Expectation]:
+    """The limits from the history filled in: `reference(experiment, figure, n)` gives a value (None: none found)
+    and where it came from (scalelm.report.history.reference). Without a history, such a limit is an error."""
+    if reference is None and any(e.from_history for e in expected):
+        names = ", ".join(f"{e.experiment}.{e.key}" for e in expected if e.from_history)
+        raise ConfigError(f"expect: {names} take their limit from the results history: give the aggregation one "
+                          "(--history FILE; the workflow always does)")  # fmt: skip
+    resolved = []
+    for e in expected:
+        if e.from_history:
+            limit, where = reference(e.experiment, e.figure, e.history_n)
+            e = replace(e, limit=limit, reference=where)
+        resolved.append(e)
+    return resolved
 
 
 def to_arguments(expectations: list[Expectation]) -> list[str]:
     """`EXPERIMENT.KEY=VALUE` for the aggregate command's --expect options."""
     arguments, tolerances = [], {}
     for e in expectations:
+        if e.from_history:  # a YAML flow mapping, as in the config
+            spec = {"history": HISTORY_METHODS[0], "n": e.history_n, "tolerance": e.tolerance}
+            arguments.append(f"{e.experiment}.{e.key}={json.dumps(spec)}")
+            continue
         arguments.append(f"{e.experiment}.{e.key}={e.limit!r}")
         tolerances[e.experiment] = e.tolerance
     return arguments + [f"{name}.tolerance={tolerance!r}" for name, tolerance in tolerances.items()]
@@ -114,6 +183,11 @@ def from_arguments(arguments: list[str]) -> list[Expectation]:
             number: Any = float(value)
         except ValueError:
             number = value  # refused below, naming the key
+        if value.lstrip().startswith("{"):
+            try:
+                number = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ConfigError(f"--expect {argument!r}: the limit is not a YAML mapping ({err})") from None
         experiments.setdefault(name, {"expect": {}})["expect"][key] = number
     return parse_expectations(experiments)
 
@@ -132,8 +206,8 @@ def check(expectations: list[Expectation], summaries: list[dict[str, Any]]) -> l
         value = summary[f"{e.figure}_mean"]
         checks.append({
             "experiment": e.experiment, "expectation": e.key, "value": value, "limit": e.limit,
-            "tolerance": e.tolerance, "threshold": e.threshold, "seeds": summary["seeds"],
-            "status": "met" if e.met(value) else "missed",
+            "reference": e.reference, "tolerance": e.tolerance, "threshold": e.threshold, "seeds": summary["seeds"],
+            "status": e.status(value),
         })  # fmt: skip
     return checks
 
@@ -144,12 +218,16 @@ def describe(c: dict[str, Any]) -> str:
     e = Expectation(c["experiment"], c["expectation"], c["limit"], c["tolerance"])
     bound = "minimum" if e.is_minimum else "maximum"
     seeds = f"mean of {c['seeds']} seed{'s' if c['seeds'] != 1 else ''}"
+    if c["status"] == "no reference":
+        value = "no value" if c["value"] is None else f"{c['value']:.4g}"
+        return f"{e.experiment}: {e.figure} {value} ({seeds}) has no {bound} from the history: {c['reference']}"
+    source = f", {c['reference']}" if c.get("reference") else ""
     if c["value"] is None:
         measured = f"has no value ({seeds})"
     else:
         side = "within" if c["status"] == "met" else ("below" if bound == "minimum" else "above")
         measured = f"{c['value']:.4g} ({seeds}) is {side}"
-    limits = f"the {bound} {e.limit:.4g} ({e.threshold:.4g} with the {e.tolerance * 100:g}% tolerance)"
+    limits = f"the {bound} {e.limit:.4g}{source} ({e.threshold:.4g} with the {e.tolerance * 100:g}% tolerance)"
     return f"{e.experiment}: {e.figure} {measured} {limits}: {c['status']}"
 
 
@@ -163,6 +241,7 @@ def read_checks(path: Path) -> list[dict[str, Any]]:
         for key in ("value", "limit", "tolerance", "threshold"):
             row[key] = float(row[key]) if row[key] else None
         row["seeds"] = int(row["seeds"])
+        row.setdefault("reference", "")
     return rows
 
 
@@ -175,12 +254,15 @@ def main(argv: list[str] | None = None) -> None:
     for c in checks:
         print(describe(c))
     missed = [c for c in checks if c["status"] != "met"]
+    unchecked = [c for c in missed if c["status"] == "no reference"]
     if missed:
+        first = (" This study's runs are in the results history now, so the next study has the reference it lacked; "
+                 "a first study passes with expect_strict: false.") if unchecked else ""  # fmt: skip
         raise ExpectationsMissed(
             f"{len(missed)} of {len(checks)} expectations missed (expect_strict): "
             + "; ".join(describe(c) for c in missed)
             + f". The summary and plots are kept beside {args.checks}: find the cause, or update `expect:` in the "
-            "config if the new figures are right"
+            "config if the new figures are right." + first
         )
     print(f"all {len(checks)} expectations met")
 

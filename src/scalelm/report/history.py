@@ -177,6 +177,31 @@ def since_previous(
     return earlier[-1], compare([r for r in rows if r["study"] == earlier[-1]], current, tolerance, alpha)
 
 
+def reference(db: str | Path, runs: list[RunSummary], experiment: str, figure: str, n: int) -> tuple[float | None, str]:
+    """The limit an `expect: {history: median_of_last, n: N}` takes: over the last `n` studies recorded before these
+    runs (as recorded) with runs of `experiment` comparable with theirs (the same identity, on the same site and
+    device), the median of each study's mean of `figure`; and where it came from, or why there is none."""
+    mine = [run for run in runs if run.figures["experiment"] == experiment]
+    keys, hashes = {run_key(run) for run in mine}, {settings_hash(run) for run in mine}
+    machines = {_machine(fingerprint(run)) for run in mine}
+    rows = read_rows(db, "WHERE experiment = ?", (experiment,)) if Path(db).exists() else []
+    first = min((r["study"] for r in rows if r["key"] in keys), default=None)
+    means: dict[str, list[float]] = {}
+    for r in rows:
+        comparable = r["settings_hash"] in hashes and _machine(r["environment"]) in machines
+        if comparable and (first is None or r["study"] < first) and _number(r["figures"].get(figure)):
+            means.setdefault(r["study"], []).append(float(r["figures"][figure]))
+    if not means:
+        return None, f"no earlier study of {experiment} with these settings on this site and device in {db}"
+    last = sorted(means)[-n:]
+    value = statistics.median(statistics.fmean(means[study]) for study in last)
+    return value, f"median of the last {len(last)} stud{'y' if len(last) == 1 else 'ies'} (n {n})"
+
+
+def _machine(environment: dict[str, Any]) -> tuple[str | None, str | None]:
+    return environment.get("site"), environment.get("device")
+
+
 # --------------------------------------------------------------------------------------------- comparison
 @dataclass(frozen=True)
 class Change:
