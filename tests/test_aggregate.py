@@ -9,12 +9,15 @@ import json
 import math
 import shlex
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from scalelm.errors import ConfigError, DataError
 from scalelm.report import expectations, history
-from scalelm.report.aggregate import aggregate
+from scalelm.report.aggregate import aggregate, read_run
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
 from scalelm.report.figures import COLUMNS, RunSummary
@@ -324,6 +327,11 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
         "5120.0", "missed")  # fmt: skip
     assert week2["max_test_loss"]["status"] == "met" and week2["max_test_loss"]["threshold"] == "5.25"
     assert week2["max_test_loss"]["reference"] == "median of the last 1 study (n 3)"
+    # the trend: every study of these settings, one point each, coloured by environment
+    trend = history.trend(db, [read_run(RunDir(Path(run))) for run in slower])
+    assert [p.values["tokens_per_s_per_device"] for p in trend["ddp"]] == [[5120.0] * 2, [2560.0] * 2]
+    assert {p.environment for p in trend["ddp"]} == {"local, cpu"} and len(trend["single"]) == 2
+    assert (tmp_path / "week2/trend.png").read_bytes()[:4] == b"\x89PNG"
     lead = summary.split("\n\n")[2]  # the lead table: a few columns, every figure in summary.csv
     assert (
         lead.startswith("| experiment | seed | layout | world_size | tokens_per_s_per_device |")
@@ -336,6 +344,38 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:1 is not a JSON line of a history export"):
         history.import_rows(merged, [tmp_path / "bad.jsonl"])
+
+
+KILLED_WRITER = """
+import sys, time
+from scalelm.report import history
+connect = history.connect
+
+def stalling(db):  # the writer stops for good after its third row, inside its transaction
+    connection, rows = connect(db), []
+    def trace(statement):
+        rows.append(statement) if statement.startswith("INSERT") else None
+        if len(rows) == 3:
+            print("writing", flush=True)
+            time.sleep(600)
+    connection.set_trace_callback(trace)
+    return connection
+
+history.connect = stalling
+history.insert(sys.argv[1], [{**row, "key": f"k{i}"} for i, row in enumerate([%r] * 10)])
+"""
+
+
+def test_a_writer_killed_mid_study_leaves_no_partial_study(tmp_path):
+    db = tmp_path / "history.sqlite"
+    history.insert(db, [history_row("A", "ddp", 1, {"tokens_per_s_per_device": 1.0})])
+    row = history_row("B", "ddp", 2, {"tokens_per_s_per_device": 2.0})
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER % row, str(db)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "writing\n"
+    writer.kill()  # SIGKILL: no handler, no rollback of its own; SQLite's journal undoes it at the next open
+    writer.wait()
+    assert [r["study"] for r in history.read_rows(db)] == ["A"]
+    assert history.insert(db, [row]) == 1  # and the lock died with it
 
 
 def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_path, capsys):

@@ -163,7 +163,14 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert (row["pp_schedule"], row["pp_microbatches"], row["bubble_predicted"]) == (schedule, "4", "0.2"), row
         assert 0 < float(row["bubble_measured"]) < 1 and len(row["peak_mem_mb_per_pp_rank"].split(" / ")) == 2, row
     assert by_name["ddp"]["pp_schedule"] == by_name["ddp"]["bubble_measured"] == ""
-    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png", "pipeline.png"):
+    for png in (
+        "loss_vs_tokens.png",
+        "loss_vs_time.png",
+        "scaling.png",
+        "utilisation.png",
+        "pipeline.png",
+        "trend.png",
+    ):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]

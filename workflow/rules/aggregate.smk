@@ -53,6 +53,11 @@ rule aggregate:
             category="Pipeline",
             caption="../report/pipeline.rst",
         ),
+        trend=report(
+            f"{RESULTS}/trend.png",
+            category="History",
+            caption="../report/trend.rst",
+        ),
     log:
         f"{RESULTS}/logs/aggregate.log",
     conda:

@@ -29,7 +29,7 @@ from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
 from scalelm.report import bubble, expectations, history, repeats
 from scalelm.report.figures import COLUMNS, RunSummary
-from scalelm.report.plots import plot_losses, plot_scaling
+from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.timing import overlapping_runs, steady_state
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
@@ -200,7 +200,7 @@ def write_tables(
     (out_dir / "summary.md").write_text(text)
 
 
-def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path) -> None:
+def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path, trend: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,6 +209,8 @@ def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path)
     plot_scaling(summaries, out_dir / "scaling.png")
     plot_utilisation(runs, out_dir / "utilisation.png")
     bubble.plot_pipelines(runs, out_dir / "pipeline.png")
+    if trend is not None:
+        plot_trend(trend, out_dir / "trend.png")
 
 
 def mark_overlaps(runs: list[RunSummary]) -> None:
@@ -235,15 +237,15 @@ def aggregate(
     summaries = repeats.by_experiment(rows)
     expected = expectations.resolve(expected or [], None if history_db is None else (
         lambda experiment, figure, n: history.reference(history_db, runs, experiment, figure, n)))  # fmt: skip
-    since = None
+    since = trend = None
     if history_db:
         study, new = history.record_runs(history_db, runs, out_dir)
         print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
-        since = history.since_previous(history_db, runs)
+        since, trend = history.since_previous(history_db, runs), history.trend(history_db, runs)
     checks = expectations.check(expected, summaries)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tables(rows, summaries, checks, out_dir, since)
-    plot(runs, summaries, out_dir)
+    plot(runs, summaries, out_dir, trend)
     return runs
 
 

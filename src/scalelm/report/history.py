@@ -202,6 +202,51 @@ def _machine(environment: dict[str, Any]) -> tuple[str | None, str | None]:
     return environment.get("site"), environment.get("device")
 
 
+TREND_FIGURES = ("tokens_per_s_per_device", "test_loss")
+
+
+@dataclass(frozen=True)
+class TrendPoint:
+    """One study of an experiment in the trend figure: when, in which environment, each figure's values by seed."""
+
+    recorded: datetime
+    environment: str
+    values: dict[str, list[float]]
+
+
+def environment_label(environment: dict[str, Any]) -> str:
+    """An environment in a few words: site, device, torch, the image, the commit (not the nodes, which change from
+    job to job)."""
+    image = Path(environment["image"]).name if environment.get("image") else None
+    commit = (environment.get("git_commit") or "")[:8] or None
+    torch = f"torch {environment['torch']}" if environment.get("torch") else None
+    parts = [environment.get("site"), environment.get("device"), torch, image, commit]
+    return ", ".join(str(p) for p in parts if p)
+
+
+def trend(db: str | Path, runs: list[RunSummary]) -> dict[str, list[TrendPoint]]:
+    """Per experiment of these runs, every study in the history (these runs' own included) with runs of the same
+    identity: the trend figure's points, oldest first."""
+    hashes = {run.figures["experiment"]: set() for run in runs}
+    for run in runs:
+        hashes[run.figures["experiment"]].add(settings_hash(run))
+    points: dict[str, list[TrendPoint]] = {}
+    for experiment, mine in hashes.items():
+        by_study: dict[str, list[dict]] = {}
+        for r in read_rows(db, "WHERE experiment = ?", (experiment,)):
+            if r["settings_hash"] in mine:
+                by_study.setdefault(r["study"], []).append(r)
+        points[experiment] = [
+            TrendPoint(
+                datetime.fromisoformat(rows[0]["recorded"]),
+                " | ".join(sorted({environment_label(r["environment"]) for r in rows})),
+                {f: [float(r["figures"][f]) for r in rows if _number(r["figures"].get(f))] for f in TREND_FIGURES},
+            )
+            for _, rows in sorted(by_study.items())
+        ]
+    return points
+
+
 # --------------------------------------------------------------------------------------------- comparison
 @dataclass(frozen=True)
 class Change:

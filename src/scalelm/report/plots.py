@@ -1,4 +1,5 @@
-"""The summary's figures: loss curves and scaling (utilisation.png: scalelm.report.utilisation).
+"""The summary's figures: loss curves, scaling, and the trend over the results history (utilisation.png:
+scalelm.report.utilisation).
 
 An experiment with several seeds is drawn as their mean: loss curves with the seeds' range (min to max) as a band,
 scaling figures with their standard deviation as error bars.
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.report.figures import RunSummary
+from scalelm.report.history import TREND_FIGURES, TrendPoint
 
 
 def loss_points(run: RunSummary, x_key: str, split: str) -> dict[int, tuple[float, float]]:
@@ -113,5 +115,34 @@ def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_trend(points: dict[str, list[TrendPoint]], path: Path) -> None:
+    """Per experiment (a row), tokens/s per device and test loss over the studies in the results history: one marker
+    per study (the mean over its seeds, their range as the error bar), coloured by the environment it ran in."""
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    environments = sorted({p.environment for study in points.values() for p in study})
+    colours = {env: f"C{i % 10}" for i, env in enumerate(environments)}
+    fig, axes = plt.subplots(len(points), 2, figsize=(12, 2.4 * len(points) + 1), squeeze=False)
+    for row, (experiment, study) in zip(axes, points.items()):
+        for ax, figure in zip(row, TREND_FIGURES):
+            for p in study:
+                values = p.values[figure]
+                if not values:
+                    continue
+                mean = statistics.fmean(values)
+                error = [[mean - min(values)], [max(values) - mean]]
+                ax.errorbar(p.recorded, mean, yerr=error, fmt="o", capsize=3, color=colours[p.environment])
+            ax.set_title(f"{experiment}: {figure.replace('_', ' ')}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
+            ax.tick_params(axis="x", labelsize=7)
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours[env]) for env in environments]
+    fig.legend(handles, environments, loc="lower center", fontsize=7, ncol=min(len(environments), 2))
+    fig.tight_layout(rect=(0, 0.04 + 0.02 * ((len(environments) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
