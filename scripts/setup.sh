@@ -10,5 +10,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # torch first and pinned: an unpinned torch requirement would resolve to a multi-GB CUDA build
 "$venv/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
-"$venv/bin/python" -m pip install --quiet -e "$repo[workflow,dev]"
+# everything else at the lock's versions, each file checked against its hash (scripts/lock.sh refreshes them)
+"$venv/bin/python" -m pip install --quiet --require-hashes --requirement "$repo/requirements/dev.txt"
+"$venv/bin/python" -m pip install --quiet --no-deps --editable "$repo"
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

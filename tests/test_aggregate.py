@@ -28,7 +28,7 @@ from scalelm.train.rundir import RunDir
 
 
 def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_time=0.1, tokens_per_step=512,
-             test_loss=5.0, peak_mem_mb=100.0, hour=10):  # fmt: skip
+             test_loss=5.0, peak_mem_mb=100.0, hour=10, numpy="2.4.6", threads="2"):  # fmt: skip
     """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
     `step_time` long, validation at steps 10 and 20."""
     run = RunDir.of(results, experiment, seed)
@@ -60,6 +60,8 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         "start_time": f"2026-11-25T{hour:02d}:00:00+0000",
         "end_time": f"2026-11-25T{hour:02d}:01:00+0000",
         "wall_time_s": 60.0,
+        "versions": {"torch": "2.13.0", "packages": {"numpy": numpy, "torch": "2.13.0"}},
+        "environment": {"OMP_NUM_THREADS": threads},
         "results": {
             "strategy": "single" if world_size == 1 else "ddp", "layout": f"{world_size}x1x1x1", "global_batch": 16,
             "tokens_per_step": tokens_per_step, "steps": 20, "train_time_s": 20 * step_time,
@@ -312,9 +314,10 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     # a week later the ddp runs are slower (a new torch, say): the summary says so first
     later = tmp_path / "later"
     slower = [fake_run(later, "single", seed, hour=12) for seed in (1, 2)] + [
-        fake_run(later, "ddp", seed, world_size=2, mode="per_device", tokens_per_step=1024, step_time=0.2, hour=12)
+        fake_run(later, "ddp", seed, world_size=2, mode="per_device", tokens_per_step=1024, step_time=0.2, hour=12,
+                 numpy="2.5.0", threads="1")
         for seed in (1, 2)
-    ]
+    ]  # fmt: skip
     capsys.readouterr()
     aggregate_main([arg for run in slower for arg in ("--run", str(run))] + [*drift, "--history", str(db), "--out-dir",
                    str(tmp_path / "week2")])  # fmt: skip
@@ -322,6 +325,8 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     assert "## Since the previous study" in summary and "first" in summary
     flagged = "| missed min_tokens_per_s_per_device, regression tokens_per_s_per_device, regression step_time_s |"
     assert flagged in summary  # the lead table's flags
+    # beside each regression, what changed: the package version and the thread count
+    assert '| regression | package numpy: "2.4.6" -> "2.5.0"; threads: "2" -> "1" |' in summary
     week2 = {c["expectation"]: c for c in read_csv(tmp_path / "week2/expectations.csv")}
     assert (week2["min_tokens_per_s_per_device"]["limit"], week2["min_tokens_per_s_per_device"]["status"]) == (
         "5120.0", "missed")  # fmt: skip
@@ -330,7 +335,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     # the trend: every study of these settings, one point each, coloured by environment
     trend = history.trend(db, [read_run(RunDir(Path(run))) for run in slower])
     assert [p.values["tokens_per_s_per_device"] for p in trend["ddp"]] == [[5120.0] * 2, [2560.0] * 2]
-    assert {p.environment for p in trend["ddp"]} == {"local, cpu"} and len(trend["single"]) == 2
+    assert {p.environment for p in trend["ddp"]} == {"local, cpu, torch 2.13.0"} and len(trend["single"]) == 2
     assert (tmp_path / "week2/trend.png").read_bytes()[:4] == b"\x89PNG"
     lead = summary.split("\n\n")[2]  # the lead table: a few columns, every figure in summary.csv
     assert (

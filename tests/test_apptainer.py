@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from scalelm.files import sha256
 from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml, snakemake
 
@@ -45,7 +46,7 @@ def base_image():
 
 @pytest.fixture
 def project(tmp_path, base_image) -> Path:
-    for part in (*WORKFLOW_PARTS, "containers", "src", "pyproject.toml", "README.md"):
+    for part in (*WORKFLOW_PARTS, "containers", "src", "requirements", "pyproject.toml", "README.md"):
         source = REPO / part
         (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / part)
 
@@ -84,6 +85,7 @@ def test_workflow_builds_the_image_and_trains_inside_it(project, monkeypatch):
         ).stdout
     )["data"]["attributes"]["labels"]
     assert labels["org.scalelm.version"] == "0.1.0" and labels["org.scalelm.base-image"].startswith("localimage:")
+    assert labels["org.scalelm.base-digest"] == "sha256:" + sha256(BASE_IMAGE)  # the base, pinned by its checksum
     # finding 9: NCCL needs libibverbs and a provider (mlx5) to use InfiniBand; the base image has neither
     libraries = subprocess.run(
         ["apptainer", "exec", str(image), "ldconfig", "-p"], capture_output=True, text=True
@@ -96,6 +98,10 @@ def test_workflow_builds_the_image_and_trains_inside_it(project, monkeypatch):
         container = record["container"]
         assert container, f"{name} did not run inside the image"
         assert container["labels"]["org.scalelm.version"] == labels["org.scalelm.version"]
+        # every dependency but the base image's torch at the lock's version and hash
+        lock = record["versions"]["lock"]
+        assert lock["file"] == "/opt/scalelm/requirements/image.txt" and lock["differs"] == {}, lock
+        assert lock["sha256"] == sha256(REPO / "requirements/image.txt")
         assert record["world_size"] == world
         assert (project / f"results/local/runs/{name}/seed1/test.json").is_file()
     summary = (project / "results/local/summary.md").read_text()

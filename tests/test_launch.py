@@ -236,3 +236,19 @@ def test_one_scalelm_command_runs_every_step():
     assert unknown.returncode != 0 and "unknown command 'trian'; did you mean 'train'?" in unknown.stderr
     listed = subprocess.run(scalelm, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 2 and all(f"  {name} " in listed.stdout for name in COMMANDS)
+
+
+def test_the_image_labels_record_the_base_images_digest(tmp_path, capsys):
+    """A rebuild gets the same base only where it is pinned: the digest of a pinned reference, the checksum of a
+    local image, and an unpinned tag said aloud (the default config pins its base)."""
+    from scalelm.files import sha256
+    from scalelm.launch.container import base_digest, split_base
+
+    pinned = "docker://pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime@sha256:" + "ab" * 32
+    assert base_digest(*split_base(pinned)) == "sha256:" + "ab" * 32
+    (tmp_path / "base.sif").write_bytes(b"an image")
+    assert base_digest(*split_base(str(tmp_path / "base.sif"))) == "sha256:" + sha256(tmp_path / "base.sif")
+    assert base_digest(*split_base("docker://pytorch/pytorch:latest")) == "unpinned"
+    assert "docker://pytorch/pytorch:latest is not pinned by digest (@sha256:...)" in capsys.readouterr().err
+    default = (REPO / "config/config.yaml").read_text()
+    assert "base_image: docker://pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime@sha256:" in default

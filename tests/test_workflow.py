@@ -174,6 +174,10 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]
+    # the software: each package scalelm needs at its installed version, and the lock this environment holds
+    versions = provenance["versions"]
+    assert versions["packages"]["torch"] == versions["torch"] and "numpy" in versions["packages"]
+    assert versions["lock"]["file"].endswith("requirements/dev.txt") and versions["lock"]["differs"] == {}
     # two local "nodes" of two: each TP group inside one node, each data-parallel group across both
     fsdp_tp = json.loads((results / "runs/fsdp_tp/seed1/run.json").read_text())["parallel"]
     nodes = fsdp_tp["node_of_rank"]

@@ -16,6 +16,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import scalelm
 from scalelm.errors import ScaleLMError, friendly_errors
-from scalelm.files import atomic_path
+from scalelm.files import atomic_path, sha256
 from scalelm.version import git_commit
 
 
@@ -102,6 +103,19 @@ def split_base(base_image: str) -> tuple[str, str]:
     return "localimage", str(path.resolve())
 
 
+def base_digest(agent: str, base: str) -> str:
+    """The base image's digest for the labels: the one a reference pins (`repo:tag@sha256:...`), the checksum of a
+    local image file, or "unpinned" (said aloud: a rebuild may get another image under the same tag)."""
+    if agent == "localimage":
+        return "sha256:" + sha256(base)
+    _, at, digest = base.partition("@")
+    if at and digest.startswith("sha256:"):
+        return digest
+    print(f"scalelm: the base image {agent}://{base} is not pinned by digest (@sha256:...): a rebuild may get another "
+          "image under the same tag. Pin it in container.base_image to rebuild this one", file=sys.stderr)  # fmt: skip
+    return "unpinned"
+
+
 def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: list[str] = ()) -> Path:
     from spython.main import Client
 
@@ -114,6 +128,7 @@ def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: l
         "project_dir": str(definition.resolve().parent.parent),
         "scalelm_version": scalelm.__version__,
         "git_commit": git_commit() or "unknown",
+        "base_digest": base_digest(agent, base),
     }
     options = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
     if fakeroot:

@@ -70,20 +70,26 @@ def settings_hash(run: RunSummary) -> str:
 
 
 def fingerprint(run: RunSummary) -> dict[str, Any]:
-    """What a figure depends on besides the settings, from the run's record."""
+    """What a figure depends on besides the settings, from the run's record: the machine, the threads, the software
+    (each installed package scalelm needs, `package NAME`, and the lock with the pins the environment missed)."""
     record = run.record
     container = record.container or {}
     labels = container.get("labels") or {}
+    lock = record.versions.get("lock") or {}
     return {
         "site": record.environment.get("SLURM_CLUSTER_NAME") or "local",
         "partition": record.environment.get("SLURM_JOB_PARTITION"),
         "nodes": record.nodes,
         "device": record.device.get("name") or "cpu",
+        "threads": record.environment.get("OMP_NUM_THREADS"),
         "nccl": record.device.get("nccl"),
         **{name: record.versions.get(name) for name in ("torch", "cuda", "python", "scalelm")},
         "git_commit": record.git_commit,
         "image": container.get("image"),
         "image_labels": {k: v for k, v in labels.items() if k.startswith("org.scalelm")} or None,
+        "lock": lock.get("sha256", "")[:16] or None,
+        "lock_missed": sorted(lock.get("differs") or {}) or None,
+        **{f"package {name}": version for name, version in (record.versions.get("packages") or {}).items()},
     }
 
 

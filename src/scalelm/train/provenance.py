@@ -14,7 +14,7 @@ import torch
 
 import scalelm
 from scalelm.parallel.env import all_gather_object
-from scalelm.version import git_commit
+from scalelm.version import git_commit, installed, installed_closure, lock_facts
 
 # Environment variables worth keeping; everything else (tokens, keys) stays out of the files we write.
 RECORDED_ENV = (
@@ -56,6 +56,7 @@ def device_facts() -> dict[str, Any]:
 def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Call on every rank (gathers the host names); the result matters on rank 0."""
     hosts = all_gather_object(socket.gethostname())
+    distributions = installed()
     return {
         "config": config_dict,
         "git_commit": git_commit(),
@@ -64,6 +65,8 @@ def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "python": platform.python_version(),
+            "packages": installed_closure(distributions=distributions),
+            "lock": lock_facts(distributions),
         },
         "world_size": world_size,
         # torchrun's view: GROUP_WORLD_SIZE agents (one per node) of LOCAL_WORLD_SIZE workers each
