@@ -381,3 +381,21 @@ def test_compiling_for_cuda_without_a_c_compiler_is_a_clear_error_naming_the_dev
     with pytest.raises(ConfigError, match=r"needs a C compiler .*cudnn9-devel"):
         compiling.apply_compile(model, torch.device("cuda"))
     compiling.apply_compile(model, torch.device("cpu"))  # torch's own check there
+
+
+def test_run_json_names_the_cpu_and_the_gpu_driver(monkeypatch):
+    """The results history tells two machines apart by CPU model and NVIDIA driver (NVML's answer, a fake here);
+    where NVML cannot say, the fact is missing, not the run."""
+    import sys
+
+    from scalelm.train import provenance
+
+    class FakeNvmlDriver(FakeNvml):
+        def nvmlSystemGetDriverVersion(self):
+            return b"580.159.04"  # older bindings answer bytes
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlDriver())
+    assert provenance.driver_version() == "580.159.04"
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # no such query: an old binding
+    assert provenance.driver_version() is None
+    assert provenance.device_facts()["cpu"] == provenance.cpu_model() and provenance.cpu_model()

@@ -43,11 +43,36 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (/proc/cpuinfo on Linux, the platform's own answer elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, from NVML; None where NVML cannot say (no driver, no library)."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # NVMLError, ImportError, an old binding: a fact missing, not a failed run
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
 def device_facts() -> dict[str, Any]:
-    """What a GPU figure depends on: the device, NCCL, and whether fp32 matmuls ran on TF32 tensor cores."""
-    facts: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision()}
+    """What a figure depends on besides the software: the CPU, the GPU and its driver, NCCL, and whether fp32
+    matmuls ran on TF32 tensor cores."""
+    facts: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision(), "cpu": cpu_model()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         facts["name"] = torch.cuda.get_device_name()
+        facts["driver"] = driver_version()
         facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         facts["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     return facts
