@@ -108,8 +108,8 @@ def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
     return [*launcher, "-m", "scalelm.train", "--config", str(config), *sets]
 
 
-def run_train(config: Path, nproc: int = 1, *overrides: str, check: bool = True, timeout: int = 120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def run_train(config: Path, nproc: int = 1, *overrides: str, check: bool = True, timeout: int = 120, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     result = subprocess.run(
         train_command(config, nproc, *overrides), capture_output=True, text=True, timeout=timeout, env=env
     )

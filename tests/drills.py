@@ -73,9 +73,10 @@ def run(config: Path, nodes: int = 1, procs: int = 2, timeout: int = 300) -> sub
     return subprocess.run(launch_command(config, nodes, procs), capture_output=True, text=True, timeout=timeout)
 
 
-def start(config: Path, nodes: int, procs: int) -> subprocess.Popen:
+def start(config: Path, nodes: int, procs: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         launch_command(config, nodes, procs),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -118,6 +119,47 @@ def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int 
     detected = time.monotonic() - killed
     survivors = sum(1 for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
     return Crash(rank, at_step, job.returncode, detected, survivors, output)
+
+
+@dataclass
+class Stall:
+    rank: int
+    at_step: int
+    exit_code: int
+    detected_s: float  # from the start of the stall to the whole job's exit
+    output: str
+
+
+# Loaded by every Python process of the job (sitecustomize, first on PYTHONPATH): rank RANK sleeps at the start of
+# step STEP, inside the step, as a hung device, a deadlocked thread or a stopped-looking process would.
+STALLING_SITE = """
+import os, time
+if os.environ.get("RANK") == "{rank}":
+    from scalelm.train import trainer
+
+    unstalled = trainer.Trainer.train_step
+
+    def train_step(self, micro_batches):
+        if self.state.step + 1 == {step}:
+            open("{started}", "w").write(str(time.time()))
+            time.sleep(3600)
+        return unstalled(self, micro_batches)
+
+    trainer.Trainer.train_step = train_step
+"""
+
+
+def stall_rank(config: Path, rank: int, at_step: int, site: Path, procs: int = 4, timeout: int = 300) -> Stall:
+    """Make one rank stall inside step `at_step` (the others wait for it in their next collective) and wait for the
+    job to end: by its watchdog's autopsy, or at `timeout`."""
+    site.mkdir(parents=True, exist_ok=True)
+    started = site / "stalled-at"
+    (site / "sitecustomize.py").write_text(STALLING_SITE.format(rank=rank, step=at_step, started=started))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    job = start(config, 1, procs, env)
+    output, _ = job.communicate(timeout=timeout)
+    ended = time.time()
+    return Stall(rank, at_step, job.returncode, ended - float(started.read_text()), output)
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

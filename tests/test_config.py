@@ -46,6 +46,8 @@ def test_unknown_key_suggests_the_closest(tmp_path):
             "train.monitor_interval_s=-1",
             r"train.monitor_interval_s must be 0 \(no monitor\) or a number of seconds, got -1",
         ),
+        ("train.hang_factor=1.5", r"train.hang_factor must be 0 \(no watchdog\) or at least 2 .*, got 1.5"),
+        ("train.hang_floor_s=0", r"train.hang_floor_s must be a positive number of seconds, got 0"),
         ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
         (
             "train.comm_profile_steps=-1",

@@ -4,6 +4,7 @@ second training or a full disk costs nothing already computed."""
 import json
 import os
 import random
+import re
 import subprocess
 import time
 
@@ -33,6 +34,45 @@ def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_res
     # the steps the crashed attempt logged past its last checkpoint were redone, not logged twice
     steps = [r["step"] for r in read_metrics(drills.run_dir_of(config)) if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == 200, steps
+
+
+def test_a_stalled_rank_is_named_within_the_threshold_and_the_rerun_resumes(tiny_config, tmp_path):
+    """One rank of four stalls inside step 8: every rank's watchdog finds its step overdue (max(5 x the median step,
+    the 4 s floor)), names rank 2 as the one the others wait for, writes the stacks and stops the job (EXIT_HUNG),
+    instead of hanging until the collective timeout; the checkpoint of step 5 is whole and the rerun resumes it."""
+    config = tiny_config("stall", parallel__strategy="ddp", train__max_steps=12, checkpoint__every=5,
+                         train__hang_factor=5, train__hang_floor_s=4)  # fmt: skip
+    stall = drills.stall_rank(config, rank=2, at_step=8, site=tmp_path / "site", timeout=240)
+    assert stall.exit_code != 0 and "exitcode  : 76" in stall.output, stall.output[-3000:]
+    assert stall.detected_s < 4 + 20, stall.detected_s  # the threshold, the autopsy's wait, the job's teardown
+    found = re.findall(r"rank 2 is behind in process group default_pg \(ranks 0, 1, 2, 3\): it issued (\d+) "
+                       r"collectives, rank\(s\) 0, 1, 3 issued (\d+) and wait for it", stall.output)  # fmt: skip
+    assert len(found) == 1 and int(found[0][0]) + 1 == int(found[0][1]), stall.output[-3000:]  # told once
+    autopsy = RunDir(run_dir_of(config)).autopsy
+    assert "in train_step" in (autopsy / "rank2.txt").read_text()  # its stack: where it stalled
+    assert "rank 2 is behind" in (autopsy / "summary.txt").read_text()
+    assert [p.name for p in complete_checkpoints(RunDir(run_dir_of(config)).checkpoints)][-1] == "step_00000005"
+    rerun = drills.run(config, procs=4)
+    assert rerun.returncode == 0 and "resumed from step 5" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr
+
+
+def test_the_autopsy_names_late_and_silent_ranks_in_every_process_group():
+    """From the progress the ranks published: a rank that issued fewer collectives in a group than its other members
+    (here in the TP group of ranks 0 and 1, the world group agreeing), and ranks whose progress is stale or missing."""
+    from scalelm.train.watchdog import behind
+
+    def progress(issued_world, issued_tp, age=0.0, step=9):
+        groups = {"0": {"desc": "default_pg", "issued": issued_world}, "3": {"desc": "mesh_tp", "issued": issued_tp}}
+        return {"step": step, "in_step_s": 30.0, "groups": groups, "time": 1000.0 - age, "host": "node7"}
+
+    findings = behind({0: progress(50, 20), 1: progress(50, 19), 2: None, 3: progress(48, 20, age=60, step=8)}, 1000.0)
+    assert findings == [
+        "rank 2 never published its progress (a stopped or dead process, or a lost node)",
+        "rank 3 stopped publishing its progress 60 s ago, in step 8 (a stopped or dead process, or a lost node)",
+        "rank 1 is behind in process group mesh_tp (ranks 0, 1): it issued 19 collectives, rank(s) 0 issued 20 and "
+        "wait for it in collective #20 (rank 1 is in step 9 since 30 s, on node7)",
+    ]
+    assert behind({0: progress(50, 20), 1: progress(50, 20)}, 1000.0) == []  # nobody behind: a slow step everywhere
 
 
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, train_here
+from conftest import REPO, run_dir_of, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import ConfigError
 from scalelm.launch.container import passed_environment
@@ -99,11 +99,18 @@ def test_the_backend_string_follows_the_device_and_cpu_offload():
 
 def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch):
     """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
-    reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9)."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that the test's end removes what the training sets
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    train_here(tiny_config("deterministic", train__deterministic=True, train__max_steps=2))
+    reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9). So does NCCL's Flight
+    Recorder, on before the process group starts, dumping into the run's autopsy directory (scalelm.train.watchdog)."""
+    recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
+    for name in recorder:
+        monkeypatch.setenv(name, "")  # so that the test's end removes what the training sets
+        monkeypatch.delenv(name)
+    config = tiny_config("deterministic", train__deterministic=True, train__max_steps=2)
+    train_here(config)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir_of(config) / "autopsy" / "nccl_trace_rank_")
+    assert int(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     host = {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_IB_TIMEOUT": "22", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "UCX_TLS": "rc",

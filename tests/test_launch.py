@@ -21,7 +21,8 @@ def commands(monkeypatch, argv, env=None, hosts=("c01", "c02"), cpus_per_node=8)
     unset = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "GLIBC_TUNABLES")
     passed_by_prefix = [name for name in launch.os.environ if name.startswith(PASSED_PREFIXES)]
     for name in (*unset, *launch.THREAD_VARIABLES, *passed_by_prefix):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what the launcher sets is undone after the test too
+        monkeypatch.delenv(name)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
     allocation = slurm.Allocation(list(hosts), cpus_per_node, restarts=0)

@@ -106,6 +106,10 @@ class TrainConfig:
     # torch.compile each block (and on CUDA the head with its loss): fewer kernel launches, fused element-wise work;
     # the first steps pay the compilation (scalelm.parallel.compile)
     compile: bool = False
+    # a step running longer than max(hang_factor x the median step, hang_floor_s) stops the job with an autopsy of
+    # its ranks (scalelm.train.watchdog) instead of hanging; hang_factor 0: no watchdog
+    hang_factor: float = 20.0
+    hang_floor_s: float = 120.0
 
 
 @dataclass
@@ -368,6 +372,11 @@ def validate(config: Config) -> None:
     if config.train.monitor_interval_s < 0:
         interval = config.train.monitor_interval_s
         raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")
+    if config.train.hang_factor != 0 and config.train.hang_factor < 2:
+        raise ConfigError(f"train.hang_factor must be 0 (no watchdog) or at least 2 (a step that long over the median "
+                          f"is overdue), got {config.train.hang_factor}")  # fmt: skip
+    if config.train.hang_floor_s <= 0:
+        raise ConfigError(f"train.hang_floor_s must be a positive number of seconds, got {config.train.hang_floor_s}")
     if not 0.0 <= config.model.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {config.model.dropout}")
     if not 0 <= config.seed < SEED_LIMIT:

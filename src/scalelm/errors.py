@@ -1,11 +1,13 @@
 """Errors a user can fix, and the exit statuses: entry points print an error as one line and exit with status 2
-(no traceback); a training stopped by a signal, checkpointed, exits EXIT_PREEMPTED."""
+(no traceback); a training stopped by a signal, checkpointed, exits EXIT_PREEMPTED; one stopped by its watchdog,
+EXIT_HUNG."""
 
 import functools
 import os
 import sys
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later, the run will resume
+EXIT_HUNG = 76  # a step overran its limit: the watchdog wrote its autopsy (scalelm.train.watchdog) and stopped the job
 
 
 class ScaleLMError(Exception):

@@ -49,6 +49,8 @@ NOT_IDENTITY = (
     "train.monitor_interval_s",
     "train.comm_profile_steps",
     "train.wandb",
+    "train.hang_factor",
+    "train.hang_floor_s",
     "checkpoint.every",
     "checkpoint.keep",
     "parallel.timeout_s",
@@ -86,6 +88,7 @@ class RunDir:
     tensorboard = _entry("tensorboard")
     wandb = _entry("wandb")
     monitor = _entry("monitor")
+    autopsy = _entry("autopsy")  # what each rank was doing when its watchdog stopped the job (scalelm.train.watchdog)
     checkpoints = _entry("checkpoints")
     record = _entry("run.json")
     model = _entry("model.pt")
@@ -106,8 +109,8 @@ class RunDir:
     @property
     def attempt(self) -> tuple[Path, ...]:
         return (
-            self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.config, self.identity,
-            self.record, self.model, self.model_meta, self.test_result,
+            self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.autopsy, self.config,
+            self.identity, self.record, self.model, self.model_meta, self.test_result,
         )  # fmt: skip
 
     @contextlib.contextmanager

@@ -42,6 +42,7 @@ from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import Results, RunRecord, write_record
 from scalelm.train.rundir import RunDir, identity
 from scalelm.train.wandb_offline import WandbRun
+from scalelm.train.watchdog import Watchdog, flight_recorder_env
 
 
 class TrainingError(ScaleLMError):
@@ -116,6 +117,8 @@ class Trainer:
         self.instruments = Instruments(
             config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
         )
+        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
+                                         config.train.hang_floor_s)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +160,7 @@ class Trainer:
         )
         try:
             for micro_batches in self.instruments.batches(remaining):
-                with self.instruments.step(state.step + 1):
+                with self.watchdog.watching(state.step + 1), self.instruments.step(state.step + 1):
                     loss, grad_norm = self.train_step(micro_batches)
                 loss_acc += loss
                 steps_acc += 1
@@ -303,6 +306,8 @@ def run(config: Config) -> RunRecord:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if config.train.deterministic:  # cuBLAS refuses deterministic mode without a fixed workspace, read at its start
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    for name, value in flight_recorder_env(RunDir(Path(config.run_dir)).autopsy).items():  # read by NCCL's start
+        os.environ.setdefault(name, value)
     env = setup(config.device, config.parallel.timeout_s, cpu_collectives=config.parallel.cpu_offload)
     try:
         # Everything that can be refused is refused before the run directory is touched: the data, the layout
@@ -320,6 +325,7 @@ def run(config: Config) -> RunRecord:
                 try:
                     record = trainer.fit()
                 finally:
+                    trainer.watchdog.close()
                     trainer.metrics.close()
             barrier()  # every rank done with every collective before any shuts its process groups down
         return record

@@ -1,0 +1,222 @@
+"""Hang autopsy: a thread in every rank notices a step that runs far longer than the steps before it and, instead of
+letting the job hang until the collective timeout or the Slurm limit, says which rank is behind and stops the job.
+
+Every second the thread publishes this rank's progress in the job's rendezvous store (torchrun's TCPStore, which
+answers while the collectives hang): the step it is in, since when, and per process group how many collectives it
+has issued (the group's sequence number). A step is overdue after max(hang_factor x the median step so far,
+hang_floor_s) seconds. The thread then
+
+- writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and on NCCL the Flight
+  Recorder's trace of the last collectives beside it (recording since the start: `flight_recorder_env`);
+- reads every rank's last progress and names the ranks behind: in a group, those that issued fewer collectives
+  than the others (who wait for them in the next one), and those whose progress stopped coming (a stopped process,
+  a dead node);
+- prints that, appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun then
+  stops the other ranks.
+
+Checkpoints are written whole or not at all (scalelm.train.checkpoint): the last complete one stays and the rerun
+resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start) and
+watches steps only: a hang in an evaluation or a checkpoint ends at the collective timeout (parallel.timeout_s).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from scalelm.errors import EXIT_HUNG
+from scalelm.files import append_text, atomic_path
+
+PUBLISH_EVERY_S = 1.0
+SILENT_AFTER_S = 5.0  # a rank whose progress is older than this has stopped publishing it
+KEY = "scalelm/watchdog/rank{}"
+
+
+def flight_recorder_env(autopsy_dir: Path) -> dict[str, str]:
+    """NCCL: PyTorch's Flight Recorder keeps the last collectives of every rank and dumps them on a timeout, for
+    `torchfrtrace` (the environment is read when the NCCL process group starts; the launcher sets it)."""
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(autopsy_dir / "nccl_trace_rank_"),
+    }
+
+
+def sequence_numbers() -> dict[str, dict[str, Any]]:
+    """How many collectives this rank has issued in each of its process groups: {group name: {desc, issued}}."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    world = dist.distributed_c10d._world
+    return {
+        world.pg_names.get(group, "?"): {
+            "desc": group.group_desc,
+            "issued": int(group._get_sequence_number_for_group()),
+        }
+        for group in world.pg_map
+        if dist.get_rank(group) >= 0  # a member
+    }
+
+
+def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
+    """The ranks the others wait for, in words: in each process group the members that issued fewer collectives
+    than the most advanced one, and the ranks whose progress is missing or stale."""
+    findings = []
+    silent = sorted(r for r, p in progress.items() if p is None or now - p["time"] > SILENT_AFTER_S)
+    for rank in silent:
+        last = progress[rank]
+        when = "never published its progress" if last is None else (
+            f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}")  # fmt: skip
+        findings.append(f"rank {rank} {when} (a stopped or dead process, or a lost node)")
+    groups: dict[str, dict[int, int]] = {}
+    descs: dict[str, str] = {}
+    for rank, p in progress.items():
+        for name, group in (p or {}).get("groups", {}).items():
+            if rank not in silent:
+                groups.setdefault(name, {})[rank] = group["issued"]
+                descs[name] = group["desc"]
+    for name, counts in sorted(groups.items()):
+        ahead = max(counts.values())
+        waiting = sorted(r for r, n in counts.items() if n == ahead)
+        for rank in sorted(r for r, n in counts.items() if n < ahead):
+            p = progress[rank]
+            findings.append(
+                f"rank {rank} is behind in process group {descs[name]} (ranks {', '.join(map(str, sorted(counts)))}): "
+                f"it issued {counts[rank]} collectives, rank(s) {', '.join(map(str, waiting))} issued {ahead} and "
+                f"wait for it in collective #{counts[rank] + 1} (rank {rank} is in step {p['step']} since "
+                f"{p['in_step_s']:.0f} s, on {p['host']})"
+            )
+    return findings
+
+
+class Watchdog:
+    def __init__(self, rank: int, autopsy_dir: Path, factor: float, floor_s: float, store: Any = None):
+        self.rank, self.autopsy_dir, self.factor, self.floor_s = rank, autopsy_dir, factor, floor_s
+        self.store = store
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.durations: deque[float] = deque(maxlen=200)
+        self.step = 0
+        self.started: float | None = None  # the running step's start (monotonic); None between steps
+        self.host = socket.gethostname()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="scalelm-watchdog", daemon=True)
+        if factor > 0:
+            self._thread.start()
+
+    @classmethod
+    def for_job(cls, rank: int, autopsy_dir: Path, factor: float, floor_s: float) -> Watchdog:
+        store = None
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+            if dist.get_backend() == "nccl":  # where NCCL dumps its trace on a timeout (flight_recorder_env)
+                autopsy_dir.mkdir(parents=True, exist_ok=True)
+        return cls(rank, autopsy_dir, factor, floor_s, store)
+
+    @contextmanager
+    def watching(self, step: int) -> Iterator[None]:
+        self.step, self.started = step, time.monotonic()
+        yield
+        self.durations.append(time.monotonic() - self.started)
+        self.started = None
+
+    def threshold(self) -> float | None:
+        """Seconds after which the running step is overdue; None before the first step ended."""
+        if not self.durations:
+            return None
+        return max(self.factor * statistics.median(self.durations), self.floor_s)
+
+    def progress(self) -> dict[str, Any]:
+        in_step = time.monotonic() - self.started if self.started is not None else 0.0
+        return {"step": self.step, "in_step_s": in_step, "groups": sequence_numbers(), "time": time.time(),
+                "host": self.host, "pid": os.getpid()}  # fmt: skip
+
+    def close(self) -> None:
+        self._done.set()
+
+    # ---------------------------------------------------------------------------------------- the thread
+    def _watch(self) -> None:
+        while not self._done.wait(PUBLISH_EVERY_S):
+            self._publish(self.progress())
+            started, limit = self.started, self.threshold()
+            if started is not None and limit is not None and time.monotonic() - started > limit:
+                self._autopsy(limit)
+
+    def _publish(self, progress: dict[str, Any]) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(KEY.format(self.rank), json.dumps(progress))
+            except Exception:  # the store's host is gone: the job is ending anyway
+                pass
+
+    def _read(self) -> dict[int, dict[str, Any] | None]:
+        if self.store is None:
+            return {self.rank: self.progress()}
+        progress: dict[int, dict[str, Any] | None] = {}
+        for rank in range(self.world_size):
+            key = KEY.format(rank)
+            try:
+                progress[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:
+                progress[rank] = None
+        return progress
+
+    def _autopsy(self, limit: float) -> None:
+        """Write what this rank knows, name the ranks behind, end the process."""
+        self.autopsy_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.autopsy_dir / f"rank{self.rank}.txt") as partial, open(partial, "w") as stacks:
+            stacks.write(f"rank {self.rank} on {self.host}, step {self.step} overdue (> {limit:.1f} s):\n")
+            stacks.flush()
+            faulthandler.dump_traceback(stacks, all_threads=True)
+        self._dump_flight_recorder()
+        time.sleep(2 * PUBLISH_EVERY_S)  # the other ranks' latest progress, before reading it
+        findings = behind(self._read(), time.time()) or [
+            "every rank that answers has issued as many collectives as the others: none is behind in one (a "
+            "step that is slow everywhere, or a collective the network does not complete)"
+        ]
+        message = (
+            f"scalelm: step {self.step} has run for over {limit:.0f} s (hang_factor {self.factor:g} x the median "
+            f"step, at least hang_floor_s {self.floor_s:g}); stopping the job. "
+            + "; ".join(findings)
+            + f". Stacks: {self.autopsy_dir}/rank*.txt. The last complete checkpoint is kept: rerun to resume."
+        )
+        if self._first_to_tell():
+            append_text(self.autopsy_dir / "summary.txt", message + "\n")
+            sys.stderr.write(message + "\n")
+        else:
+            sys.stderr.write(f"scalelm: [rank {self.rank}] step {self.step} overdue; stacks in {self.autopsy_dir}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)  # the main thread is stuck in a collective: no exception would reach it
+
+    def _first_to_tell(self) -> bool:
+        """Whether this rank is the first whose watchdog fired (the others' would only repeat its findings)."""
+        if self.store is None:
+            return True
+        try:
+            return self.store.add(KEY.format("told"), 1) == 1
+        except Exception:
+            return True
+
+    def _dump_flight_recorder(self) -> None:
+        """NCCL's trace of the last collectives, where it records (flight_recorder_env)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+            return
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+
+            trace = _dump_nccl_trace()
+        except Exception:  # an older torch, or no trace buffer
+            return
+        with atomic_path(self.autopsy_dir / f"nccl_trace_rank_{self.rank}") as partial:
+            partial.write_bytes(trace)
