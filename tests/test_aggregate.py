@@ -416,36 +416,29 @@ def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_p
         history.choose(db, "2026-12", None)
 
 
-def test_the_history_flags_a_real_slowdown_and_no_rerun(tiny_config, tmp_path, monkeypatch):
-    """Real trainings, evaluated and aggregated: three studies of one experiment, three seeds each, the runs trained
-    in turn (seed 1 of each study, then seed 2, ...) so that a drift of the machine falls on all alike. The second
-    study reruns the first (no regression on any figure); the third trains on one thread instead of two: slower
-    beyond the tolerance and significantly, with the thread count named as what changed."""
-    import torch
-
-    from conftest import train_here
+def test_the_history_flags_a_real_slowdown_and_no_rerun(tiny_config, tmp_path):
+    """Real trainings, each a process of its own, evaluated and aggregated: three studies of one experiment, three
+    seeds each, the runs trained in turn (seed 1 of each study, then seed 2, ...) so that a drift of the machine falls
+    on all alike. The second study reruns the first (no regression on any figure); the third trains on one thread
+    instead of two: slower beyond the tolerance and significantly, with the thread count named as what changed."""
+    from conftest import run_train
     from scalelm.train.consolidate import consolidate
     from scalelm.train.evaluation import main as evaluate
 
-    db, threads = tmp_path / "history.sqlite", torch.get_num_threads()
+    db = tmp_path / "history.sqlite"
     studies = {"first": 2, "rerun": 2, "one_thread": 1}
     runs: dict[str, list[Path]] = {study: [] for study in studies}
     settings = dict(model__d_model=128, model__d_ff=512, data__seq_len=64, batch__size=32, train__max_steps=25,
                     checkpoint__every=None, train__monitor_interval_s=0, train__eval_every=None)  # fmt: skip
-    try:
-        for seed in (1, 2, 3):
-            for study, count in studies.items():
-                run = RunDir.of(tmp_path / study, "tiny", seed)
-                config = tiny_config(f"{study}{seed}", seed=seed, run_dir=str(run.path), **settings)
-                monkeypatch.setenv("OMP_NUM_THREADS", str(count))  # what run.json records
-                torch.set_num_threads(count)
-                train_here(config)
-                consolidate(run)
-                evaluate(["--model", str(run.model), "--data", yaml.safe_load(config.read_text())["data"]["prepared_dir"],
-                          "--out", str(run.test_result)])  # fmt: skip
-                runs[study].append(run.path)
-    finally:
-        torch.set_num_threads(threads)
+    for seed in (1, 2, 3):
+        for study, count in studies.items():
+            run = RunDir.of(tmp_path / study, "tiny", seed)
+            config = tiny_config(f"{study}{seed}", seed=seed, run_dir=str(run.path), **settings)
+            run_train(config, env={"OMP_NUM_THREADS": str(count)})
+            consolidate(run)
+            evaluate(["--model", str(run.model), "--data", yaml.safe_load(config.read_text())["data"]["prepared_dir"],
+                      "--out", str(run.test_result)])  # fmt: skip
+            runs[study].append(run.path)
     summaries = {}
     for study in studies:
         aggregate(runs[study], tmp_path / study / "summary", history_db=db)
@@ -460,4 +453,3 @@ def test_the_history_flags_a_real_slowdown_and_no_rerun(tiny_config, tmp_path, m
     assert slower.verdict == "regression" and slower.p_value < 0.05 and slower.relative < -0.05, slower
     assert slower.environment["threads"] == (['"2"'], ['"1"']), slower.environment
     assert "regression tokens_per_s_per_device" in summaries["one_thread"]
-    print({c.figure: (round(c.relative, 3), c.p_value) for c in same.values()}, slower.relative, slower.p_value)
