@@ -69,8 +69,12 @@ def last_step(metrics: Path) -> int:
     return max(steps, default=0)
 
 
-def run(config: Path, nodes: int = 1, procs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(config, nodes, procs), capture_output=True, text=True, timeout=timeout)
+def run(
+    config: Path, nodes: int = 1, procs: int = 2, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launch_command(config, nodes, procs), capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def start(config: Path, nodes: int, procs: int, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -130,36 +134,42 @@ class Stall:
     output: str
 
 
-# Loaded by every Python process of the job (sitecustomize, first on PYTHONPATH): rank RANK sleeps at the start of
-# step STEP, inside the step, as a hung device, a deadlocked thread or a stopped-looking process would.
-STALLING_SITE = """
+# Loaded by every Python process of the job (sitecustomize, first on PYTHONPATH): rank RANK sleeps SECONDS at the
+# start of each step from FIRST to LAST, inside the step, as a slow node, a hung device or a deadlocked thread would.
+SLOWING_SITE = """
 import os, time
 if os.environ.get("RANK") == "{rank}":
     from scalelm.train import trainer
 
-    unstalled = trainer.Trainer.train_step
+    unslowed = trainer.Trainer.train_step
 
     def train_step(self, micro_batches):
-        if self.state.step + 1 == {step}:
-            open("{started}", "w").write(str(time.time()))
-            time.sleep(3600)
-        return unstalled(self, micro_batches)
+        if {first} <= self.state.step + 1 <= {last}:
+            if not os.path.exists("{started}"):
+                open("{started}", "w").write(str(time.time()))
+            time.sleep({seconds})
+        return unslowed(self, micro_batches)
 
     trainer.Trainer.train_step = train_step
 """
 
 
+def slowed_rank(site: Path, rank: int, first: int, last: int, seconds: float) -> dict[str, str]:
+    """The environment of a job in which `rank` sleeps `seconds` in each step from `first` to `last`; the time it
+    first did is in `site`/slowed-at."""
+    site.mkdir(parents=True, exist_ok=True)
+    started = site / "slowed-at"
+    code = SLOWING_SITE.format(rank=rank, first=first, last=last, seconds=seconds, started=started)
+    (site / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
 def stall_rank(config: Path, rank: int, at_step: int, site: Path, procs: int = 4, timeout: int = 300) -> Stall:
     """Make one rank stall inside step `at_step` (the others wait for it in their next collective) and wait for the
     job to end: by its watchdog's autopsy, or at `timeout`."""
-    site.mkdir(parents=True, exist_ok=True)
-    started = site / "stalled-at"
-    (site / "sitecustomize.py").write_text(STALLING_SITE.format(rank=rank, step=at_step, started=started))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    job = start(config, 1, procs, env)
+    job = start(config, 1, procs, slowed_rank(site, rank, at_step, at_step, 3600))
     output, _ = job.communicate(timeout=timeout)
-    ended = time.time()
-    return Stall(rank, at_step, job.returncode, ended - float(started.read_text()), output)
+    return Stall(rank, at_step, job.returncode, time.time() - float((site / "slowed-at").read_text()), output)
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

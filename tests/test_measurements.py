@@ -21,7 +21,7 @@ from scalelm.measure.comm import clip, union_seconds
 from scalelm.measure.hostload import HostLoad
 from scalelm.measure.instruments import Instruments
 from scalelm.model.architecture import flops_per_token
-from scalelm.report.timing import default_warmup, overlapping_runs, steady_state
+from scalelm.report.timing import default_warmup, overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, summarise
 from scalelm.train.record import read_metrics
 
@@ -136,6 +136,23 @@ def test_the_data_time_is_the_host_time_spent_producing_batches():
         time.sleep(0.05)  # the step: not data time
     assert items == [0, 1, 2]
     assert 0.06 <= holder.data_seconds < 0.12
+
+
+def test_the_rank_the_others_wait_for_is_named_a_straggler(tiny_config, tmp_path):
+    """Rank 1 of two sleeps 0.2 s in each step (a slow node): its step takes no longer than rank 0's, which waits for
+    it in the gradients' all-reduce, but rank 0 spends most of its profiled steps in collectives and rank 1 little,
+    so the summary names rank 1 with its host; two ranks alike name none."""
+    import drills
+
+    config = tiny_config("slow", parallel__strategy="ddp", train__max_steps=8, checkpoint__every=None)
+    ran = drills.run(config, procs=2, env=drills.slowed_rank(tmp_path / "site", 1, 1, 10**6, 0.2))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    record = json.loads((run_dir_of(config) / "run.json").read_text())
+    shares = record["results"]["comm"]["share_per_rank"]
+    assert shares[0] > 0.5 > shares[1], shares
+    assert straggler(record["results"]["comm"], record["hostnames"]) == f"rank 1 ({record['hostnames'][1]})"
+    assert straggler({"share_per_rank": [0.31, 0.28]}, ["a", "b"]) == "" and straggler(None, []) == ""
+    assert straggler({"share_per_rank": [0.4, 0.41, 0.05, 0.39]}, []) == "rank 2"
 
 
 def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(tiny_config):

@@ -147,6 +147,7 @@ class Instruments:
             "steps": results[0]["steps"],
             "share": sum(shares) / len(shares),
             "share_max": max(shares),
+            "share_per_rank": shares,  # the rank that waits least is the one the others wait for
             "comm_s_per_step": sum(r["comm_s_per_step"] for r in results) / len(results),
             "step_s": results[0]["step_s"],
             "ops_s_per_step_rank0": results[0]["ops_s_per_step"],

@@ -31,7 +31,7 @@ from scalelm.report import bubble, expectations, history, repeats
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
-from scalelm.report.timing import overlapping_runs, steady_state
+from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
 from scalelm.train.record import read_metrics, read_record
 from scalelm.train.rundir import RunDir
@@ -75,6 +75,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "mfu": steady_mfu,
         # the share of the profiled steps with a collective running (scalelm.measure.comm); 0 for one process
         "comm_share": (results.comm or {}).get("share"),
+        "straggler": straggler(results.comm, record.hostnames),
         **bubble.columns(results),
         "state_mb_per_rank": state.get("total"),
         "planned_state_mb_per_rank": plan.get("state"),
@@ -130,8 +131,10 @@ LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device",
 
 
 def flags(row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change]) -> str:
-    """What a reader must not miss about a run: shared hosts, missed expectations, regressions since last time."""
+    """What a reader must not miss about a run: shared hosts, a straggler, missed expectations, regressions since
+    last time."""
     found = ["not isolated"] if row["overlapped_by"] else []
+    found += [f"straggler {row['straggler']}"] if row.get("straggler") else []
     found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}" for c in checks
               if c["experiment"] == row["experiment"] and c["status"] != "met"]  # fmt: skip
     found += [f"{c.verdict} {c.figure}" for c in changes

@@ -46,6 +46,7 @@ FIGURES = (
     Figure("scaling_efficiency", "spread", "min"),
     Figure("mfu", "spread", "min"),
     Figure("comm_share", "spread"),  # the profiled steps' share with a collective running (train.comm)
+    Figure("straggler"),  # the rank the others waited for, if one stands out (report.timing)
     Figure("data_share", "spread", "max"),  # the steady intervals' host time producing batches, their median share
     # pipelines (report.bubble): schedule, micro-batches, the bubble's share of a step
     Figure("pp_schedule"),

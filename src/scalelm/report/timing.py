@@ -1,5 +1,5 @@
-"""What the summary's speed figures may be trusted for: steady-state throughput after warm-up, and whether a timed
-run shared its host with another training or with other work.
+"""What the summary's speed figures may be trusted for: steady-state throughput after warm-up, whether a timed
+run shared its host with another training or with other work, and which rank, if any, the others waited for.
 
 Steady state: the logging intervals that start after the warm-up steps (default the first 10 percent of the run or
 5 steps, whichever is more: allocator growth, caches, first collectives) and ran without the profiler (the last
@@ -73,3 +73,22 @@ def overlapping_runs(records: dict[str, RunRecord]) -> dict[str, list[str]]:
             if span[0] < other_span[1] and other_span[0] < span[1]:
                 found[name].append(other)
     return found
+
+
+STRAGGLER_GAP = 0.1  # the others spend this much more of their profiled steps in collectives than the rank
+
+
+def straggler(comm: dict[str, Any] | None, hostnames: list[str]) -> str:
+    """The rank the others wait for, with its host, e.g. `rank 2 (node7)`: in a synchronous job every rank's step
+    takes as long as the slowest rank's, but the others spend the difference waiting in collectives, so the rank
+    with the smallest share of its profiled steps in collectives (scalelm.measure.comm) is behind, when the others'
+    mean share is at least STRAGGLER_GAP above its own. Empty when no rank stands out, or there is no profile."""
+    shares = (comm or {}).get("share_per_rank") or []
+    if len(shares) < 2:
+        return ""
+    least = min(range(len(shares)), key=shares.__getitem__)
+    others = statistics.fmean(s for rank, s in enumerate(shares) if rank != least)
+    if others - shares[least] < STRAGGLER_GAP:
+        return ""
+    host = f" ({hostnames[least]})" if least < len(hostnames) else ""
+    return f"rank {least}{host}"
