@@ -35,6 +35,11 @@ def test_single_node_is_one_standalone_torchrun(monkeypatch):
     [command] = commands(monkeypatch, ["--nodes", "1", "--procs-per-node", "4"])
     assert command[:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=4", "--standalone"]
     assert command[-4:] == ["-m", "scalelm.train", "--config", "t.yaml"]
+    # the machine's baseline on the same geometry; no other program (a module name is no place for a user's code)
+    first, second = commands(monkeypatch, ["--program", "baseline", "--nodes", "2"])
+    assert first == second and first[-4:] == ["-m", "scalelm.measure.baseline", "--config", "t.yaml"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--program", "os", "--", "x"])
 
 
 def test_multi_node_in_slurm_is_one_supervised_torchrun_per_node_with_a_job_derived_port(monkeypatch):

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -237,3 +238,91 @@ def test_weights_and_biases_offline_holds_every_logged_step(tiny_config):
     losses = [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "train"]
     assert len(losses) == 3 and b"train/loss" in content and b"validation/perplexity" in content
     assert all(json.dumps(loss).encode() in content for loss in losses), losses
+
+
+def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tiny_config, tmp_path):
+    """Two local "nodes" of two processes (two torchruns meeting at one rendezvous, as the launcher starts them): the
+    model's matrix products per rank, and every collective over message sizes in the whole job and within each node,
+    the bus bandwidth in nccl-tests' convention."""
+    from scalelm.launch.launcher import free_port
+    from scalelm.measure import baseline
+
+    config, out, port = tiny_config("baseline"), tmp_path / "baseline.json", free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}",
+               "-m", "scalelm.measure.baseline", "--out", str(out), "--config", str(config),
+               "--min-bytes", "4096", "--max-bytes", str(2**18), "--iterations", "3"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]  # fmt: skip
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 4 and result["procs_per_node"] == 2 and result["backend"] == "gloo"
+    assert [r["rank"] for r in result["per_rank"]] == [0, 1, 2, 3]
+    products = result["per_rank"][0]["matmul"]["products"]
+    assert set(products) == {"qkv", "attention_out", "ffn_up", "ffn_down", "output"}
+    assert products["ffn_up"]["shape"] == [16 * 16, 32, 64] and result["matmul_tflops_min"] > 0  # TINY's shapes
+    rows = {(r["scope"], r["op"], r["bytes"]): r for r in result["collectives"]}
+    assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in baseline.OPS}
+    assert {size for *_, size in rows} == {4096, 16384, 65536, 262144}
+    for (scope, op, size), row in rows.items():
+        assert row["ranks"] == (4 if scope == "job" else 2) and row["time_s"] > 0
+        factor = {"all_reduce": 2 * (row["ranks"] - 1) / row["ranks"], "send_recv": 1.0}.get(
+            op, (row["ranks"] - 1) / row["ranks"]
+        )
+        assert row["algbw_gbps"] == pytest.approx(size / row["time_s"] / 1e9)
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+    assert "all_reduce      job  4 ranks" in "".join(outputs) and f"written to {out}" in "".join(outputs)
+
+
+def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypatch):
+    """On CPU with a fake NVML and NCCL logs: a GPU held back by a thermal slowdown or with uncorrected ECC errors is
+    unhealthy (idle is not); the network NCCL chose is read from its INFO log, and sockets on a site with InfiniBand
+    are a warning."""
+    from scalelm.measure import baseline, monitor
+
+    class FakeNvml:
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_CLOCK_SM = 1, 0, 1
+
+        def __init__(self, reasons, ecc):
+            self.reasons, self.ecc = reasons, ecc
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return uuid
+
+        def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+            return self.reasons
+
+        def nvmlDeviceGetTotalEccErrors(self, handle, kind, counter):
+            return self.ecc
+
+        def nvmlDeviceGetClockInfo(self, handle, clock):
+            return 1200
+
+        def nvmlDeviceGetMaxClockInfo(self, handle, clock):
+            return 1980
+
+    monkeypatch.setattr(monitor, "device_uuid", lambda device: "GPU-1")
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x1, ecc=0))
+    assert baseline.gpu_health(gpu) == {"ecc_uncorrected": 0, "sm_clock_mhz": 1200, "sm_clock_max_mhz": 1980,
+                                        "held_back_by": ["gpu idle"], "healthy": True}  # fmt: skip
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x40 | 0x4, ecc=3))
+    health = baseline.gpu_health(gpu)
+    assert health["held_back_by"] == ["sw power cap", "hw thermal slowdown"] and not health["healthy"]
+    assert baseline.gpu_health(torch.device("cpu")) is None
+
+    logs = [
+        "node1:4242:4250 [0] NCCL INFO NET/Plugin: no plugin found\nnode1:4242:4250 [0] NCCL INFO Using network Socket\n"
+    ]
+    assert baseline.nccl_network(logs) == "Socket" and baseline.nccl_network(["NCCL INFO Using network IB"]) == "IB"
+    result = {"world_size": 8, "hosts": ["n1", "n2"], "device": "NVIDIA H100", "matmul_tflops_min": 700.0,
+              "collectives": [], "per_rank": [{"rank": 5, "host": "n2", "gpu": health}], "nccl_network": "Socket"}  # fmt: skip
+    lines = "\n".join(baseline.report(result, "infiniband"))
+    assert "WARNING: rank 5 on n2: GPU not healthy" in lines
+    assert "WARNING: the site has InfiniBand but NCCL uses Socket" in lines
+    assert baseline.nccl_debug_env(Path("/r"))["NCCL_DEBUG_FILE"] == "/r/nccl.%h.%p.log"

@@ -1,6 +1,7 @@
 """Start one training run on `nodes` x `procs_per_node` processes, wherever the job landed.
 
     python -m scalelm.launch --nodes 2 --procs-per-node 4 [--container IMAGE ...] -- --config train.yaml
+    python -m scalelm.launch --program baseline --nodes 2 --procs-per-node 4 -- --out baseline.json
 
 - without a scheduler: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...` on one node; several
   "nodes" (the local default) are N torchrun processes on this machine, meeting on a free port;
@@ -27,7 +28,8 @@ from scalelm.launch.container import check_architecture, exec_prefix, passed_env
 from scalelm.launch.supervise import supervise
 from scalelm.parallel.hostmemory import with_huge_pages
 
-TRAIN = ["-m", "scalelm.train"]
+# what the processes run: a training, or the machine's baseline (scalelm.measure.baseline) on the same geometry
+PROGRAMS = {"train": "scalelm.train", "baseline": "scalelm.measure.baseline"}
 
 
 def free_port() -> int:
@@ -75,7 +77,7 @@ def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list
     processes_here = args.procs_per_node * args.nodes  # without a scheduler every "node" runs here
     limit_threads(threads_per_process(len(os.sched_getaffinity(0)), processes_here))
     inside = in_image(args)
-    tail = [*TRAIN, *train_args]
+    tail = ["-m", PROGRAMS[args.program], *train_args]
     if args.nodes == 1:
         return [[*inside, *torchrun(1, args.procs_per_node, ["--standalone"]), *tail]]
     port = free_port()
@@ -106,7 +108,8 @@ def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) 
     python = "python" if inside else sys.executable  # the image's own Python, or this one
     supervisor = [python, "-m", "scalelm.launch.supervise", "--"]
     step = slurm.srun_step(job_id, args.nodes, allocation.cpus_per_node, args.procs_per_node if args.gpu else 0)
-    return [*step, *inside, *supervisor, *torchrun(args.nodes, args.procs_per_node, rendezvous), *TRAIN, *train_args]
+    program = ["-m", PROGRAMS[args.program], *train_args]
+    return [*step, *inside, *supervisor, *torchrun(args.nodes, args.procs_per_node, rendezvous), *program]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -114,6 +117,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m scalelm.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--program", choices=PROGRAMS, default="train", help="what to run (default: train)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--procs-per-node", type=int, default=1)
     parser.add_argument("--container", help="Apptainer image to run torchrun in (default: none)")

@@ -1,0 +1,321 @@
+"""The machine's baseline: what its devices and network deliver, measured the way a site's own probes measure them,
+to set beside what a layout achieved ("the network gave 22% of its reference" beside "ddp_multinode scaled 0.41").
+
+    torchrun --nproc-per-node=N [--nnodes=M ...] -m scalelm.measure.baseline --out baseline.json [--config FILE]
+    python -m scalelm.measure.baseline --out baseline.json            # one process: the matrix products only
+
+- matrix products: the model's own (one micro-batch's tokens times the weights of the attention's projections, the
+  feed-forward block and the output layer; `--config` names the training settings, default the course's), in the
+  training dtype (bf16 on CUDA, fp32 on CPU), one rank at a time so that no two share a device or a core; TFLOP/s per
+  product and over all of them (their FLOPs over their time), per rank;
+- collectives: all_reduce, all_gather, reduce_scatter and send/recv (each rank to the next, from the previous) over
+  message sizes, in the whole job (across nodes when there are several) and within each node; per size the slowest
+  rank's median time and the bus bandwidth in nccl-tests' convention (algorithm bandwidth, the message over the
+  time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter, x 1 for send/recv; the message is
+  the whole buffer: all_gather's output, reduce_scatter's input), so its figures compare with nccl-tests';
+- on GPUs: each GPU's health from NVML (uncorrected ECC errors, SM clock against its maximum, the reasons it is held
+  back) and the network NCCL chose (NCCL_DEBUG=INFO's "Using network ..."), with a warning when `--interconnect
+  infiniband` says the site has InfiniBand and NCCL fell back to sockets (about a fifth of the bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scalelm.errors import friendly_errors
+from scalelm.files import atomic_write_text
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+# nccl-tests' bus bandwidth: the algorithm bandwidth times the share of the message each link carries
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+THROTTLE_REASONS = {  # NVML's clocks-event reasons (nvmlClocksEventReason*), as nvidia-smi names them
+    0x1: "gpu idle", 0x2: "applications clocks setting", 0x4: "sw power cap", 0x8: "hw slowdown",
+    0x10: "sync boost", 0x20: "sw thermal slowdown", 0x40: "hw thermal slowdown", 0x80: "hw power brake slowdown",
+    0x100: "display clock setting",
+}  # fmt: skip
+HARMLESS_REASONS = {"gpu idle", "applications clocks setting", "sync boost", "display clock setting"}
+
+
+def bus_bandwidth(op: str, size_bytes: int, seconds: float, ranks: int) -> tuple[float, float]:
+    """(algorithm, bus) bandwidth in GB/s (10^9 bytes per second, as nccl-tests reports)."""
+    algorithm = size_bytes / seconds / 1e9
+    return algorithm, algorithm * BUS_FACTOR[op](ranks)
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+# ------------------------------------------------------------------------------------------ matrix products
+def gemm_shapes(config_path: Path | None) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of the model's training matrix products for one micro-batch of tokens."""
+    from scalelm.config import load_config
+
+    config = load_config(config_path)
+    m = config.data.seq_len * (config.batch.micro_size or config.batch.size)  # one device's, without data parallelism
+    d, ff = config.model.d_model, config.model.d_ff
+    vocab = vocabulary_size(config)
+    return {"qkv": (m, d, 3 * d), "attention_out": (m, d, d), "ffn_up": (m, d, ff), "ffn_down": (m, ff, d),
+            "output": (m, d, vocab)}  # fmt: skip
+
+
+def vocabulary_size(config) -> int:
+    """The prepared data's, where it is; else WikiText-2's with the course's preparation."""
+    manifest = Path(config.data.prepared_dir) / "manifest.json"
+    try:
+        return int(json.loads(manifest.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return 33278
+
+
+def matmul_rates(shapes: dict[str, tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> dict:
+    """TFLOP/s of each product (the median of a few after one warm-up) and over all of them."""
+    rates, flops_total, seconds_total = {}, 0.0, 0.0
+    for name, (m, k, n) in shapes.items():
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        times = []
+        for _ in range(4):
+            synchronize(device)
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:])
+        flops = 2.0 * m * k * n
+        rates[name] = {"shape": [m, k, n], "tflops": flops / seconds / 1e12}
+        flops_total, seconds_total = flops_total + flops, seconds_total + seconds
+    return {"products": rates, "tflops": flops_total / seconds_total / 1e12, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
+    """One `op` of `size_bytes` (fp32) on `group`, ready to call."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    elements = max(size_bytes // 4 // ranks, 1) * ranks
+    buffer = torch.ones(elements, device=device)
+    piece = torch.ones(elements // ranks, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buffer, group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(buffer, piece, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(piece, buffer, group=group)
+    received = torch.empty_like(buffer)
+    after = dist.get_global_rank(group, (me + 1) % ranks)
+    before = dist.get_global_rank(group, (me - 1) % ranks)
+
+    def send_recv() -> None:
+        ops = [dist.P2POp(dist.isend, buffer, after, group), dist.P2POp(dist.irecv, received, before, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return send_recv
+
+
+def time_collectives(scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device,
+                     iterations: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Every op at every size on `group`: the slowest rank's median time and the bandwidths."""
+    ranks = dist.get_world_size(group)
+    rows = []
+    for op in OPS:
+        if op == "send_recv" and ranks < 2:
+            continue
+        for size in sizes:
+            call = run_op(op, size, group, device)
+            times = []
+            for _ in range(iterations + 1):  # the first warms up (connections, buffers)
+                dist.barrier(group=group)
+                synchronize(device)
+                start = time.perf_counter()
+                call()
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+            slowest = torch.tensor([statistics.median(times[1:])], device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            seconds = float(slowest.item())
+            algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
+            rows.append({"scope": scope, "op": op, "ranks": ranks, "bytes": size, "time_s": seconds,
+                         "algbw_gbps": algorithm, "busbw_gbps": bus})  # fmt: skip
+    return rows
+
+
+def node_group(procs_per_node: int, world_size: int) -> dist.ProcessGroup | None:
+    """This rank's node (torchrun places a node's ranks together); None with one node or one process per node."""
+    if procs_per_node < 2 or procs_per_node >= world_size or world_size % procs_per_node:
+        return None
+    mine, _ = dist.new_subgroups(group_size=procs_per_node)
+    return mine
+
+
+# ----------------------------------------------------------------------------------------------------- GPUs
+def gpu_health(device: torch.device) -> dict[str, Any] | None:
+    """NVML's view of this rank's GPU: uncorrected ECC errors since the driver loaded, SM clock and its maximum,
+    and the reasons the clock is held back. None off CUDA or without NVML."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        from scalelm.measure.monitor import device_uuid
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid(device))
+    except Exception as err:  # no NVML: a missing fact, not a failed baseline
+        return {"error": str(err)}
+
+    def read(query: Callable[[], Any]) -> Any:
+        try:
+            return query()
+        except Exception:  # NVMLError_NotSupported and the like
+            return None
+
+    reasons = read(lambda: pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+    named = [name for bit, name in THROTTLE_REASONS.items() if reasons is not None and reasons & bit]
+    ecc = read(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC))  # fmt: skip
+    return {
+        "ecc_uncorrected": ecc,
+        "sm_clock_mhz": read(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        "sm_clock_max_mhz": read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        "held_back_by": named,
+        "healthy": not ecc and not set(named) - HARMLESS_REASONS,
+    }
+
+
+NETWORK = re.compile(r"Using network (\w+)")
+
+
+def nccl_network(logs: list[str]) -> str | None:
+    """The network NCCL chose, from NCCL_DEBUG=INFO logs: "IB", "Socket", ... (the first one named; several
+    differing ones are joined)."""
+    found = sorted({m for text in logs for m in NETWORK.findall(text)})
+    return "/".join(found) or None
+
+
+def nccl_debug_env(directory: Path) -> dict[str, str]:
+    """NCCL's INFO log of its start (which names its network), one file per process, read by `nccl_network`."""
+    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
+            "NCCL_DEBUG_FILE": str(directory / "nccl.%h.%p.log")}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    from scalelm.parallel.env import all_gather_object, setup, teardown
+
+    logs = args.out.parent / f"{args.out.stem}.nccl"
+    if torch.cuda.is_available():
+        logs.mkdir(parents=True, exist_ok=True)
+        for name, value in nccl_debug_env(logs).items():
+            os.environ.setdefault(name, value)
+    env = setup("auto", 600)
+    try:
+        device = env.device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        shapes = gemm_shapes(args.config)
+        rates: dict[str, Any] | None = None
+        for rank in range(env.world_size):  # one at a time: no two share a device or a core
+            if dist.is_initialized():
+                dist.barrier()
+            if rank == env.rank:
+                rates = matmul_rates(shapes, device, dtype)
+        collectives = []
+        if env.world_size > 1:
+            sizes = message_sizes(args.min_bytes, args.max_bytes)
+            collectives = time_collectives("job", dist.group.WORLD, sizes, device, args.iterations)
+            within = node_group(env.procs_per_node, env.world_size)
+            if within is not None:
+                collectives += time_collectives("node", within, sizes, device, args.iterations)
+        per_rank = all_gather_object({"rank": env.rank, "host": socket.gethostname(), "matmul": rates,
+                                      "gpu": gpu_health(device)})  # fmt: skip
+        if not env.is_main:
+            return None
+        network = nccl_network([p.read_text(errors="replace") for p in logs.glob("*.log")]) if logs.is_dir() else None
+        return {
+            "world_size": env.world_size,
+            "procs_per_node": env.procs_per_node,
+            "hosts": sorted({r["host"] for r in per_rank}),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "torch": torch.__version__,
+            "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
+            "per_rank": per_rank,
+            "collectives": collectives,
+            "nccl_network": network,
+        }
+    finally:
+        teardown()
+
+
+def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
+    """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
+    lines = [f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
+             f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s (the slowest rank)"]  # fmt: skip
+    largest: dict[tuple[str, str], dict] = {}
+    for row in result["collectives"]:
+        largest[row["scope"], row["op"]] = row  # sizes ascend: the last is the largest
+    for (scope, op), row in largest.items():
+        lines.append(f"  {op:<15} {scope:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
+                     f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s")  # fmt: skip
+    for rank in result["per_rank"]:
+        gpu = rank["gpu"]
+        if gpu and not gpu.get("healthy", True):
+            lines.append(f"  WARNING: rank {rank['rank']} on {rank['host']}: GPU not healthy ({gpu})")
+    if result["nccl_network"]:
+        lines.append(f"  NCCL network: {result['nccl_network']}")
+        if interconnect == "infiniband" and "IB" not in result["nccl_network"]:
+            lines.append("  WARNING: the site has InfiniBand but NCCL uses " + result["nccl_network"] + ": about a "
+                         "fifth of the bandwidth between nodes. Check the image's libibverbs and NCCL_IB_* settings "
+                         "(docs/gpu.md)")  # fmt: skip
+    return lines
+
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m scalelm.measure.baseline", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the baseline's JSON file")
+    parser.add_argument(
+        "--config", type=Path, help="training settings whose matrix products to time (default: the course's)"
+    )
+    parser.add_argument("--min-bytes", type=int, default=2**12)
+    parser.add_argument("--max-bytes", type=int, default=2**26, help="largest message (default 64 MiB)")
+    parser.add_argument("--iterations", type=int, default=5, help="timed repetitions per op and size")
+    parser.add_argument("--interconnect", choices=["infiniband", "ethernet"], help="what the site's nodes have")
+    args = parser.parse_args(argv)
+    if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.iterations < 1:
+        parser.error("--min-bytes must be 4 or more, --max-bytes at least --min-bytes, --iterations 1 or more")
+    result = measure(args)
+    if result is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+        print("\n".join(report(result, args.interconnect)) + f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
