@@ -453,3 +453,46 @@ def test_the_history_flags_a_real_slowdown_and_no_rerun(tiny_config, tmp_path):
     assert slower.verdict == "regression" and slower.p_value < 0.05 and slower.relative < -0.05, slower
     assert slower.environment["threads"] == (['"2"'], ['"1"']), slower.environment
     assert "regression tokens_per_s_per_device" in summaries["one_thread"]
+
+
+def fake_baseline(path, nodes, procs, job_all_reduce, node_all_reduce=None, tflops=0.05):
+    """A machine baseline as scalelm.measure.baseline writes it: two sizes of all_reduce over the job (and within a
+    node), the second `job_all_reduce` GB/s of bus bandwidth."""
+    world = nodes * procs
+    rows = []
+    for scope, busbw, ranks in (("job", job_all_reduce, world), ("node", node_all_reduce, procs)):
+        for size, share in ((2**20, 0.5), (2**22, 1.0)):
+            if busbw is not None:
+                rows.append({"scope": scope, "op": "all_reduce", "ranks": ranks, "bytes": size, "time_s": 0.01,
+                             "algbw_gbps": busbw * share / 1.5, "busbw_gbps": busbw * share})  # fmt: skip
+    path.write_text(json.dumps({"world_size": world, "procs_per_node": procs, "hosts": [f"n{i}" for i in range(nodes)],
+                                "device": "cpu", "matmul_tflops_min": tflops, "per_rank": [], "collectives": rows,
+                                "nccl_network": None}))  # fmt: skip
+    return path
+
+
+def test_the_machine_baseline_sits_beside_the_runs_on_its_nodes(tmp_path, two_seeds):
+    """Each node count's baseline in summary.md and machine.csv, against the site's references: the network of one
+    node delivered 22% of its reference, flagged beside every run on one node."""
+    from scalelm.site import MachineReferences
+
+    one = fake_baseline(tmp_path / "nodes1.json", 1, 2, job_all_reduce=2.2, node_all_reduce=None)
+    references = MachineReferences(matmul_tflops=0.04, busbw_gbps={"job_all_reduce": 10.0}, tolerance=0.1)
+    out = tmp_path / "summary"
+    aggregate(two_seeds, out, machine_files=[one], references=references)
+    summary = (out / "summary.md").read_text()
+    assert "## The machine" in summary and "| 1 | 2 | n0 | 0.05 | 2.2 |" in summary
+    assert "| 1 | job_all_reduce_busbw_gbps | 2.2 | 10 | 22% | 9 | **missed** |" in summary
+    assert "| 1 | matmul_tflops | 0.05 | 0.04 | 125% | 0.036 | **met** |" in summary
+    flagged = [
+        line for line in summary.splitlines() if "machine below reference (job_all_reduce_busbw_gbps 22%)" in line
+    ]
+    assert [line.split(" | ")[0] for line in flagged] == ["| single", "| single", "| ddp", "| ddp"]  # one node each
+    rows = read_csv(out / "machine.csv")
+    assert [(r["nodes"], r["scope"], r["bytes"], r["busbw_gbps"]) for r in rows] == [
+        ("1", "job", "1048576", "1.1"), ("1", "job", "4194304", "2.2")]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"references.busbw_gbps: unknown key 'all_reduce' \(known: job_all_reduce"):
+        MachineReferences(busbw_gbps={"all_reduce": 1.0})
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(DataError, match=r"broken.json is not a machine baseline"):
+        aggregate(two_seeds, out, machine_files=[tmp_path / "broken.json"])

@@ -136,6 +136,12 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
         rows = {r["experiment"]: r for r in csv.DictReader(handle)}
     assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp", "pp"}
     assert (project / "results/local/scaling.png").is_file()
+    # the machine's baseline: a job per node count, the 2-node one across n1 and n2 (gloo over TCP between them)
+    with (project / "results/local/machine.csv").open() as handle:
+        machine = list(csv.DictReader(handle))
+    assert {(r["nodes"], r["hosts"]) for r in machine} == {("1", "n1"), ("2", "n1 n2")} or {
+        (r["nodes"], r["hosts"]) for r in machine} == {("1", "n2"), ("2", "n1 n2")}, machine  # fmt: skip
+    assert {(r["scope"], r["ranks"]) for r in machine if r["nodes"] == "2"} == {("job", "4"), ("node", "2")}
     accounting = subprocess.run(["sacct", "-X", "-n", "-o", "JobName%40,State"], capture_output=True, text=True)
     assert "COMPLETED" in accounting.stdout and "FAILED" in accounting.stdout
 
@@ -147,6 +153,7 @@ def long_runs(project: Path, max_steps: int, checkpoint_every: int, **resources)
         local["training"]["checkpoint"]["every"] = checkpoint_every
         local["resources"].update(resources)
         local["experiments"].pop("broken")
+        local["machine"] = {"enabled": False}  # the drills stop trainings; the baseline ran in the matrix's test
 
     edit_yaml(project / "config/local.yaml", change)
 

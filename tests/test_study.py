@@ -109,6 +109,24 @@ def test_a_bad_experiment_is_refused_naming_the_key(change, message):
         resolve(config)
 
 
+def test_the_machine_baseline_runs_once_per_node_count_on_its_widest_experiment():
+    """One machine_baseline job per node count of the matrix, on the geometry (and in the job) of the experiment
+    with the most processes per node there, timing that experiment's matrix products; the aggregation reads them."""
+    study = resolve(local_config())
+    assert {n: (e.nodes, e.procs_per_node) for n, e in study.baselines.items()} == {1: (1, 2), 2: (2, 2)}
+    wildcards = SimpleNamespace(nodes="2")
+    assert study.geometry(wildcards) is study.baselines[2]
+    assert study.launch_args(wildcards).startswith("--nodes 2 --procs-per-node 2")
+    options = study.baseline_args(wildcards).split()
+    assert options[:2] == ["--config", f"results/local/runs/{study.baselines[2].name}/seed1/train.yaml"]
+    assert options[2:] == ["--max-bytes", str(4 * 2**20), "--iterations", "3"]  # config/local.yaml's machine:
+    assert "--machine results/local/machine/nodes1.json --machine results/local/machine/nodes2.json" in (
+        study.aggregate_args()
+    )
+    skipped = resolve(local_config(lambda local: local.update(machine={"enabled": False})))
+    assert skipped.baselines == {} and "--machine" not in skipped.aggregate_args()
+
+
 def test_baseline_and_expectations_reach_the_aggregation():
     study = resolve(local_config())
     assert study.baseline == "single_gpu" and not study.expect_strict  # the single-device experiment by default

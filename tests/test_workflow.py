@@ -163,6 +163,15 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert (row["pp_schedule"], row["pp_microbatches"], row["bubble_predicted"]) == (schedule, "4", "0.2"), row
         assert 0 < float(row["bubble_measured"]) < 1 and len(row["peak_mem_mb_per_pp_rank"].split(" / ")) == 2, row
     assert by_name["ddp"]["pp_schedule"] == by_name["ddp"]["bubble_measured"] == ""
+    # the machine's baseline, once per node count, on the widest experiment's geometry there (2 x 2 on two "nodes")
+    with (results / "machine.csv").open() as handle:
+        machine = list(csv.DictReader(handle))
+    assert {(r["nodes"], r["procs_per_node"]) for r in machine} == {("1", "2"), ("2", "2")}
+    assert {(r["scope"], r["op"]) for r in machine if r["nodes"] == "2"} == {
+        (scope, op) for scope in ("job", "node") for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+    }
+    assert all(float(r["busbw_gbps"]) > 0 for r in machine)
+    assert "## The machine" in (results / "summary.md").read_text()
     for png in (
         "loss_vs_tokens.png",
         "loss_vs_time.png",

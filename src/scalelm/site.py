@@ -6,9 +6,38 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from scalelm.config import from_mapping, read_yaml
 from scalelm.errors import ConfigError
+
+SCOPES = ("job", "node")  # the baseline's collectives: over the whole job (across nodes), within one node
+
+
+@dataclass(frozen=True)
+class MachineReferences:
+    """What the site's machine should deliver, each checked in the summary against the machine's baseline
+    (scalelm.measure.baseline): met within the relative tolerance, or missed."""
+
+    matmul_tflops: float | None = None  # one device, the model's matrix products in the training dtype
+    # the bus bandwidth (GB/s, nccl-tests' convention) at the baseline's largest message, by `<scope>_<op>`, e.g.
+    # job_all_reduce: 91 (across the job's nodes), node_all_reduce: 300 (within a node)
+    busbw_gbps: dict[str, float] = field(default_factory=dict)
+    tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        from scalelm.measure.baseline import OPS
+
+        known = [f"{scope}_{op}" for scope in SCOPES for op in OPS]
+        for key, value in self.busbw_gbps.items():
+            if key not in known:
+                raise ConfigError(f"references.busbw_gbps: unknown key {key!r} (known: {', '.join(known)})")
+            if value <= 0:
+                raise ConfigError(f"references.busbw_gbps.{key} must be a positive GB/s, got {value}")
+        if self.matmul_tflops is not None and self.matmul_tflops <= 0:
+            raise ConfigError(f"references.matmul_tflops must be positive or null, got {self.matmul_tflops}")
+        if not 0 <= self.tolerance < 1:
+            raise ConfigError(f"references.tolerance must be a fraction from 0 to below 1, got {self.tolerance}")
 
 
 @dataclass
@@ -29,6 +58,9 @@ class SiteConfig:
     modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
     peak_tflops: float | None = None  # one GPU's dense TFLOP/s for MFU, where scalelm's table lacks the GPU
     exclusive: bool = True  # training jobs get whole nodes (sbatch --exclusive): nothing shares a timed job's nodes
+    # the nodes' network: with infiniband, a machine baseline in which NCCL chose sockets warns (scalelm.measure.baseline)
+    interconnect: Literal["infiniband", "ethernet"] | None = None
+    references: MachineReferences = field(default_factory=MachineReferences)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:

@@ -11,6 +11,7 @@ rule aggregate:
     input:
         runs=[str(run.record) for run in STUDY.runs],
         tests=[str(run.test_result) for run in STUDY.runs],
+        machine=[STUDY.baseline_file(nodes) for nodes in STUDY.baselines],
     output:
         csv=report(
             f"{RESULTS}/summary.csv",
@@ -57,6 +58,11 @@ rule aggregate:
             f"{RESULTS}/trend.png",
             category="History",
             caption="../report/trend.rst",
+        ),
+        machine=report(
+            f"{RESULTS}/machine.csv",
+            category="Machine",
+            caption="../report/machine.rst",
         ),
     log:
         f"{RESULTS}/logs/aggregate.log",

@@ -21,6 +21,7 @@ RUN = STUDY.run_pattern
 wildcard_constraints:
     experiment="[A-Za-z0-9_-]+",
     seed="[0-9]+",
+    nodes="[0-9]+",
 
 
 def experiment(wildcards):

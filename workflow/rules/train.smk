@@ -1,4 +1,5 @@
-# One training job per experiment x seed, then its consolidated model and the common test evaluation.
+# One training job per experiment x seed, then its consolidated model and the common test evaluation; and the
+# machine's baseline, one job per node count of the matrix, on the geometry of its widest experiment.
 
 
 localrules:
@@ -75,3 +76,24 @@ rule evaluate:
         run=STUDY.in_container(),
     shell:
         "{params.run}python -m scalelm.train.evaluation --model {input.model:q} --data {input.data:q} --split test --out {output:q} > {log:q} 2>&1"
+
+
+rule machine_baseline:
+    input:
+        config=STUDY.baseline_config,
+        image=image_input,
+    output:
+        STUDY.baseline_file("{nodes}"),
+    log:
+        f"{RESULTS}/logs/machine_baseline/nodes{{nodes}}.log",
+    conda:
+        "../envs/scalelm.yaml"
+    threads: lambda wildcards: STUDY.train_threads(wildcards, workflow.cores)
+    resources:
+        **STUDY.train_resources(),
+    params:
+        launch=STUDY.launch_args,
+        options=STUDY.baseline_args,
+        prelude=STUDY.site.prelude(),
+    shell:
+        "{params.prelude}python -m scalelm.launch --program baseline {params.launch} -- {params.options} --out {output:q} 2>&1 | tee {log:q}"

@@ -29,13 +29,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from scalelm.errors import friendly_errors
 from scalelm.files import atomic_write_text
+
+if TYPE_CHECKING:  # torch is imported where the measuring starts: the report and the site file read this module
+    import torch
+    import torch.distributed as dist
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 # nccl-tests' bus bandwidth: the algorithm bandwidth times the share of the message each link carries
@@ -91,6 +92,8 @@ def vocabulary_size(config) -> int:
 
 def matmul_rates(shapes: dict[str, tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> dict:
     """TFLOP/s of each product (the median of a few after one warm-up) and over all of them."""
+    import torch
+
     rates, flops_total, seconds_total = {}, 0.0, 0.0
     for name, (m, k, n) in shapes.items():
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -110,6 +113,8 @@ def matmul_rates(shapes: dict[str, tuple[int, int, int]], device: torch.device, 
 
 
 def synchronize(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -117,16 +122,22 @@ def synchronize(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------ collectives
 def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
     """One `op` of `size_bytes` (fp32) on `group`, ready to call."""
+    import torch
+    import torch.distributed as dist
+
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     elements = max(size_bytes // 4 // ranks, 1) * ranks
     buffer = torch.ones(elements, device=device)
     piece = torch.ones(elements // ranks, device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(buffer, group=group)
+    # the same collectives under their newer names (torch >= 2.13), where there are
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if op == "all_gather":
-        return lambda: dist.all_gather_into_tensor(buffer, piece, group=group)
+        return lambda: gather(buffer, piece, group=group)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(piece, buffer, group=group)
+        return lambda: scatter(piece, buffer, group=group)
     received = torch.empty_like(buffer)
     after = dist.get_global_rank(group, (me + 1) % ranks)
     before = dist.get_global_rank(group, (me - 1) % ranks)
@@ -142,6 +153,9 @@ def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.dev
 def time_collectives(scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device,
                      iterations: int) -> list[dict[str, Any]]:  # fmt: skip
     """Every op at every size on `group`: the slowest rank's median time and the bandwidths."""
+    import torch
+    import torch.distributed as dist
+
     ranks = dist.get_world_size(group)
     rows = []
     for op in OPS:
@@ -168,6 +182,8 @@ def time_collectives(scope: str, group: dist.ProcessGroup, sizes: list[int], dev
 
 def node_group(procs_per_node: int, world_size: int) -> dist.ProcessGroup | None:
     """This rank's node (torchrun places a node's ranks together); None with one node or one process per node."""
+    import torch.distributed as dist
+
     if procs_per_node < 2 or procs_per_node >= world_size or world_size % procs_per_node:
         return None
     mine, _ = dist.new_subgroups(group_size=procs_per_node)
@@ -227,6 +243,9 @@ def nccl_debug_env(directory: Path) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------------- the run
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
     from scalelm.parallel.env import all_gather_object, setup, teardown
 
     logs = args.out.parent / f"{args.out.stem}.nccl"

@@ -27,12 +27,13 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
-from scalelm.report import bubble, expectations, history, repeats
+from scalelm.report import bubble, expectations, history, machine, repeats
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
+from scalelm.site import MachineReferences, load_site
 from scalelm.train.record import read_metrics, read_record
 from scalelm.train.rundir import RunDir
 
@@ -130,11 +131,14 @@ LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device",
         "mfu", "comm_share", "peak_mem_mb_per_rank", "state_mb_per_rank", "test_perplexity"]  # fmt: skip
 
 
-def flags(row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change]) -> str:
-    """What a reader must not miss about a run: shared hosts, a straggler, missed expectations, regressions since
-    last time."""
+def flags(
+    row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change], machine_checks: list[dict]
+) -> str:
+    """What a reader must not miss about a run: shared hosts, a straggler, a machine below its reference, missed
+    expectations, regressions since last time."""
     found = ["not isolated"] if row["overlapped_by"] else []
     found += [f"straggler {row['straggler']}"] if row.get("straggler") else []
+    found += machine.flags(row["nodes"], machine_checks)
     found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}" for c in checks
               if c["experiment"] == row["experiment"] and c["status"] != "met"]  # fmt: skip
     found += [f"{c.verdict} {c.figure}" for c in changes
@@ -148,6 +152,8 @@ def write_tables(
     checks: list[dict[str, Any]],
     out_dir: Path,
     since: tuple[str, list[history.Change]] | None = None,
+    baselines: list[dict[str, Any]] = (),
+    machine_checks: list[dict[str, Any]] = (),
 ) -> None:
     """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, and summary.md: the
     lead table, the statistics per experiment, the expectations, the changes since the previous study (`since`:
@@ -155,10 +161,11 @@ def write_tables(
     write_csv(out_dir / "summary.csv", COLUMNS, rows)
     write_csv(out_dir / "summary_by_experiment.csv", repeats.COLUMNS, summaries)
     write_csv(out_dir / "expectations.csv", expectations.COLUMNS, checks)
+    write_csv(out_dir / "machine.csv", machine.COLUMNS, machine.rows(baselines))
     changes = since[1] if since else []
     lines = ["Per run; every figure of every run is in `summary.csv`.", ""]
     lines += markdown_table(
-        [*LEAD, "flags"], [[fmt(r.get(c)) for c in LEAD] + [flags(r, checks, changes)] for r in rows]
+        [*LEAD, "flags"], [[fmt(r.get(c)) for c in LEAD] + [flags(r, checks, changes, machine_checks)] for r in rows]
     )
     shared = [f"`{r['experiment']}` seed {r['seed']} (with {r['overlapped_by']})" for r in rows if r["overlapped_by"]]
     if shared:
@@ -175,6 +182,7 @@ def write_tables(
         [*columns, *repeats.STATISTICS],
         [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] for s in summaries],
     )
+    lines += machine.markdown(baselines, machine_checks, fmt)
     if checks:
         missed = sum(c["status"] == "missed" for c in checks)
         unchecked = sum(c["status"] == "no reference" for c in checks)
@@ -229,9 +237,12 @@ def aggregate(
     baseline: str | None = None,
     expected: list[expectations.Expectation] | None = None,
     history_db: Path | None = None,
+    machine_files: list[Path] = (),
+    references: MachineReferences | None = None,
 ) -> list[RunSummary]:
     """The summary of `run_dirs` in `out_dir`; with `history_db` the runs are appended to the results history first,
-    and the summary compares them with the previous study there."""
+    and the summary compares them with the previous study there; with `machine_files` (scalelm.measure.baseline)
+    it shows the machine's baseline against the site's `references`."""
     runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
     mark_overlaps(runs)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
@@ -246,8 +257,10 @@ def aggregate(
         print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
         since, trend = history.since_previous(history_db, runs), history.trend(history_db, runs)
     checks = expectations.check(expected, summaries)
+    baselines = machine.read_baselines(list(machine_files))
+    machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir, since)
+    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks)
     plot(runs, summaries, out_dir, trend)
     return runs
 
@@ -268,14 +281,19 @@ def main(argv: list[str] | None = None) -> None:
         help="a reference value, e.g. ddp.min_mfu=0.3 or ddp.tolerance=0.1 (repeatable; scalelm.report.expectations)",
     )  # fmt: skip
     parser.add_argument("--history", type=Path, help="also append the runs to this results history (SQLite)")
+    parser.add_argument("--machine", type=Path, action="append", default=[],
+                        help="a machine baseline (scalelm.measure.baseline; repeatable)")  # fmt: skip
+    parser.add_argument("--site", type=Path, help="the site file whose `references:` the machine is checked against")
     args = parser.parse_args(argv)
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     expected = expectations.from_arguments(args.expect)
-    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected, args.history)
+    references = load_site(args.site).references if args.site else None
+    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected, args.history, args.machine,
+                     references)  # fmt: skip
     print((args.out_dir / "summary.md").read_text())
     print(f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
-          "expectations.csv and *.png")  # fmt: skip
+          "expectations.csv, machine.csv and *.png")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -52,6 +52,21 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class MachineSettings:
+    """The machine's baseline (rule machine_baseline, scalelm.measure.baseline): once per node count of the matrix,
+    on the geometry of its widest experiment, before the trainings' figures are compared with it."""
+
+    enabled: bool = True
+    max_mb: float = 64  # the largest message of the collectives (MiB)
+    iterations: int = 5  # timed repetitions per collective and size
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_mb <= 4096 or self.iterations < 1:
+            raise ConfigError(f"machine: max_mb must be in (0, 4096] and iterations 1 or more, got {self.max_mb} "
+                              f"and {self.iterations}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ExperimentSpec:
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp"]
     nodes: int
@@ -75,6 +90,7 @@ class StudySettings:
     baseline: str | None = None
     expect_strict: bool = False
     history: str | None = None  # the results history (SQLite); None: <results>/history.sqlite
+    machine: MachineSettings = field(default_factory=MachineSettings)
     local: dict[str, Any] | None = None  # the embedded default's overlay, applied before (or switched off)
 
 

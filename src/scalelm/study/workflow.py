@@ -65,6 +65,28 @@ class Study:
     def experiment(self, wildcards) -> Experiment:
         return self.matrix[(wildcards.experiment, str(wildcards.seed))]
 
+    @functools.cached_property
+    def baselines(self) -> dict[int, Experiment]:
+        """Per node count of the matrix, the experiment with the most processes per node: the geometry, settings and
+        job the machine's baseline takes there (rule machine_baseline, scalelm.measure.baseline); none when
+        `machine.enabled` is false."""
+        found: dict[int, Experiment] = {}
+        if not self.settings.machine.enabled:
+            return found
+        for e in self.matrix.values():
+            if e.nodes not in found or e.procs_per_node > found[e.nodes].procs_per_node:
+                found[e.nodes] = e
+        return dict(sorted(found.items()))
+
+    def baseline_file(self, nodes: int | str) -> str:
+        return f"{self.results}/machine/nodes{nodes}.json"
+
+    def geometry(self, wildcards) -> Experiment:
+        """The experiment whose nodes and processes a job takes: its run's, or for a baseline (wildcard `nodes`) the
+        one it stands in for."""
+        nodes = getattr(wildcards, "nodes", None)
+        return self.baselines[int(nodes)] if nodes is not None else self.experiment(wildcards)
+
     def run(self, wildcards) -> RunDir:
         return RunDir.of(self.results, wildcards.experiment, wildcards.seed)
 
@@ -116,7 +138,7 @@ class Study:
         return shlex.join([*(["--lowercase"] if data.lowercase else []), "--min-freq", str(data.min_freq)])
 
     def launch_args(self, wildcards) -> str:
-        e = self.experiment(wildcards)
+        e = self.geometry(wildcards)
         args = ["--nodes", str(e.nodes), "--procs-per-node", str(e.procs_per_node)]
         if self.image:
             args += ["--container", self.image, "--container-runtime", self.runtime]
@@ -124,12 +146,26 @@ class Study:
         args += ["--gpu"] if self.site.gpus_per_node else []
         return shlex.join([*args, *self.site.launch_flags()])
 
+    def baseline_args(self, wildcards) -> str:
+        """The baseline's options: the settings of the experiment it stands in for (its matrix products)."""
+        machine = self.settings.machine
+        args = ["--config", self.baseline_config(wildcards), "--max-bytes", str(int(machine.max_mb * 2**20)),
+                "--iterations", str(machine.iterations)]  # fmt: skip
+        return shlex.join([*args, *(["--interconnect", self.site.interconnect] if self.site.interconnect else [])])
+
+    def baseline_config(self, wildcards) -> str:
+        """The training settings of the experiment a baseline stands in for (the matrix products it times)."""
+        e = self.baselines[int(wildcards.nodes)]
+        return str(RunDir.of(self.results, e.name, e.seed).train_config)
+
     def aggregate_args(self) -> str:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
+        args += [arg for nodes in self.baselines for arg in ("--machine", self.baseline_file(nodes))]
         if self.settings.warmup_steps is not None:
             args += ["--warmup-steps", str(self.settings.warmup_steps)]
         args += ["--baseline", self.baseline]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
+        args += ["--site", self.settings.site] if self.settings.site else []  # the machine's references
         args += ["--history", self.settings.history or f"{self.results}/history.sqlite"]
         return shlex.join(args)
 
@@ -156,7 +192,7 @@ class Study:
     def train_threads(self, wildcards, cores: int) -> int:
         """A training job's Snakemake threads: its processes per node on a cluster; without a site, all of this
         machine's cores, so that no consolidation or evaluation runs beside a timed training either."""
-        return self.experiment(wildcards).procs_per_node if self.settings.site else max(1, cores)
+        return self.geometry(wildcards).procs_per_node if self.settings.site else max(1, cores)
 
     def train_resources(self) -> dict[str, Any]:
         """A training job: one task per node, sized from its experiment, stopped by USR1 before its time limit.
@@ -165,7 +201,7 @@ class Study:
         launcher starts the training in an srun step of its own, which it does reach (scalelm.launch.supervise).
         The plugin refuses mpi jobs of one task, so one node gets "": the key still counts, sbatch sees a plain job.
         """
-        experiment, per_proc = self.experiment, self.resources
+        experiment, per_proc = self.geometry, self.resources
         return {
             **self.site.sbatch_resources(),
             "nodes": lambda wildcards: experiment(wildcards).nodes,

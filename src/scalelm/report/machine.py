@@ -1,0 +1,100 @@
+"""The machine's baseline in the summary (scalelm.measure.baseline writes it, one per node count of the matrix):
+every collective at every size in machine.csv, and in summary.md each node count's matrix-product rate and bus
+bandwidths at the largest message against the site's references (site.yaml `references:`, met within their
+tolerance), so that "the network delivered 22% of its reference" sits beside the experiments on those nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from scalelm.errors import DataError
+from scalelm.site import MachineReferences
+
+COLUMNS = ["nodes", "procs_per_node", "hosts", "device", "scope", "op", "ranks", "bytes", "time_s", "algbw_gbps",
+           "busbw_gbps"]  # fmt: skip
+CHECK_COLUMNS = ["nodes", "figure", "value", "reference", "share", "threshold", "status"]
+
+
+def read_baselines(paths: list[Path]) -> list[dict[str, Any]]:
+    """The baselines, by node count."""
+    found = []
+    for path in paths:
+        try:
+            baseline = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path} is not a machine baseline ({err}): run the workflow's machine_baseline") from None
+        baseline["nodes"] = baseline["world_size"] // baseline["procs_per_node"]
+        found.append(baseline)
+    return sorted(found, key=lambda b: b["nodes"])
+
+
+def rows(baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """machine.csv: every collective at every size, with the node count it ran on."""
+    return [
+        {"nodes": b["nodes"], "procs_per_node": b["procs_per_node"], "hosts": " ".join(b["hosts"]),
+         "device": b["device"], **row}
+        for b in baselines
+        for row in b["collectives"]
+    ]  # fmt: skip
+
+
+def largest(baseline: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each collective at its largest message, by `<scope>_<op>`."""
+    found: dict[str, dict[str, Any]] = {}
+    for row in baseline["collectives"]:
+        key = f"{row['scope']}_{row['op']}"
+        if key not in found or row["bytes"] > found[key]["bytes"]:
+            found[key] = row
+    return found
+
+
+def check(baselines: list[dict[str, Any]], references: MachineReferences) -> list[dict[str, Any]]:
+    """Each reference against each baseline that measured its figure: met at reference x (1 - tolerance) or more."""
+    checks = []
+    for b in baselines:
+        measured = {"matmul_tflops": b["matmul_tflops_min"]}
+        measured |= {f"{key}_busbw_gbps": row["busbw_gbps"] for key, row in largest(b).items()}
+        wanted = {"matmul_tflops": references.matmul_tflops}
+        wanted |= {f"{key}_busbw_gbps": value for key, value in references.busbw_gbps.items()}
+        for figure, reference in wanted.items():
+            if reference is None or figure not in measured:
+                continue
+            value, threshold = measured[figure], reference * (1 - references.tolerance)
+            checks.append({"nodes": b["nodes"], "figure": figure, "value": value, "reference": reference,
+                           "share": value / reference, "threshold": threshold,
+                           "status": "met" if value >= threshold else "missed"})  # fmt: skip
+    return checks
+
+
+def flags(nodes: int, checks: list[dict[str, Any]]) -> list[str]:
+    """A run's flags from the baseline of its node count: each reference its machine missed."""
+    return [f"machine below reference ({c['figure']} {c['share']:.0%})" for c in checks
+            if c["nodes"] == nodes and c["status"] == "missed"]  # fmt: skip
+
+
+def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]], fmt) -> list[str]:
+    """summary.md's section: per node count the products' rate and every collective at its largest message, then
+    the references."""
+    if not baselines:
+        return []
+    keys = sorted({key for b in baselines for key in largest(b)})
+    header = ["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)]
+    table = [[str(b["nodes"]), str(b["procs_per_node"]), ", ".join(b["hosts"]), fmt(b["matmul_tflops_min"]),
+              *(fmt(largest(b)[key]["busbw_gbps"]) if key in largest(b) else "" for key in keys)]
+             for b in baselines]  # fmt: skip
+    sizes = sorted({row["bytes"] for b in baselines for row in largest(b).values()})
+    lines = ["", "## The machine", "",
+             "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
+             "(the slowest rank's TFLOP/s) and each collective's bus bandwidth (nccl-tests' convention) at the largest "
+             f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
+             "(`node_`).", ""]  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    if checks:
+        lines += ["", "Against the site's references (site.yaml `references:`):", ""]
+        lines += ["| " + " | ".join(CHECK_COLUMNS) + " |", "|" + "---|" * len(CHECK_COLUMNS)]
+        lines += ["| " + " | ".join(f"**{c[k]}**" if k == "status" else f"{c[k]:.0%}" if k == "share" else fmt(c[k])
+                                    for k in CHECK_COLUMNS) + " |" for c in checks]  # fmt: skip
+    return lines
