@@ -143,7 +143,10 @@ class Watchdog:
                 "host": self.host, "pid": os.getpid()}  # fmt: skip
 
     def close(self) -> None:
+        """Stop watching; back once the thread is done with the process groups, before they are shut down."""
         self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     # ---------------------------------------------------------------------------------------- the thread
     def _watch(self) -> None:
