@@ -146,7 +146,7 @@ class Watchdog:
         """Stop watching; back once the thread is done with the process groups, before they are shut down."""
         self._done.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=10 * PUBLISH_EVERY_S)  # a store that no longer answers: not forever
 
     # ---------------------------------------------------------------------------------------- the thread
     def _watch(self) -> None:
