@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import resource
 import sys
 import time
@@ -16,13 +17,19 @@ import torch
 
 from scalelm.files import append_text, atomic_write_text
 
+PROC_STATUS, PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float | None]:
-    """(peak, reserved) in MiB. CUDA: the peak memory allocated by tensors, and the peak the caching allocator
-    held (what the device had to have). CPU: the peak resident set size of this process, and None."""
+    """(peak, reserved) in MiB since the last `reset_peak_memory`. CUDA: the peak memory allocated by tensors, and
+    the peak the caching allocator held (what the device had to have). CPU: the peak resident set size of this
+    process (Linux's VmHWM; elsewhere the lifetime peak), and None."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, None  # Linux reports KiB
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", PROC_STATUS.read_text())[1]) / 1024, None
+    except (OSError, TypeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, None  # Linux reports KiB
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -97,10 +104,16 @@ def progress_line(record: dict[str, Any]) -> str:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new CUDA peak (at each logged interval and after each evaluation or checkpoint): since the process
-    started, every later interval's peak would include the largest evaluation. CPU: the peak RSS cannot be reset."""
+    """Start a new peak (at each logged interval and after each evaluation or checkpoint): since the process
+    started, every later interval's peak would include the start-up and the largest evaluation. CPU: Linux resets
+    the process's peak resident set (VmHWM) to its current one; elsewhere the lifetime peak stays."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        pass
 
 
 def synchronize(device: torch.device) -> None:
