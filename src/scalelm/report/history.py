@@ -15,6 +15,10 @@ change of the mean, and with two seeds or more a side Welch's t-test and a 95% c
 seed a side, beyond the tolerance is flagged "not tested". Beside each flagged figure: what changed between the two
 environments (torch, CUDA, NCCL, the device, the image, the nodes, the commit).
 
+The aggregation also reads the history for two things: the limit of an `expect:` that names it (`reference`: the
+median of the experiment's last n comparable studies) and the trend figure (`trend`: every study of the same
+settings, coloured by environment).
+
 Several studies and users may share one database (`history:` in the config; a shared filesystem too): each write is
 one immediate transaction under SQLite's file lock with a long busy timeout, in its rollback journal (WAL needs shared
 memory, which network filesystems lack), and a run already recorded (the same experiment, seed, settings and
