@@ -127,9 +127,11 @@ class Watchdog:
     @contextmanager
     def watching(self, step: int) -> Iterator[None]:
         self.step, self.started = step, time.monotonic()
-        yield
-        self.durations.append(time.monotonic() - self.started)
-        self.started = None
+        try:
+            yield
+            self.durations.append(time.monotonic() - self.started)
+        finally:
+            self.started = None  # a step that raised is no longer running: nothing to watch while the job ends
 
     def threshold(self) -> float | None:
         """Seconds after which the running step is overdue; None before the first step ended."""
