@@ -334,7 +334,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     assert week2["max_test_loss"]["status"] == "met" and week2["max_test_loss"]["threshold"] == "5.25"
     assert week2["max_test_loss"]["reference"] == "median of the last 1 study (n 3)"
     # the trend: every study of these settings, one point each, coloured by environment
-    trend = history.trend(db, [read_run(RunDir(Path(run))) for run in slower])
+    trend = history.trend(history.read_rows(db), [read_run(RunDir(Path(run))) for run in slower])
     assert [p.values["tokens_per_s_per_device"] for p in trend["ddp"]] == [[5120.0] * 2, [2560.0] * 2]
     assert {p.environment for p in trend["ddp"]} == {"local, cpu, torch 2.13.0"} and len(trend["single"]) == 2
     assert (tmp_path / "week2/trend.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,6 +1,7 @@
 """What the speed figures rest on: steady state after warm-up, isolation of timed runs, peak FLOP/s and MFU."""
 
 import json
+import mmap
 import os
 import resource
 import socket
@@ -137,6 +138,20 @@ def test_the_data_time_is_the_host_time_spent_producing_batches():
         time.sleep(0.05)  # the step: not data time
     assert items == [0, 1, 2]
     assert 0.06 <= holder.data_seconds < 0.12
+
+
+def test_the_cpu_peak_memory_is_each_intervals_own():
+    """As on CUDA, a reset starts a new peak: what an earlier interval (the start-up, an evaluation) held does not
+    count in the next one's (Linux's VmHWM, reset through /proc/self/clear_refs)."""
+    from scalelm.train.metrics import peak_memory_mb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    held = mmap.mmap(-1, 256 * 2**20)  # mapped apart from malloc, whose heap this process may keep (hostmemory)
+    held.write(b"x" * len(held))  # touched: resident
+    with_it = peak_memory_mb(cpu)[0]
+    held.close()
+    reset_peak_memory(cpu)
+    assert peak_memory_mb(cpu)[0] < with_it - 200  # MiB: the freed 256 no longer counts
 
 
 def test_the_rank_the_others_wait_for_is_named_a_straggler(tiny_config, tmp_path):

@@ -290,7 +290,8 @@ def test_the_workflows_parse_the_planner_the_launcher_and_the_report_never_impor
 import json, sys, yaml
 import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
 import scalelm.launch.container, scalelm.launch.launcher, scalelm.site, scalelm.launch.slurm, scalelm.launch.supervise
-import scalelm.report.aggregate, scalelm.report.expectations, scalelm.report.history
+import scalelm.report.aggregate, scalelm.report.expectations, scalelm.report.history, scalelm.report.machine
+import scalelm.measure.baseline  # the site file reads the names of its collectives
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 config = yaml.safe_load(open("config/config.yaml"))

@@ -10,8 +10,7 @@ from typing import Literal
 
 from scalelm.config import from_mapping, read_yaml
 from scalelm.errors import ConfigError
-
-SCOPES = ("job", "node")  # the baseline's collectives: over the whole job (across nodes), within one node
+from scalelm.measure.baseline import OPS, SCOPES  # torch-free to import
 
 
 @dataclass(frozen=True)
@@ -26,8 +25,6 @@ class MachineReferences:
     tolerance: float = 0.05
 
     def __post_init__(self) -> None:
-        from scalelm.measure.baseline import OPS
-
         known = [f"{scope}_{op}" for scope in SCOPES for op in OPS]
         for key, value in self.busbw_gbps.items():
             if key not in known:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # torch is imported where the measuring starts: the report an
     import torch.distributed as dist
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+SCOPES = ("job", "node")  # over the whole job (across its nodes), within one node
 # nccl-tests' bus bandwidth: the algorithm bandwidth times the share of the message each link carries
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -267,10 +268,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         collectives = []
         if env.world_size > 1:
             sizes = message_sizes(args.min_bytes, args.max_bytes)
-            collectives = time_collectives("job", dist.group.WORLD, sizes, device, args.iterations)
+            collectives = time_collectives(SCOPES[0], dist.group.WORLD, sizes, device, args.iterations)
             within = node_group(env.procs_per_node, env.world_size)
             if within is not None:
-                collectives += time_collectives("node", within, sizes, device, args.iterations)
+                collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
         per_rank = all_gather_object({"rank": env.rank, "host": socket.gethostname(), "matmul": rates,
                                       "gpu": gpu_health(device)})  # fmt: skip
         if not env.is_main:
@@ -292,15 +293,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         teardown()
 
 
+def largest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each collective of a baseline at its largest message, by `<scope>_<op>` (site.yaml's reference names)."""
+    found: dict[str, dict[str, Any]] = {}
+    for row in result["collectives"]:
+        key = f"{row['scope']}_{row['op']}"
+        if key not in found or row["bytes"] > found[key]["bytes"]:
+            found[key] = row
+    return found
+
+
 def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
     lines = [f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
              f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s (the slowest rank)"]  # fmt: skip
-    largest: dict[tuple[str, str], dict] = {}
-    for row in result["collectives"]:
-        largest[row["scope"], row["op"]] = row  # sizes ascend: the last is the largest
-    for (scope, op), row in largest.items():
-        lines.append(f"  {op:<15} {scope:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
+    for row in largest(result).values():
+        lines.append(f"  {row['op']:<15} {row['scope']:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
                      f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s")  # fmt: skip
     for rank in result["per_rank"]:
         gpu = rank["gpu"]

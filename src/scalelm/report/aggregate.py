@@ -20,7 +20,6 @@ experiments' reference values (`expect:`) were met (scalelm.report.expectations)
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from scalelm.report import bubble, expectations, history, machine, repeats
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
+from scalelm.report.tables import fmt, markdown_table, write_csv
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
 from scalelm.site import MachineReferences, load_site
@@ -99,24 +99,6 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
     return RunSummary(figures, metrics, record, series, identity)
 
 
-def fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"  # 12,345 rather than 1.234e+04
-    return "" if value is None else str(value)
-
-
-def write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def fmt_spread(summary: dict[str, Any], figure: str) -> str:
     """mean, and with several seeds `mean ± std (min–max)`."""
     mean = fmt(summary[f"{figure}_mean"])
@@ -182,7 +164,7 @@ def write_tables(
         [*columns, *repeats.STATISTICS],
         [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] for s in summaries],
     )
-    lines += machine.markdown(baselines, machine_checks, fmt)
+    lines += machine.markdown(baselines, machine_checks)
     if checks:
         missed = sum(c["status"] == "missed" for c in checks)
         unchecked = sum(c["status"] == "no reference" for c in checks)
@@ -249,14 +231,17 @@ def aggregate(
     rows = [run.figures for run in runs]
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
     summaries = repeats.by_experiment(rows)
-    expected = expectations.resolve(expected or [], None if history_db is None else (
-        lambda experiment, figure, n: history.reference(history_db, runs, experiment, figure, n)))  # fmt: skip
-    since = trend = None
+    since = trend = reference = None
     if history_db:
         study, new = history.record_runs(history_db, runs, out_dir)
         print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
-        since, trend = history.since_previous(history_db, runs), history.trend(history_db, runs)
-    checks = expectations.check(expected, summaries)
+        recorded = history.read_rows(history_db)  # once, for the comparison, the trend and the limits it gives
+        since, trend = history.since_previous(recorded, runs), history.trend(recorded, runs)
+
+        def reference(experiment: str, figure: str, n: int) -> tuple[float | None, str]:
+            return history.reference(recorded, runs, experiment, figure, n, history_db)
+
+    checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     baselines = machine.read_baselines(list(machine_files))
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)

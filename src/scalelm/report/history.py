@@ -44,6 +44,7 @@ from typing import Any
 
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.report.figures import FIGURES, RunSummary
+from scalelm.report.tables import markdown_table
 
 DEFAULT_DB = "results/history.sqlite"
 BUSY_TIMEOUT_S = 120.0
@@ -173,12 +174,11 @@ def studies(db: str | Path) -> list[str]:
 
 
 def since_previous(
-    db: str | Path, runs: list[RunSummary], tolerance: float = 0.05, alpha: float = 0.05
+    rows: list[dict[str, Any]], runs: list[RunSummary], tolerance: float = 0.05, alpha: float = 0.05
 ) -> tuple[str, list[Change]] | None:
-    """These runs (as recorded) against the latest study recorded before them: its id and the changes; None if
-    there is none."""
+    """These runs (as recorded in the history's `rows`) against the latest study recorded before them: its id and
+    the changes; None if there is none."""
     keys = {run_key(run) for run in runs}
-    rows = read_rows(db)
     current = [r for r in rows if r["key"] in keys]
     if not current:
         return None
@@ -189,18 +189,21 @@ def since_previous(
     return earlier[-1], compare([r for r in rows if r["study"] == earlier[-1]], current, tolerance, alpha)
 
 
-def reference(db: str | Path, runs: list[RunSummary], experiment: str, figure: str, n: int) -> tuple[float | None, str]:
-    """The limit an `expect: {history: median_of_last, n: N}` takes: over the last `n` studies recorded before these
-    runs (as recorded) with runs of `experiment` comparable with theirs (the same identity, on the same site and
-    device), the median of each study's mean of `figure`; and where it came from, or why there is none."""
+def reference(
+    rows: list[dict[str, Any]], runs: list[RunSummary], experiment: str, figure: str, n: int, db: str | Path
+) -> tuple[float | None, str]:
+    """The limit an `expect: {history: median_of_last, n: N}` takes: over the last `n` studies of the history `db`
+    (its `rows`) recorded before these runs with runs of `experiment` comparable with theirs (the same identity, on
+    the same site and device), the median of each study's mean of `figure`; and where it came from, or why there is
+    none."""
     mine = [run for run in runs if run.figures["experiment"] == experiment]
     keys, hashes = {run_key(run) for run in mine}, {settings_hash(run) for run in mine}
     machines = {_machine(fingerprint(run)) for run in mine}
-    rows = read_rows(db, "WHERE experiment = ?", (experiment,)) if Path(db).exists() else []
     first = min((r["study"] for r in rows if r["key"] in keys), default=None)
     means: dict[str, list[float]] = {}
     for r in rows:
-        comparable = r["settings_hash"] in hashes and _machine(r["environment"]) in machines
+        comparable = r["experiment"] == experiment and r["settings_hash"] in hashes
+        comparable = comparable and _machine(r["environment"]) in machines
         if comparable and (first is None or r["study"] < first) and _number(r["figures"].get(figure)):
             means.setdefault(r["study"], []).append(float(r["figures"][figure]))
     if not means:
@@ -236,17 +239,17 @@ def environment_label(environment: dict[str, Any]) -> str:
     return ", ".join(str(p) for p in parts if p)
 
 
-def trend(db: str | Path, runs: list[RunSummary]) -> dict[str, list[TrendPoint]]:
-    """Per experiment of these runs, every study in the history (these runs' own included) with runs of the same
-    identity: the trend figure's points, oldest first."""
+def trend(rows: list[dict[str, Any]], runs: list[RunSummary]) -> dict[str, list[TrendPoint]]:
+    """Per experiment of these runs, every study in the history's `rows` (these runs' own included) with runs of the
+    same identity: the trend figure's points, oldest first."""
     hashes = {run.figures["experiment"]: set() for run in runs}
     for run in runs:
         hashes[run.figures["experiment"]].add(settings_hash(run))
     points: dict[str, list[TrendPoint]] = {}
     for experiment, mine in hashes.items():
         by_study: dict[str, list[dict]] = {}
-        for r in read_rows(db, "WHERE experiment = ?", (experiment,)):
-            if r["settings_hash"] in mine:
+        for r in rows:
+            if r["experiment"] == experiment and r["settings_hash"] in mine:
                 by_study.setdefault(r["study"], []).append(r)
         points[experiment] = [
             TrendPoint(
@@ -367,8 +370,7 @@ def write_comparison(changes: list[Change], out: Path, title: str) -> None:
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
         writer.writerows([[_cell(getattr(c, k)) for k in COLUMNS] for c in changes])
-    lines = [f"# {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(getattr(c, k)) for k in COLUMNS) + " |" for c in changes]
+    lines = [f"# {title}", "", *markdown_table(COLUMNS, [[_cell(getattr(c, k)) for k in COLUMNS] for c in changes])]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError
+from scalelm.measure.baseline import largest
+from scalelm.report.tables import fmt, markdown_table
 from scalelm.site import MachineReferences
 
 COLUMNS = ["nodes", "procs_per_node", "hosts", "device", "scope", "op", "ranks", "bytes", "time_s", "algbw_gbps",
@@ -40,16 +42,6 @@ def rows(baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def largest(baseline: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each collective at its largest message, by `<scope>_<op>`."""
-    found: dict[str, dict[str, Any]] = {}
-    for row in baseline["collectives"]:
-        key = f"{row['scope']}_{row['op']}"
-        if key not in found or row["bytes"] > found[key]["bytes"]:
-            found[key] = row
-    return found
-
-
 def check(baselines: list[dict[str, Any]], references: MachineReferences) -> list[dict[str, Any]]:
     """Each reference against each baseline that measured its figure: met at reference x (1 - tolerance) or more."""
     checks = []
@@ -74,27 +66,28 @@ def flags(nodes: int, checks: list[dict[str, Any]]) -> list[str]:
             if c["nodes"] == nodes and c["status"] == "missed"]  # fmt: skip
 
 
-def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]], fmt) -> list[str]:
+def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> list[str]:
     """summary.md's section: per node count the products' rate and every collective at its largest message, then
     the references."""
     if not baselines:
         return []
-    keys = sorted({key for b in baselines for key in largest(b)})
-    header = ["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)]
+    at_largest = [largest(b) for b in baselines]
+    keys = sorted({key for found in at_largest for key in found})
     table = [[str(b["nodes"]), str(b["procs_per_node"]), ", ".join(b["hosts"]), fmt(b["matmul_tflops_min"]),
-              *(fmt(largest(b)[key]["busbw_gbps"]) if key in largest(b) else "" for key in keys)]
-             for b in baselines]  # fmt: skip
-    sizes = sorted({row["bytes"] for b in baselines for row in largest(b).values()})
+              *(fmt(found[key]["busbw_gbps"]) if key in found else "" for key in keys)]
+             for b, found in zip(baselines, at_largest)]  # fmt: skip
+    sizes = sorted({row["bytes"] for found in at_largest for row in found.values()})
     lines = ["", "## The machine", "",
              "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
              "(the slowest rank's TFLOP/s) and each collective's bus bandwidth (nccl-tests' convention) at the largest "
              f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
              "(`node_`).", ""]  # fmt: skip
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
+    lines += markdown_table(["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)], table)
     if checks:
         lines += ["", "Against the site's references (site.yaml `references:`):", ""]
-        lines += ["| " + " | ".join(CHECK_COLUMNS) + " |", "|" + "---|" * len(CHECK_COLUMNS)]
-        lines += ["| " + " | ".join(f"**{c[k]}**" if k == "status" else f"{c[k]:.0%}" if k == "share" else fmt(c[k])
-                                    for k in CHECK_COLUMNS) + " |" for c in checks]  # fmt: skip
+        lines += markdown_table(
+            CHECK_COLUMNS,
+            [[f"**{c[k]}**" if k == "status" else f"{c[k]:.0%}" if k == "share" else fmt(c[k]) for k in CHECK_COLUMNS]
+             for c in checks],
+        )  # fmt: skip
     return lines
