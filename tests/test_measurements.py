@@ -278,6 +278,8 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     products = result["per_rank"][0]["matmul"]["products"]
     assert set(products) == {"qkv", "attention_out", "ffn_up", "ffn_down", "output"}
     assert products["ffn_up"]["shape"] == [16 * 16, 32, 64] and result["matmul_tflops_min"] > 0  # TINY's shapes
+    assert result["elementwise_gbps_min"] > 0  # at the logits' size, for the step-time model
+    assert all((r["threads"], r["cpus"]) == (1, len(os.sched_getaffinity(0))) for r in result["per_rank"])
     rows = {(r["scope"], r["op"], r["bytes"]): r for r in result["collectives"]}
     assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in baseline.OPS}
     assert {size for *_, size in rows} == {4096, 16384, 65536, 262144}
@@ -336,6 +338,7 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     ]
     assert baseline.nccl_network(logs) == "Socket" and baseline.nccl_network(["NCCL INFO Using network IB"]) == "IB"
     result = {"world_size": 8, "hosts": ["n1", "n2"], "device": "NVIDIA H100", "matmul_tflops_min": 700.0,
+              "elementwise_gbps_min": 3000.0, "model_step": {"tokens": 8192, "seconds_max": 0.05},
               "collectives": [], "per_rank": [{"rank": 5, "host": "n2", "gpu": health}], "nccl_network": "Socket"}  # fmt: skip
     lines = "\n".join(baseline.report(result, "infiniband"))
     assert "WARNING: rank 5 on n2: GPU not healthy" in lines

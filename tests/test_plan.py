@@ -17,13 +17,14 @@ from snakemake.utils import validate
 from conftest import REPO
 from scalelm.config import Config, load_config
 from scalelm.errors import ConfigError
-from scalelm.model.architecture import BLOCK_TP_PLAN, parameters
+from scalelm.model.architecture import BLOCK_TP_PLAN, flops_per_token, parameters
 from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
 from scalelm.plan.layouts import Machine, smallest_fsdp
-from scalelm.plan.memory import Workload, in_flight, plan_memory
+from scalelm.plan.memory import Workload, block_bytes_per_token, in_flight, plan_memory
+from scalelm.plan.steptime import Speeds, efficiency, predict, stage_work
 from scalelm.selftest import write_corpus
 from scalelm.study import preflight
 from scalelm.study.experiments import apply_local_overlay, load_matrix
@@ -38,6 +39,7 @@ SEVEN_B = [
     "--set", "model.d_ff=16384", "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--set", "batch.size=1",
 ]  # fmt: skip
 JURECA = ["--nodes", "2", "--gpus-per-node", "4", "--gpu-memory-gb", "40"]
+SPEEDS = ["--matmul-tflops", "150", "--busbw-intra-gbps", "80", "--busbw-inter-gbps", "20"]  # + --elementwise-gbps
 
 
 def plan_json(capsys, *args: str) -> dict[str, dict]:
@@ -107,6 +109,95 @@ def test_communication_by_collective_and_link():
     assert [(f.dim, f.link) for f in pp] == [("pp", INTER)]
 
 
+def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
+    """Compute from the FLOPs MFU divides and the bytes of the memory plan, each collective at its message size and
+    link, hidden behind its pass on a GPU and not on a CPU, the pipeline's fill and drain, an oversubscribed CPU."""
+    work = Workload(load_config(None, ["model.n_layers=4", "batch.mode=global", "batch.size=64"]), 28785)
+    config, tokens = work.config, 64 * work.config.data.seq_len
+    curve = [(4096, 0.5), (2**20, 8.0), (2**26, 20.0)]
+    speeds = Speeds(100.0, 1000.0, {INTRA: {"all_reduce": curve}, INTER: {"all_reduce": [(4096, 0.1), (2**26, 5.0)]}})
+    # the bus bandwidth: the smallest message's time below it, log-log between sizes, the largest's above
+    assert speeds.bus_gbps(INTRA, "all_reduce", 2048) == pytest.approx(0.25)
+    assert speeds.bus_gbps(INTRA, "all_reduce", 2**16) == pytest.approx(2.0)  # halfway in log size and bandwidth
+    assert speeds.bus_gbps(INTRA, "all_gather", 2**30) == 20.0  # an op not measured takes all_reduce's figures
+
+    single = predict(work, ParallelDims(), 4, speeds)
+    flops, moved = stage_work(work, ParallelDims())[0]
+    assert flops == flops_per_token(config.model, 28785, config.data.seq_len) * tokens  # MFU's FLOPs, every token
+    per_block, _ = block_bytes_per_token(work, ParallelDims())
+    weights = count_parameters(TransformerLM(config.model, 28785))
+    assert moved == 3 * tokens * 4 * per_block + 4 * tokens * 4 * 28785 + 28 * weights
+    assert single.matmul_s == pytest.approx(flops / 100e12) and single.elementwise_s == pytest.approx(moved / 1e12)
+    assert single.total_s == single.compute_s and single.communication_s == {} and single.bubble_s == 0
+
+    # DDP on 8 GPUs of two nodes: each rank computes an eighth; its two buckets of gradients (25 MiB at most) cross
+    # the network, hidden behind the backward on a GPU beyond what it covers, and never the last bucket
+    ddp = predict(work, ParallelDims(dp_replicate=8), 4, speeds)
+    (flow,) = traffic(work, ParallelDims(dp_replicate=8), 4)
+    wire = flow.bytes / (speeds.bus_gbps(INTER, "all_reduce", flow.message_bytes) * 1e9)
+    assert (flow.messages, flow.message_bytes, flow.overlaps) == (2, weights * 4 // 2, "backward")
+    adamw = 28 * weights  # every replica updates every parameter
+    assert ddp.compute_s == pytest.approx(flops / 8 / 100e12 + ((moved - adamw) / 8 + adamw) / 1e12)
+    uncovered = max(wire - ddp.compute_s * 2 / 3, wire / 2)
+    assert ddp.communication_s == {flow.collective: pytest.approx(uncovered)} and uncovered < wire
+    # tensor parallelism's all-reduces are waited for, 4 per block and pass
+    tp = predict(work, ParallelDims(tp=4), 4, speeds)
+    (flow,) = traffic(work, ParallelDims(tp=4), 4)
+    assert flow.messages == 16 and flow.overlaps is None and flow.link == INTRA
+    assert tp.communication_s[flow.collective] == pytest.approx(
+        flow.bytes / (speeds.bus_gbps(INTRA, "all_reduce", flow.message_bytes) * 1e9)
+    )
+    # FSDP on a GPU hides its gathers behind the passes, beyond one unit's message
+    fsdp = predict(work, ParallelDims(dp_shard=8), 4, speeds)
+    assert all(seconds > 0 for seconds in fsdp.communication_s.values())
+    # a pipeline of 2 stages and 4 micro-batches: the busiest stage waits one slot of the other
+    pp_work = replace(work, config=replace(config, parallel=replace(config.parallel, pp_microbatches=4)))
+    pp = predict(pp_work, ParallelDims(pp=2), 4, speeds)
+    stages = [m / 100e12 + b / 1e12 for m, b in stage_work(pp_work, ParallelDims(pp=2))]
+    assert pp.compute_s == pytest.approx(max(stages)) and pp.bubble_s == pytest.approx(min(stages) / 4)
+
+    # a CPU: rates per thread (measured with 1 of 2 cores), nothing hidden, collectives slower on a crowded host
+    cpu = replace(speeds, threads=1, cpus=2)
+    assert predict(work, ParallelDims(), 1, cpu).compute_s == pytest.approx(single.compute_s / 2)  # both cores
+    alone = predict(work, ParallelDims(dp_replicate=2), 2, cpu)  # 2 ranks of 1 thread on 2 cores
+    crowded = predict(work, ParallelDims(dp_replicate=4), 2, cpu, threads=1, ranks_on_host=4)
+    assert alone.communication_s == {
+        f.collective: pytest.approx(f.bytes / speeds.bus_gbps(f.link, f.op, f.message_bytes) / 1e9)
+        for f in traffic(work, ParallelDims(dp_replicate=2), 2)
+    }  # all waited for
+    ((name, seconds),) = crowded.communication_s.items()
+    assert crowded.matmul_s == pytest.approx(single.matmul_s / 2)  # a quarter of the tokens each at half a core
+    assert seconds > 2 * alone.communication_s[name] * 0.99  # 4 ranks on 2 cores: twice as long, a larger group
+
+
+def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):
+    """From the flags or a baseline file: each layout's step time and tokens/s, the recommendation the most
+    tokens per second among the layouts that fit the whole machine."""
+    layouts = plan_json(capsys, *COURSE, *JURECA, *SPEEDS, "--elementwise-gbps", "1500")
+    fitting = [layout for layout in layouts.values() if layout["fits"] and layout["gpus"] == 8]
+    best = max(fitting, key=lambda layout: layout["tokens_per_s"])
+    assert best["recommended"] and "should train the most tokens per second" in best["reason"]
+    assert all(layout["step_time"]["total_s"] > 0 for layout in layouts.values())
+    # a baseline of two nodes of four GPUs: the job's collectives are inter-node, the node's intra-node; the model's
+    # own step took twice what its products and bytes explain: an efficiency of 1/2 doubles every layout's compute
+    work = Workload(load_config(None, ["model.n_layers=4"]), 28785)
+    explained = efficiency(work, Speeds(150.0, 1500.0, {}, model_step=(16384, 1.0)))
+    baseline = {"world_size": 8, "procs_per_node": 4, "hosts": ["n1", "n2"], "device": "NVIDIA H100",
+                "matmul_tflops_min": 150.0, "elementwise_gbps_min": 1500.0, "per_rank": [{"rank": 0}],
+                "model_step": {"tokens": 16384, "seconds_max": 2 * explained},
+                "collectives": [{"scope": scope, "op": "all_reduce", "bytes": 2**26, "busbw_gbps": bw}
+                                for scope, bw in (("job", 20.0), ("node", 80.0))]}  # fmt: skip
+    (tmp_path / "nodes2.json").write_text(json.dumps(baseline))
+    from_file = plan_json(capsys, *COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json"))
+    assert from_file["tp"]["step_time"]["efficiency"] == pytest.approx(0.5)
+    assert from_file["tp"]["step_time"]["compute_s"] == pytest.approx(2 * layouts["tp"]["step_time"]["compute_s"])
+    (tp_comm,) = from_file["tp"]["step_time"]["communication_s"].values()  # smaller messages than the baseline's
+    assert tp_comm > sum(layouts["tp"]["step_time"]["communication_s"].values())  # 64 MiB: each takes its time
+    plan_main([*COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json")])
+    out = capsys.readouterr().out
+    assert "step s" in out and "tokens/s" in out and f"the machine's speeds from {tmp_path / 'nodes2.json'}" in out
+
+
 def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
     layouts = plan_json(capsys, *COURSE, *JURECA)
     assert set(layouts) == {
@@ -163,6 +254,10 @@ def test_a_7b_model_needs_fsdp_over_several_a100s(capsys):
         ([*COURSE, "--nodes", "0", "--gpus-per-node", "4", "--gpu-memory-gb", "40"],
          r"the machine's nodes must be at least 1 \(--nodes\), got 0"),
         (["--set", "data.prepared_dir=/nonexistent", *JURECA], "prepared data not found.*Or pass --vocab-size"),
+        ([*COURSE, *JURECA, "--matmul-tflops", "100"],
+         "the step time needs --elementwise-gbps, --busbw-intra-gbps, --busbw-inter-gbps too"),
+        ([*COURSE, *JURECA, "--baseline", "/nonexistent.json"], "--baseline /nonexistent.json is not a machine baseline"),
+        ([*COURSE, *JURECA, *SPEEDS, "--elementwise-gbps", "0"], "the machine's elementwise_gbps must be positive"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error(capsys, args, message):

@@ -136,6 +136,8 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
         rows = {r["experiment"]: r for r in csv.DictReader(handle)}
     assert set(rows) == {"single_gpu", "ddp", "ddp_multinode", "fsdp", "fsdp_tp", "pp"}
     assert (project / "results/local/scaling.png").is_file()
+    # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)
+    assert all(float(r["planned_step_time_s"]) > 0 for r in rows.values()), rows
     # the machine's baseline: a job per node count, the 2-node one across n1 and n2 (gloo over TCP between them)
     with (project / "results/local/machine.csv").open() as handle:
         machine = list(csv.DictReader(handle))

@@ -8,6 +8,11 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   feed-forward block and the output layer; `--config` names the training settings, default the course's), in the
   training dtype (bf16 on CUDA, fp32 on CPU), one rank at a time so that no two share a device or a core; TFLOP/s per
   product and over all of them (their FLOPs over their time), per rank;
+- the model's own training step, alone on one device for one micro-batch (forward with the loss, backward, AdamW),
+  against which the step-time model measures how much of a step its FLOPs and bytes explain;
+- elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
+  logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
+  work (scalelm.plan.steptime);
 - collectives: all_reduce, all_gather, reduce_scatter and send/recv (each rank to the next, from the previous) over
   message sizes, in the whole job (across nodes when there are several) and within each node; per size the slowest
   rank's median time and the bus bandwidth in nccl-tests' convention (algorithm bandwidth, the message over the
@@ -27,6 +32,7 @@ import re
 import socket
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,11 +76,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ matrix products
-def gemm_shapes(config_path: Path | None) -> dict[str, tuple[int, int, int]]:
+def gemm_shapes(config) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of the model's training matrix products for one micro-batch of tokens."""
-    from scalelm.config import load_config
-
-    config = load_config(config_path)
     m = config.data.seq_len * (config.batch.micro_size or config.batch.size)  # one device's, without data parallelism
     d, ff = config.model.d_model, config.model.d_ff
     vocab = vocabulary_size(config)
@@ -92,25 +95,82 @@ def vocabulary_size(config) -> int:
 
 
 def matmul_rates(shapes: dict[str, tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> dict:
-    """TFLOP/s of each product (the median of a few after one warm-up) and over all of them."""
+    """TFLOP/s of each product and over all of them."""
     import torch
 
     rates, flops_total, seconds_total = {}, 0.0, 0.0
     for name, (m, k, n) in shapes.items():
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        times = []
-        for _ in range(4):
-            synchronize(device)
-            start = time.perf_counter()
-            torch.matmul(a, b)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[1:])
+        c = torch.empty(m, n, device=device, dtype=dtype)  # not a fresh output each time: the allocator's page faults
+        seconds = median_seconds(lambda: torch.matmul(a, b, out=c), device)  # would be timed with the product
         flops = 2.0 * m * k * n
         rates[name] = {"shape": [m, k, n], "tflops": flops / seconds / 1e12}
         flops_total, seconds_total = flops_total + flops, seconds_total + seconds
     return {"products": rates, "tflops": flops_total / seconds_total / 1e12, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def elementwise_gbps(elements: int, device: torch.device) -> float:
+    """GB/s an fp32 addition of two `elements`-long tensors into a third reads and writes."""
+    import torch
+
+    a, b = torch.rand(elements, device=device), torch.rand(elements, device=device)
+    out = torch.empty_like(a)
+    return 3 * elements * 4 / median_seconds(lambda: torch.add(a, b, out=out), device) / 1e9
+
+
+def model_step_seconds(config, vocab: int, tokens: int, device: torch.device) -> float:
+    """Seconds of one training step of the model alone on this device (forward with the loss, backward, AdamW) for
+    `tokens` tokens: what the step-time model's matrix products and elementwise bytes leave out (dispatch, cold
+    caches, the softmax's transcendental work) shows as its efficiency (scalelm.plan.steptime)."""
+    import torch
+
+    from scalelm.model.transformer import TransformerLM
+    from scalelm.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = TransformerLM(config.model, vocab).to(device)
+    optimizer = build_optimizer(model, config.optim, config.optim.lr)
+    shape = (max(1, tokens // config.data.seq_len), config.data.seq_len)
+    inputs, targets = (torch.randint(0, vocab, shape, device=device) for _ in range(2))
+
+    def step() -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return median_seconds(step, device, sample_s=0.05, samples=7)
+
+
+def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model's step alone (the slowest rank's) and, on CPUs, with every rank of the job at once: the host's
+    throughput over one rank's alone (`host_speedup`: near the cores where they are real, less where they share)."""
+    alone = max(r["model_step_s"] for r in per_rank)
+    figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone}
+    together = [r["model_step_together_s"] for r in per_rank if r.get("model_step_together_s")]
+    if together:
+        ranks_per_host = max(Counter(r["host"] for r in per_rank).values())
+        figures |= {"together_seconds_max": max(together), "ranks_per_host": ranks_per_host,
+                    "host_speedup": ranks_per_host * alone / max(together)}  # fmt: skip
+    return figures
+
+
+def median_seconds(call: Callable[[], Any], device: torch.device, sample_s: float = 0.02, samples: int = 5) -> float:
+    """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after a warm-up
+    (a single sub-millisecond kernel is at the mercy of one preemption)."""
+
+    def run(calls: int) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        synchronize(device)
+        return (time.perf_counter() - start) / calls
+
+    calls = max(1, min(1000, int(sample_s / max(run(1), 1e-7))))
+    return statistics.median(run(calls) for _ in range(samples))
 
 
 def synchronize(device: torch.device) -> None:
@@ -247,6 +307,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
+    from scalelm.config import load_config
     from scalelm.parallel.env import all_gather_object, setup, teardown
 
     logs = args.out.parent / f"{args.out.stem}.nccl"
@@ -258,13 +319,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     try:
         device = env.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        shapes = gemm_shapes(args.config)
+        config = load_config(args.config)
+        shapes = gemm_shapes(config)
+        m, _, vocab = shapes["output"]
         rates: dict[str, Any] | None = None
+        bandwidth = model_step = 0.0
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
             if rank == env.rank:
                 rates = matmul_rates(shapes, device, dtype)
+                bandwidth = elementwise_gbps(m * vocab, device)
+                model_step = model_step_seconds(config, vocab, m, device)
+        crowded = None
+        if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
+            dist.barrier()
+            crowded = model_step_seconds(config, vocab, m, device)
         collectives = []
         if env.world_size > 1:
             sizes = message_sizes(args.min_bytes, args.max_bytes)
@@ -272,8 +342,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             within = node_group(env.procs_per_node, env.world_size)
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
-        per_rank = all_gather_object({"rank": env.rank, "host": socket.gethostname(), "matmul": rates,
-                                      "gpu": gpu_health(device)})  # fmt: skip
+        per_rank = all_gather_object({
+            "rank": env.rank, "host": socket.gethostname(), "matmul": rates, "elementwise_gbps": bandwidth,
+            "model_step_s": model_step, "model_step_together_s": crowded,
+            "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
+        })  # fmt: skip
         if not env.is_main:
             return None
         network = nccl_network([p.read_text(errors="replace") for p in logs.glob("*.log")]) if logs.is_dir() else None
@@ -285,6 +358,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "torch": torch.__version__,
             "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
+            "elementwise_gbps_min": min(r["elementwise_gbps"] for r in per_rank),
+            "model_step": model_step_figures(m, per_rank),
             "per_rank": per_rank,
             "collectives": collectives,
             "nccl_network": network,
@@ -306,7 +381,12 @@ def largest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
     lines = [f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
-             f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s (the slowest rank)"]  # fmt: skip
+             f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
+             f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
+             f"for {result['model_step']['tokens']:,} tokens (the slowest rank)"]  # fmt: skip
+    if result["model_step"].get("host_speedup"):
+        lines.append(f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
+                     f"{result['model_step']['host_speedup']:.2f} x one rank's alone")  # fmt: skip
     for row in largest(result).values():
         lines.append(f"  {row['op']:<15} {row['scope']:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
                      f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s")  # fmt: skip

@@ -1,11 +1,16 @@
 """Plan a training's layout before anything is queued: per-GPU memory and per-step communication of every layout
-the machine can hold, whether each fits, and which to choose.
+the machine can hold, whether each fits, and which to choose; with the machine's speeds, each layout's step time.
 
     python -m scalelm.plan --config FILE [--set KEY=VALUE ...] [--vocab-size V] --nodes N --gpus-per-node G
         --gpu-memory-gb M [--site profiles/slurm/site.yaml] [--activation-checkpointing] [--json]
+        [--baseline results/machine/nodes2.json | --matmul-tflops T --elementwise-gbps E --busbw-intra-gbps B
+         [--busbw-inter-gbps B]]
 
 The vocabulary size comes from the prepared data (data.prepared_dir) unless given. The machine comes from the flags,
-or for what they leave out from the site file (gpus_per_node, gpu_memory_gb). Exit status 2, with the reason, when
+or for what they leave out from the site file (gpus_per_node, gpu_memory_gb). Its speeds, for the step time
+(scalelm.plan.steptime), from a machine baseline (the workflow's rule machine_baseline, scalelm.measure.baseline) or
+the flags; with them the recommendation is the layout that fits and should be fastest, without them the lectures'
+ladder. Exit status 2, with the reason, when
 no layout fits (naming the smallest machine that would do) or the config's own layout cannot run on the machine.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
@@ -22,6 +28,7 @@ from scalelm.model.architecture import parameters
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, smallest_fsdp, smallest_machine
 from scalelm.plan.memory import PARTS, Workload
+from scalelm.plan.steptime import Speeds
 from scalelm.site import load_site
 
 
@@ -42,7 +49,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "too; default: the config's train.activation_checkpointing",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="a JSON list of the layouts instead of a table")
+    speed = parser.add_argument_group("the machine's speeds, for the step time (per GPU)")
+    speed.add_argument("--baseline", help="a machine baseline's JSON (scalelm.measure.baseline) on as many nodes")
+    speed.add_argument("--matmul-tflops", type=float, help="matrix products at the model's shapes, training dtype")
+    speed.add_argument("--elementwise-gbps", type=float, help="memory bandwidth of elementwise work, GB/s")
+    speed.add_argument("--busbw-intra-gbps", type=float, help="collectives' bus bandwidth within a node, GB/s")
+    speed.add_argument("--busbw-inter-gbps", type=float, help="collectives' bus bandwidth across nodes, GB/s")
     return parser.parse_args(argv)
+
+
+def speeds_of(args: argparse.Namespace) -> Speeds | None:
+    given = {"--matmul-tflops": args.matmul_tflops, "--elementwise-gbps": args.elementwise_gbps,
+             "--busbw-intra-gbps": args.busbw_intra_gbps}  # fmt: skip
+    if args.baseline:
+        if any(value is not None for value in given.values()) or args.busbw_inter_gbps is not None:
+            raise ConfigError("give the machine's speeds either as --baseline or as flags, not both")
+        try:
+            result = json.loads(Path(args.baseline).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--baseline {args.baseline} is not a machine baseline ({err})") from None
+        return Speeds.from_baseline(result, args.baseline)
+    if all(value is None for value in given.values()):
+        return None
+    missing = [flag for flag, value in given.items() if value is None]
+    if args.nodes > 1 and args.busbw_inter_gbps is None:
+        missing.append("--busbw-inter-gbps")
+    if missing:
+        raise ConfigError(f"the step time needs {', '.join(missing)} too (or --baseline FILE)")
+    return Speeds.given(args.matmul_tflops, args.elementwise_gbps, args.busbw_intra_gbps, args.busbw_inter_gbps)
 
 
 def machine_of(args: argparse.Namespace) -> Machine:
@@ -72,6 +106,8 @@ def vocab_size_of(args: argparse.Namespace, prepared_dir: str) -> int:
 
 def table(plans: list[LayoutPlan]) -> str:
     head = ["layout", "strategy", "degrees", *PARTS, "total", "fits", f"{INTRA} GB/step", f"{INTER} GB/step"]
+    timed = all(plan.step for plan in plans)
+    head += ["step s", "compute s", "comm s", "bubble s", "tokens/s"] if timed else []
     rows = []
     for plan in plans:
         traffic = totals(plan.flows)
@@ -80,6 +116,10 @@ def table(plans: list[LayoutPlan]) -> str:
             *(gb(plan.memory.bytes[part]) for part in PARTS), gb(plan.memory.total), "yes" if plan.fits else "no",
             gb(traffic[INTRA]), gb(traffic[INTER]),
         ])  # fmt: skip
+        if timed:
+            step = plan.step
+            rows[-1] += [f"{step.total_s:.4g}", f"{step.compute_s:.4g}", f"{sum(step.communication_s.values()):.4g}",
+                         f"{step.bubble_s:.4g}", f"{plan.tokens_per_s:,.0f}"]  # fmt: skip
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
 
     def line(row: list) -> str:  # names left-aligned, figures right-aligned
@@ -88,7 +128,8 @@ def table(plans: list[LayoutPlan]) -> str:
     return "\n".join([line(head), *(line(row) for row in rows)])
 
 
-def print_plan(work: Workload, machine: Machine, plans: list[LayoutPlan], impossible: list[tuple[str, str]]) -> None:
+def print_plan(work: Workload, machine: Machine, plans: list[LayoutPlan], impossible: list[tuple[str, str]],
+               speeds_source: str = "") -> None:  # fmt: skip
     config, model, vocab = work.config, work.config.model, work.vocab_size
     count = sum(t.numel() for t in parameters(model, vocab))
     print(
@@ -98,6 +139,8 @@ def print_plan(work: Workload, machine: Machine, plans: list[LayoutPlan], imposs
     )
     print(f"machine: {machine.describe()}, {gb(machine.usable_bytes)} GB usable per GPU; GB = 1e9 bytes, per GPU\n")
     print(table(plans))
+    if plans[0].step:
+        print(f"  step time: docs/plan.md's model, the machine's speeds from {speeds_source}")
     print(f"  activations: {plans[0].memory.activation_formula} ({plans[0].name}; docs/plan.md)")
     for name, reason in impossible:
         print(f"  {name}: not possible here: {reason}")
@@ -132,12 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, args.set)
     machine = machine_of(args)
     work = Workload(config, vocab_size_of(args, config.data.prepared_dir), args.device, args.activation_checkpointing)
-    plans, impossible = plan_machine(work, machine)
+    speeds = speeds_of(args)
+    plans, impossible = plan_machine(work, machine, speeds)
     if args.json:
         json.dump([plan.to_dict() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print_plan(work, machine, plans, impossible)
+        print_plan(work, machine, plans, impossible, speeds.source if speeds else "")
     if not any(plan.recommended for plan in plans):
         raise nothing_fits(work, machine, plans)
 

@@ -15,6 +15,11 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
 The link is the slowest one a group's ranks span: within a node (NVLink, PCIe) or across nodes (the network), from
 where the mesh puts the ranks (scalelm.parallel.dims: tp innermost, pp outermost). Small collectives (the gradient
 norm, the loss, tensor parallelism's replicated norms) are left out.
+
+Each flow also says how it is cut into messages (FSDP: one per unit; DDP: its gradient buckets; TP: one per
+all-reduce; a pipeline: one per micro-batch and boundary), as the machine's baseline measures collectives
+(scalelm.measure.baseline: the op, a message as the whole buffer): the step-time model (scalelm.plan.steptime)
+prices each flow at its message size.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload, rank_tensors
 
 INTRA, INTER = "intra-node", "inter-node"
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, which scalelm keeps
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,10 @@ class Traffic:
     dim: str  # the mesh dimension whose groups run it
     bytes: int  # sent by one GPU per optimizer step
     link: str  # INTRA or INTER
+    op: str  # as the baseline names it: all_reduce, all_gather, reduce_scatter, send_recv
+    messages: int  # per optimizer step
+    message_bytes: int  # one message's buffer (all_gather's output, reduce_scatter's input)
+    overlaps: str | None  # the pass a GPU runs it beside (forward, backward), or None where compute waits for it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,10 +53,6 @@ def link(dims: ParallelDims, dim: str, gpus_per_node: int) -> str:
     """Whether every group along `dim` stays on one node when ranks fill nodes of `gpus_per_node` in order."""
     spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in dims.groups(dim))
     return INTER if spans else INTRA
-
-
-def ring(n: int, payload: float, reduce: bool = False) -> int:
-    return int((2 if reduce else 1) * (n - 1) / n * payload)
 
 
 def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traffic]:
@@ -61,29 +67,63 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     tensors = max(rank_tensors(work, dims), key=lambda held: sum(t.numel(dims.tp) for t in held))
     params = sum(t.numel(dims.tp) for t in tensors)  # this rank's parameters before FSDP cuts them
     head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head")  # never resharded between forward and backward
+    units = len({t.unit for t in tensors})  # FSDP's: the embedding, each block, the head, the root
     out = []
 
-    def add(collective: str, dim: str, size: float) -> None:
-        if size > 0:
-            out.append(Traffic(collective, dim, int(size), link(dims, dim, gpus_per_node)))
+    def add(collective: str, dim: str, op: str, n: int, payload: float, messages: int, overlaps: str | None) -> None:
+        """`messages` collectives of `op` over groups of `n` moving `payload` bytes in all (a ring's share each)."""
+        if payload > 0 and messages > 0:
+            sent = (2 if op == "all_reduce" else 1) * (n - 1) / n * payload if op != "send_recv" else payload
+            out.append(Traffic(collective, dim, int(sent), link(dims, dim, gpus_per_node), op, messages,
+                               int(payload / messages), overlaps))  # fmt: skip
 
     if dims.sharded:
         shard, replicas = dims.dp_shard, dims.dp_replicate
-        add("all-gather weights (FSDP forward)", "dp_shard", passes * ring(shard, params * e))
+        add(
+            "all-gather weights (FSDP forward)",
+            "dp_shard",
+            "all_gather",
+            shard,
+            passes * params * e,
+            passes * units,
+            "forward",
+        )  # prefetched: the next unit's while this one computes
         if options.reshards(dims.pp):
-            add("all-gather weights (FSDP backward)", "dp_shard", passes * ring(shard, (params - head) * e))
-        add("reduce-scatter gradients (FSDP)", "dp_shard", ring(shard, params * 4))
-        add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", ring(replicas, -(-params // shard) * 4, True))
+            units_back = units - (1 if head else 0)
+            add("all-gather weights (FSDP backward)", "dp_shard", "all_gather", shard, passes * (params - head) * e,
+                passes * units_back, "backward")  # fmt: skip
+        add("reduce-scatter gradients (FSDP)", "dp_shard", "reduce_scatter", shard, params * 4, units, "backward")
+        if replicas > 1:
+            add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", "all_reduce", replicas,
+                -(-params // shard) * 4, units, "backward")  # fmt: skip
     elif dims.dp_replicate > 1:
-        add("all-reduce gradients (DDP)", "dp_replicate", ring(dims.dp_replicate, params * 4, True))
+        gradients = params * 4
+        add(
+            "all-reduce gradients (DDP)",
+            "dp_replicate",
+            "all_reduce",
+            dims.dp_replicate,
+            gradients,
+            -(-gradients // DDP_BUCKET_BYTES),
+            "backward",
+        )  # a bucket as soon as its gradients are ready
     if dims.tp > 1:
         blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
         tokens = per_rank_batch * config.data.seq_len
-        add("all-reduce activations (TP, 4 per block)", "tp", 4 * blocks * ring(dims.tp, tokens * d * e, True))
+        add(
+            "all-reduce activations (TP, 4 per block)",
+            "tp",
+            "all_reduce",
+            dims.tp,
+            4 * blocks * tokens * d * e,
+            4 * blocks * passes,
+            None,
+        )  # the next matrix product needs the sum
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
         tokens = per_rank_batch // chunks * config.data.seq_len
-        add("send activations and gradients (PP)", "pp", 2 * virtual * accumulation * chunks * tokens * d * e)
+        transfers = 2 * virtual * accumulation * chunks
+        add("send activations and gradients (PP)", "pp", "send_recv", 2, transfers * tokens * d * e, transfers, None)
     return out
 
 

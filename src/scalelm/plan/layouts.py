@@ -3,7 +3,9 @@
 The candidates are the course's ladder on the whole machine: single (one GPU), DDP, FSDP with and without
 reshard after forward, HSDP (shards within a node, replicas across nodes), TP (one node), PP, FSDP x TP (TP inside
 each node) and 3D (pipeline across nodes, TP inside, FSDP between); plus the layout the config itself sets, if any.
-The recommendation follows the lectures' "deciding on a parallelism strategy": the least parallelism that fits.
+Without the machine's speeds, the recommendation follows the lectures' "deciding on a parallelism strategy": the
+least parallelism that fits; with them (a baseline: scalelm.plan.steptime), the layout that fits, uses the whole
+machine and should take the least time per step.
 A model and batch that fit one GPU are replicated (DDP: one all-reduce per step, the least traffic); one that does
 not is sharded, HSDP first where there are several nodes (only its shards' all-reduce crosses nodes), then FSDP over
 every GPU; then tensor parallelism inside the node, then the pipeline across nodes. Where nothing fits, the plan
@@ -20,6 +22,7 @@ from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
 from scalelm.parallel.layout import Layout, check_layout
 from scalelm.plan.comm import Traffic, totals, traffic
 from scalelm.plan.memory import MemoryPlan, Workload, plan_memory
+from scalelm.plan.steptime import Speeds, StepTime, predict
 
 LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d")
 GB = 1e9
@@ -65,6 +68,12 @@ class LayoutPlan:
     fits: bool
     recommended: bool = False
     reason: str = ""
+    step: StepTime | None = None  # with the machine's speeds
+    tokens_per_step: int = 0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step / self.step.total_s if self.step else None
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +89,7 @@ class LayoutPlan:
             "communication_bytes": totals(self.flows),
             "recommended": self.recommended,
             "reason": self.reason,
+            **({"step_time": self.step.to_dict(), "tokens_per_s": self.tokens_per_s} if self.step else {}),
         }
 
 
@@ -133,14 +143,17 @@ def feasible(work: Workload, dims: ParallelDims) -> None:
     check_layout(work.config, Layout.of(dims, work.config.parallel), work.vocab_size)
 
 
-def plan_layout(work: Workload, candidate: Candidate, machine: Machine) -> LayoutPlan:
-    """One layout planned on `machine` (`feasible` first: this one assumes it runs)."""
+def plan_layout(work: Workload, candidate: Candidate, machine: Machine, speeds: Speeds | None = None) -> LayoutPlan:
+    """One layout planned on `machine` (`feasible` first: this one assumes it runs), timed where `speeds` are known."""
     options = replace(work.config.parallel, **candidate.options)
     work = replace(work, config=replace(work.config, parallel=options))
     memory = plan_memory(work, candidate.dims)
     flows = traffic(work, candidate.dims, machine.gpus_per_node)
     fits = memory.total <= machine.usable_bytes
-    return LayoutPlan(candidate.name, candidate.dims, candidate.strategy, candidate.options, memory, flows, fits)
+    step = predict(work, candidate.dims, machine.gpus_per_node, speeds) if speeds else None
+    tokens = work.config.batch.sizes(candidate.dims.dp_size)[0] * work.config.data.seq_len
+    return LayoutPlan(candidate.name, candidate.dims, candidate.strategy, candidate.options, memory, flows, fits,
+                      step=step, tokens_per_step=tokens)  # fmt: skip
 
 
 def configured(work: Workload, machine: Machine) -> Candidate | None:
@@ -156,8 +169,11 @@ def configured(work: Workload, machine: Machine) -> Candidate | None:
     return Candidate("configured", dims, config.parallel.strategy)
 
 
-def plan_machine(work: Workload, machine: Machine) -> tuple[list[LayoutPlan], list[tuple[str, str]]]:
-    """Every candidate that can run, planned, with the recommendation marked; and those that cannot, with why."""
+def plan_machine(
+    work: Workload, machine: Machine, speeds: Speeds | None = None
+) -> tuple[list[LayoutPlan], list[tuple[str, str]]]:
+    """Every candidate that can run, planned (and timed, with `speeds`), with the recommendation marked; and those
+    that cannot, with why."""
     plans, impossible = [], []
     own = configured(work, machine)
     for candidate in candidates(machine) + ([own] if own else []):
@@ -169,9 +185,27 @@ def plan_machine(work: Workload, machine: Machine) -> tuple[list[LayoutPlan], li
                 raise ConfigError(f"the config's layout {where}: {err}") from None
             impossible.append((candidate.name, str(err)))
             continue
-        plans.append(plan_layout(work, candidate, machine))
-    recommend(plans, machine)
+        plans.append(plan_layout(work, candidate, machine, speeds))
+    if speeds:
+        recommend_fastest(plans, machine)
+    else:
+        recommend(plans, machine)
     return plans, impossible
+
+
+def recommend_fastest(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
+    """Mark the layout that fits, uses the whole machine and should train the most tokens per second (not the
+    shortest step: with a per-device batch the layouts' steps hold different numbers of tokens)."""
+    whole = sorted((plan for plan in plans if plan.fits and plan.dims.world_size == machine.gpus and plan.step),
+                   key=lambda plan: -plan.tokens_per_s)  # fmt: skip
+    if not whole:
+        return None
+    choice = whole[0]
+    choice.recommended = True
+    against = f"; {whole[1].name} {whole[1].tokens_per_s:,.0f}" if len(whole) > 1 else ""
+    choice.reason = (f"it fits and should train the most tokens per second on this machine "
+                     f"({choice.tokens_per_s:,.0f}{against}; the step-time model of docs/plan.md)")  # fmt: skip
+    return choice
 
 
 def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
-from scalelm.report import bubble, expectations, history, machine, repeats
+from scalelm.report import bubble, expectations, history, machine, repeats, steptime
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
@@ -96,7 +96,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "checkpoint": model["model"],
         "sha256": model["sha256"],
     }
-    return RunSummary(figures, metrics, record, series, identity)
+    return RunSummary(figures, metrics, record, series, identity, model.get("vocab_size"))
 
 
 def fmt_spread(summary: dict[str, Any], figure: str) -> str:
@@ -165,6 +165,7 @@ def write_tables(
         [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] for s in summaries],
     )
     lines += machine.markdown(baselines, machine_checks)
+    lines += steptime.markdown(rows)
     if checks:
         missed = sum(c["status"] == "missed" for c in checks)
         unchecked = sum(c["status"] == "no reference" for c in checks)
@@ -227,6 +228,8 @@ def aggregate(
     it shows the machine's baseline against the site's `references`."""
     runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
     mark_overlaps(runs)
+    baselines = machine.read_baselines(list(machine_files))
+    steptime.add_planned(runs, baselines)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
     rows = [run.figures for run in runs]
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
@@ -242,7 +245,6 @@ def aggregate(
             return history.reference(recorded, runs, experiment, figure, n, history_db)
 
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
-    baselines = machine.read_baselines(list(machine_files))
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks)

@@ -41,6 +41,11 @@ FIGURES = (
     Figure("step_time_s", "spread", "max"),
     Figure("step_time_s_min"),
     Figure("step_time_s_max"),
+    # what the step-time model (scalelm.plan.steptime) gives the layout with the machine's baseline (report.steptime)
+    Figure("planned_step_time_s", "shared"),
+    Figure("planned_compute_s", "shared"),
+    Figure("planned_comm_s", "shared"),
+    Figure("planned_bubble_s", "shared"),
     Figure("baseline", "shared"),
     Figure("speedup", "spread"),
     Figure("scaling_efficiency", "spread", "min"),
@@ -91,6 +96,7 @@ class RunSummary:
     record: RunRecord | None = None
     utilisation: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     identity: dict[str, Any] = field(default_factory=dict)  # identity.json: what determines the trained model
+    vocab_size: int | None = None  # the consolidated model's
 
     @property
     def label(self) -> str:

@@ -51,7 +51,8 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     }
     with atomic_path(out) as partial:
         torch.save(payload, partial)
-    meta = {"model": str(out), "sha256": sha256(out), "checkpoint": str(checkpoint), "step": state.step}
+    meta = {"model": str(out), "sha256": sha256(out), "checkpoint": str(checkpoint), "step": state.step,
+            "vocab_size": model.vocab_size}  # fmt: skip
     atomic_write_text(f"{out}.json", json.dumps(meta, indent=2) + "\n")
     return meta
 

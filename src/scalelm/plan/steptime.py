@@ -1,0 +1,244 @@
+"""How long a step of a layout should take on a machine, from what the machine's baseline measured
+(scalelm.measure.baseline) or what the user says it delivers: the step-time model of docs/plan.md.
+
+    step = (matrix products + elementwise work) / efficiency + exposed communication + the pipeline's bubble
+
+- matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
+  checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share) over the baseline's rate
+  at the model's own product shapes;
+- elementwise work: the bytes the step's memory-bound work moves (its activations written, read back and their
+  gradients written: 3 passes over what the memory plan says a block keeps; 4 passes over the fp32 logits of the
+  loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
+  operation at the size of the logits;
+- efficiency: the share of the model's own training step, timed alone on one device by the baseline, that these two
+  explain (the rest is dispatch, cold caches, the softmax's transcendental work), applied to every layout alike;
+- communication: each collective of the plan (scalelm.plan.comm) at its message size, over the bus bandwidth the
+  baseline measured for that operation, link and size (interpolated between the sizes it measured). On a GPU,
+  collectives run on their own stream and hide behind the pass they overlap (DDP's buckets and FSDP's
+  reduce-scatter and backward gathers behind the backward, two thirds of the compute; FSDP's prefetched gathers
+  behind the forward) except for one message that nothing covers; tensor parallelism's all-reduces and the
+  pipeline's transfers are waited for. On a CPU nothing hides: gloo runs on the cores the compute uses;
+- the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
+  of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
+
+On a CPU the ranks of a host share its throughput, which the baseline measures with every rank at work (two
+threads or two processes on two virtual cores do not run twice as fast as one: they share caches, memory and, on
+a virtual machine, perhaps one physical core); the local default's "nodes" share one machine. Where the host's
+ranks want more cores than it has, a collective also waits for its members to get a core from the ranks computing
+meanwhile, and takes as much longer as the host is oversubscribed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from scalelm.errors import ConfigError
+from scalelm.model.architecture import QKV_WEIGHT
+from scalelm.parallel.dims import ParallelDims
+from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
+from scalelm.plan.memory import Workload, block_bytes_per_token, rank_tensors
+
+ACTIVATION_PASSES = 3  # written in the forward, read in the backward, a gradient of the same size written
+LOGIT_PASSES = 4  # the loss's softmax reads the logits and writes its output; the backward reads it, writes the grad
+ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read (16), parameter and moments written
+BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """What one rank of the machine delivers."""
+
+    matmul_tflops: float  # the model's matrix products in the training dtype
+    elementwise_gbps: float  # bytes read and written per second by an elementwise operation at the logits' size
+    busbw_gbps: dict[str, dict[str, list[tuple[int, float]]]]  # link -> op -> [(message bytes, bus GB/s)], ascending
+    threads: int | None = None  # CPU: the threads the rates were measured with; None on GPUs
+    cpus: int | None = None  # CPU: the cores of a host
+    model_step: tuple[int, float] | None = None  # (tokens, seconds) of the model's own step alone on one device
+    host_speedup: float | None = None  # CPU: a host's throughput with every rank at work over one rank's alone
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_tflops", "elementwise_gbps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"the machine's {name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_baseline(cls, result: dict[str, Any], source: str = "") -> Speeds:
+        """A baseline's slowest rank's rates and its collectives: those over the whole job carry inter-node
+        traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node."""
+        if "elementwise_gbps_min" not in result or "model_step" not in result:
+            raise ConfigError(f"the machine baseline {source or ''} has no elementwise bandwidth (made by an older "
+                              "scalelm): rerun the workflow's machine_baseline")  # fmt: skip
+        nodes = result["world_size"] // result["procs_per_node"]
+        curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+        for row in result["collectives"]:
+            where = INTRA if row["scope"] == "node" or nodes == 1 else INTER
+            curves[where][row["op"]].append((row["bytes"], row["busbw_gbps"]))
+        cpu = result["device"] == "cpu"
+        first = result["per_rank"][0]
+        return cls(
+            matmul_tflops=result["matmul_tflops_min"],
+            elementwise_gbps=result["elementwise_gbps_min"],
+            busbw_gbps={link: {op: sorted(points) for op, points in ops.items()} for link, ops in curves.items()},
+            threads=first.get("threads") if cpu else None,
+            cpus=first.get("cpus") if cpu else None,
+            model_step=(result["model_step"]["tokens"], result["model_step"]["seconds_max"]),
+            host_speedup=result["model_step"].get("host_speedup") if cpu else None,
+            source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
+        )
+
+    @classmethod
+    def given(
+        cls, matmul_tflops: float, elementwise_gbps: float, intra_gbps: float, inter_gbps: float | None
+    ) -> Speeds:
+        """A machine not yet measured, as its user knows it: one bus bandwidth per link for every operation."""
+        ops = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        curves = {INTRA: {op: [(1, intra_gbps)] for op in ops}}
+        if inter_gbps:
+            curves[INTER] = {op: [(1, inter_gbps)] for op in ops}
+        for flag, value in (("--busbw-intra-gbps", intra_gbps), ("--busbw-inter-gbps", inter_gbps)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be a positive bus bandwidth in GB/s, got {value}")
+        return cls(matmul_tflops, elementwise_gbps, curves, source="the command line")
+
+    def bus_gbps(self, where: str, op: str, size: int) -> float:
+        """The bus bandwidth of `op` on link `where` for a message of `size` bytes: interpolated in log-log between
+        the measured sizes; below the smallest the time stays the smallest's (latency), above the largest the
+        bandwidth stays the largest's. A link the baseline did not measure takes the other's figures."""
+        curves = self.busbw_gbps.get(where) or self.busbw_gbps.get(INTER if where == INTRA else INTRA)
+        if not curves:
+            raise ConfigError(f"the machine's {self.source} has no collectives: time it with more than one process")
+        points = curves.get(op) or curves.get("all_reduce") or next(iter(curves.values()))
+        (small, small_bw), (large, large_bw) = points[0], points[-1]
+        if size <= small:
+            return small_bw * size / small
+        if size >= large:
+            return large_bw
+        for (a, bw_a), (b, bw_b) in zip(points, points[1:]):
+            if a <= size <= b:
+                share = math.log(size / a) / math.log(b / a)
+                return math.exp(math.log(bw_a) + share * (math.log(bw_b) - math.log(bw_a)))
+        return large_bw  # not reached: the sizes are ascending
+
+    def crowding(self, threads: int | None, ranks_on_host: int) -> float:
+        """On a CPU whose ranks want more cores than it has, how much longer a collective takes in a step than in
+        the baseline: its members share their cores with the ranks computing meanwhile. 1 on GPUs."""
+        if self.threads is None or threads is None or not self.cpus:
+            return 1.0
+        return max(1.0, threads * ranks_on_host / self.cpus)
+
+    def per_rank(self, threads: int | None, ranks_on_host: int) -> float:
+        """How much faster than measured alone a rank computes: on a CPU its share of the host's throughput (the
+        launcher shares every core out), where the baseline measured it, else its share of the cores over the
+        threads of the measuring rank; 1 on GPUs."""
+        if self.threads is None or threads is None:
+            return 1.0
+        if self.host_speedup:
+            return self.host_speedup / ranks_on_host
+        share = min(threads, (self.cpus or threads * ranks_on_host) / ranks_on_host)
+        return share / self.threads
+
+
+@dataclass
+class StepTime:
+    """The predicted seconds of one optimizer step by part, on the busiest rank."""
+
+    matmul_s: float
+    elementwise_s: float
+    efficiency: float = 1.0  # the share of the model's own step that its products and bytes explain (divided in)
+    communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
+    bubble_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.elementwise_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + sum(self.communication_s.values()) + self.bubble_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "compute_s": self.compute_s, "total_s": self.total_s}
+
+
+def stage_work(work: Workload, dims: ParallelDims) -> list[tuple[float, float]]:
+    """FLOPs and elementwise bytes per step of each pipeline rank (the one rank without a pipeline)."""
+    config, model = work.config, work.config.model
+    d, s, vocab = model.d_model, config.data.seq_len, work.vocab_size
+    global_batch, _ = config.batch.sizes(dims.dp_size)
+    tokens = global_batch // dims.dp_size * s  # every micro-batch of the step on this rank
+    shard = dims.dp_shard if dims.sharded else 1
+    per_block, _ = block_bytes_per_token(work, dims)
+    recompute = {"full": 8 / 6, "selective": 1.0}.get(work.checkpointing, 1.0)  # full: the forward twice
+    vocab_share = dims.tp if config.parallel.loss_parallel else 1
+    stages = []
+    for tensors in rank_tensors(work, dims):
+        blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
+        block_weights = sum(t.numel(dims.tp) for t in tensors if t.unit.startswith("blocks.") and len(t.shape) == 2)
+        head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head" and len(t.shape) == 2)
+        attention = 12 * blocks * s * d / dims.tp  # QK^T and AV, forward and backward
+        flops = tokens * ((6 * block_weights + attention) * recompute + 6 * head)
+        moved = ACTIVATION_PASSES * tokens * blocks * per_block
+        moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if head else 0
+        moved += ADAMW_BYTES_PER_PARAMETER * sum(t.numel(dims.tp, shard) for t in tensors)
+        stages.append((flops, moved))
+    return stages
+
+
+def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, hides: bool) -> dict[str, float]:
+    """Each collective's seconds that the step waits for: all of them where nothing hides (a CPU); on a GPU a pass's
+    collectives beyond what its compute covers, and at least one message of each."""
+    seconds = {f.collective: f.bytes / (speeds.bus_gbps(f.link, f.op, f.message_bytes) * 1e9) for f in flows}
+    if not hides:
+        return seconds
+    window = {"forward": compute_s * (1 - BACKWARD_SHARE), "backward": compute_s * BACKWARD_SHARE}
+    out = {}
+    for phase in (None, "forward", "backward"):
+        group = [f for f in flows if f.overlaps == phase]
+        total = sum(seconds[f.collective] for f in group)
+        left = total if phase is None else max(total - window[phase], 0.0)
+        for f in group:  # the uncovered rest shared out by size; one message never hides
+            share = seconds[f.collective] / total if total else 0.0
+            out[f.collective] = max(left * share, seconds[f.collective] / f.messages if phase else 0.0)
+    return out
+
+
+def efficiency(work: Workload, speeds: Speeds) -> float:
+    """The matrix products' and elementwise bytes' time of the model's own step on one device over the time the
+    baseline measured for it (1 without that measurement): what dispatch, cold caches and the softmax's
+    transcendental work add, as a share, for every layout alike."""
+    if not speeds.model_step:
+        return 1.0
+    tokens, seconds = speeds.model_step
+    config = work.config
+    alone = replace(config.batch, mode="global", size=max(1, tokens // config.data.seq_len), micro_size=None)
+    reference = replace(work, config=replace(config, batch=alone), activation_checkpointing="none")
+    ((flops, moved),) = stage_work(reference, ParallelDims())
+    return (flops / (speeds.matmul_tflops * 1e12) + moved / (speeds.elementwise_gbps * 1e9)) / seconds
+
+
+def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Speeds, threads: int | None = None,
+            ranks_on_host: int | None = None) -> StepTime:  # fmt: skip
+    """The step time of `dims` on nodes of `gpus_per_node` ranks. On a CPU, `threads` per rank and `ranks_on_host`
+    (default: the launcher's share of the host's cores for a node's ranks, which share one host)."""
+    ranks_on_host = ranks_on_host or gpus_per_node
+    if threads is None and speeds.cpus:
+        threads = max(1, speeds.cpus // ranks_on_host)  # as scalelm.launch.launcher.threads_per_process
+    faster = speeds.per_rank(threads, ranks_on_host) * efficiency(work, speeds)
+    stages = [(flops / (speeds.matmul_tflops * 1e12 * faster), moved / (speeds.elementwise_gbps * 1e9 * faster))
+              for flops, moved in stage_work(work, dims)]  # fmt: skip
+    busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
+    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds))
+    step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, speeds.threads is None)
+    crowded = speeds.crowding(threads, ranks_on_host)
+    step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
+    if dims.pp > 1:
+        # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each
+        # (1/v of one under the interleaved schedule); with equal stages, predicted_bubble's share of the step
+        layout = work.layout(dims)
+        slots = layout.microbatches * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1)
+        step.bubble_s = sum(sum(stages[rank]) for rank in range(len(stages)) if rank != busiest) / slots
+    return step

@@ -1,0 +1,67 @@
+"""The step-time model in the summary: each run's layout timed (scalelm.plan.steptime) with the speeds of the
+machine's baseline on the run's node count, beside the step the run took, so that a layout slower than its machine
+allows stands out from a machine slower than its references (scalelm.report.machine)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from scalelm.config import from_dict
+from scalelm.parallel.dims import ParallelDims
+from scalelm.plan.memory import Workload
+from scalelm.plan.steptime import Speeds, StepTime, predict
+from scalelm.report.figures import RunSummary
+from scalelm.report.tables import fmt, markdown_table
+
+PLANNED = ("planned_step_time_s", "planned_compute_s", "planned_comm_s", "planned_bubble_s")
+
+
+def planned_step(run: RunSummary, vocab_size: int, baseline: dict[str, Any]) -> StepTime:
+    """The model's step time of `run`'s layout, its threads and its hosts, at the speeds of `baseline`."""
+    record = run.record
+    work = Workload(from_dict(record.config), vocab_size, "cpu" if baseline["device"] == "cpu" else "cuda")
+    degrees = {name: record.parallel[name] for name in ("dp_replicate", "dp_shard", "tp", "pp")}
+    threads = record.environment.get("OMP_NUM_THREADS")
+    return predict(
+        work,
+        ParallelDims(**degrees),
+        record.launch["procs_per_node"],
+        Speeds.from_baseline(baseline),
+        threads=int(threads) if threads else None,
+        ranks_on_host=max(Counter(record.hostnames).values(), default=1),
+    )
+
+
+def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None:
+    """The PLANNED columns of every run whose node count has a baseline (None for the others)."""
+    by_nodes = {b["nodes"]: b for b in baselines}
+    for run in runs:
+        baseline = by_nodes.get(run.figures["nodes"])
+        step = planned_step(run, run.vocab_size, baseline) if baseline and run.vocab_size else None
+        values = (step.total_s, step.compute_s, sum(step.communication_s.values()), step.bubble_s) if step else ()
+        run.figures.update(dict(zip(PLANNED, values or (None,) * len(PLANNED))))
+
+
+def error(row: dict[str, Any]) -> float | None:
+    """The measured step over the planned one, less 1: +0.2 took 20% longer than planned."""
+    measured, planned = row.get("step_time_s"), row.get("planned_step_time_s")
+    return measured / planned - 1 if measured and planned else None
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The section of summary.md: per run, the measured step beside the planned one and its parts."""
+    timed = [r for r in rows if r.get("planned_step_time_s")]
+    if not timed:
+        return []
+    columns = ["experiment", "seed", "layout", "step_time_s", *PLANNED]
+    lines = ["", "## Step time: measured and planned", "",
+             "The planned step of each layout on its machine (docs/plan.md's step-time model, with the speeds of the "
+             "machine's baseline on the run's node count): matrix products and elementwise work (compute), the "
+             "collectives the step waits for (comm), the pipeline's bubble. Error: measured over planned, less 1.",
+             ""]  # fmt: skip
+    lines += markdown_table(
+        [*columns, "error"],
+        [[fmt(r.get(c)) for c in columns] + [f"{error(r):+.0%}" if error(r) is not None else ""] for r in timed],
+    )
+    return lines
