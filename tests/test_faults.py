@@ -50,7 +50,11 @@ def test_a_stalled_rank_is_named_within_the_threshold_and_the_rerun_resumes(tiny
     assert len(found) == 1 and int(found[0][0]) + 1 == int(found[0][1]), stall.output[-3000:]  # told once
     autopsy = RunDir(run_dir_of(config)).autopsy
     assert "in train_step" in (autopsy / "rank2.txt").read_text()  # its stack: where it stalled
-    assert "rank 2 is behind" in (autopsy / "summary.txt").read_text()
+    summary = (autopsy / "summary.txt").read_text()
+    assert "rank 2 is behind" in summary
+    # the Flight Recorder's dumps (gloo's too): the collective each rank issued last, rank 2 one behind the others
+    last = dict(re.findall(r"rank (\d)'s last collective gloo:\w+ #(\d+) of group", summary))
+    assert set(last) == {"0", "1", "2", "3"} and int(last["2"]) + 1 == int(last["0"]) == int(last["3"]), summary
     assert [p.name for p in complete_checkpoints(RunDir(run_dir_of(config)).checkpoints)][-1] == "step_00000005"
     rerun = drills.run(config, procs=4)
     assert rerun.returncode == 0 and "resumed from step 5" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr

@@ -101,16 +101,16 @@ def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch)
     """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
     reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9). So does NCCL's Flight
     Recorder, on before the process group starts, dumping into the run's autopsy directory (scalelm.train.watchdog)."""
-    recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-                "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
+    recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
     for name in recorder:
         monkeypatch.setenv(name, "")  # so that the test's end removes what the training sets
         monkeypatch.delenv(name)
     config = tiny_config("deterministic", train__deterministic=True, train__max_steps=2)
     train_here(config)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir_of(config) / "autopsy" / "nccl_trace_rank_")
-    assert int(os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir_of(config) / "autopsy" / "fr_trace_rank_")
+    assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     host = {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_IB_TIMEOUT": "22", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "UCX_TLS": "rc",

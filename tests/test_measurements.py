@@ -58,17 +58,21 @@ def test_collective_time_counts_overlapping_collectives_once_and_only_inside_the
 
 
 def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():
-    def run(start, end, *hosts):
+    def run(start, end, *hosts, machines=()):
         return SimpleNamespace(start_time=f"2026-11-25T10:{start:02d}:00+0000",
-                               end_time=f"2026-11-25T10:{end:02d}:00+0000", nodes=list(hosts))  # fmt: skip
+                               end_time=f"2026-11-25T10:{end:02d}:00+0000", nodes=list(hosts),
+                               machines=list(machines))  # fmt: skip
 
     records = {
         "a": run(0, 10, "n1"),
         "b": run(5, 15, "n1", "n2"),  # overlaps a on n1
         "c": run(15, 20, "n2"),  # starts when b ends: not an overlap
         "d": run(0, 30, "n3"),  # at the same time as all, on a host of its own
+        # two "nodes" of one machine (the test cluster's n1 and n2 share a kernel): they share its cores
+        "e": run(40, 50, "n1", machines=["boot1"]),
+        "f": run(45, 55, "n2", machines=["boot1", "boot1"]),
     }
-    assert overlapping_runs(records) == {"a": ["b"], "b": ["a"], "c": [], "d": []}
+    assert overlapping_runs(records) == {"a": ["b"], "b": ["a"], "c": [], "d": [], "e": ["f"], "f": ["e"]}
 
 
 def test_gpu_peaks_come_from_the_table_and_an_unknown_gpu_leaves_mfu_empty(capsys):
@@ -279,6 +283,9 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     assert set(products) == {"qkv", "attention_out", "ffn_up", "ffn_down", "output"}
     assert products["ffn_up"]["shape"] == [16 * 16, 32, 64] and result["matmul_tflops_min"] > 0  # TINY's shapes
     assert result["elementwise_gbps_min"] > 0  # at the logits' size, for the step-time model
+    # the model's own step alone and with all four ranks at once, on what is one machine (its boot id)
+    assert len({r["machine"] for r in result["per_rank"]}) == 1 and result["model_step"]["ranks_per_host"] == 4
+    assert result["model_step"]["tokens"] == 16 * 16 and result["model_step"]["host_speedup"] > 0
     assert all((r["threads"], r["cpus"]) == (1, len(os.sched_getaffinity(0))) for r in result["per_rank"])
     rows = {(r["scope"], r["op"], r["bytes"]): r for r in result["collectives"]}
     assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in baseline.OPS}

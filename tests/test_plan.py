@@ -168,6 +168,11 @@ def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
     ((name, seconds),) = crowded.communication_s.items()
     assert crowded.matmul_s == pytest.approx(single.matmul_s / 2)  # a quarter of the tokens each at half a core
     assert seconds > 2 * alone.communication_s[name] * 0.99  # 4 ranks on 2 cores: twice as long, a larger group
+    # with the baseline's measured speedups: one process gains what its threads gained there, several processes
+    # share the machine's throughput
+    measured = replace(cpu, thread_speedup=1.4, host_speedup=1.8)
+    assert (measured.per_rank(2, 1), measured.per_rank(1, 1)) == (pytest.approx(1.4), 1.0)
+    assert measured.per_rank(1, 2) == pytest.approx(0.9) and measured.per_rank(1, 4) == pytest.approx(0.45)
 
 
 def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):

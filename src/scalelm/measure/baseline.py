@@ -141,23 +141,32 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return median_seconds(step, device, sample_s=0.05, samples=7)
+    return median_seconds(step, device, sample_s=0.05)
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """The model's step alone (the slowest rank's) and, on CPUs, with every rank of the job at once: the host's
-    throughput over one rank's alone (`host_speedup`: near the cores where they are real, less where they share)."""
+    """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens (a step's
+    fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with every core at
+    work: as threads of one process (`thread_speedup`, rank 0's), and as every rank of the job at once
+    (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they are real, less where
+    they share caches or a physical core)."""
     alone = max(r["model_step_s"] for r in per_rank)
     figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone}
+    first = per_rank[0]
+    if first.get("model_step_small_s") and first["model_step_small_tokens"] < tokens:
+        figures |= {"small_tokens": first["model_step_small_tokens"],
+                    "small_seconds_max": max(r["model_step_small_s"] for r in per_rank)}  # fmt: skip
+    if first.get("model_step_all_cores_s"):
+        figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
     together = [r["model_step_together_s"] for r in per_rank if r.get("model_step_together_s")]
     if together:
-        ranks_per_host = max(Counter(r["host"] for r in per_rank).values())
+        ranks_per_host = max(Counter(r["machine"] for r in per_rank).values())  # several "nodes" may be one
         figures |= {"together_seconds_max": max(together), "ranks_per_host": ranks_per_host,
                     "host_speedup": ranks_per_host * alone / max(together)}  # fmt: skip
     return figures
 
 
-def median_seconds(call: Callable[[], Any], device: torch.device, sample_s: float = 0.02, samples: int = 5) -> float:
+def median_seconds(call: Callable[[], Any], device: torch.device, sample_s: float = 0.01, samples: int = 5) -> float:
     """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after a warm-up
     (a single sub-millisecond kernel is at the mercy of one preemption)."""
 
@@ -308,6 +317,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from scalelm.config import load_config
+    from scalelm.measure.hostload import machine_id
     from scalelm.parallel.env import all_gather_object, setup, teardown
 
     logs = args.out.parent / f"{args.out.stem}.nccl"
@@ -323,7 +333,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         shapes = gemm_shapes(config)
         m, _, vocab = shapes["output"]
         rates: dict[str, Any] | None = None
-        bandwidth = model_step = 0.0
+        bandwidth = model_step = small_step = 0.0
+        small, all_cores = m, None
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
@@ -331,6 +342,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
                 rates = matmul_rates(shapes, device, dtype)
                 bandwidth = elementwise_gbps(m * vocab, device)
                 model_step = model_step_seconds(config, vocab, m, device)
+                small = max(config.data.seq_len, m // 4)  # a quarter of the tokens: what a step costs regardless
+                small_step = model_step_seconds(config, vocab, small, device)
+                if device.type == "cpu" and rank == 0:  # one process with every core as a thread (a single run)
+                    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+                    torch.set_num_threads(cores)
+                    all_cores = model_step_seconds(config, vocab, m, device)
+                    torch.set_num_threads(threads)
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
             dist.barrier()
@@ -343,8 +361,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
         per_rank = all_gather_object({
-            "rank": env.rank, "host": socket.gethostname(), "matmul": rates, "elementwise_gbps": bandwidth,
-            "model_step_s": model_step, "model_step_together_s": crowded,
+            "rank": env.rank, "host": socket.gethostname(), "machine": machine_id(), "matmul": rates,
+            "elementwise_gbps": bandwidth, "model_step_s": model_step, "model_step_small_s": small_step, "model_step_small_tokens": small,
+            "model_step_together_s": crowded,
+            "model_step_all_cores_s": all_cores,
             "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
         })  # fmt: skip
         if not env.is_main:

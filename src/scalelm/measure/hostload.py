@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+
+def machine_id() -> str:
+    """The machine this process runs on: its kernel's boot id, which the containers and network namespaces on one
+    machine share (the test cluster's nodes n1 and n2, the local default's "nodes"), else its host name. Ranks with
+    one id share that machine's cores."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8] or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
 
 
 def _busy_seconds() -> float:

@@ -1,7 +1,7 @@
 """How long a step of a layout should take on a machine, from what the machine's baseline measured
 (scalelm.measure.baseline) or what the user says it delivers: the step-time model of docs/plan.md.
 
-    step = (matrix products + elementwise work) / efficiency + exposed communication + the pipeline's bubble
+    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + bubble
 
 - matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
   checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share) over the baseline's rate
@@ -10,8 +10,10 @@
   gradients written: 3 passes over what the memory plan says a block keeps; 4 passes over the fp32 logits of the
   loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
   operation at the size of the logits;
-- efficiency: the share of the model's own training step, timed alone on one device by the baseline, that these two
-  explain (the rest is dispatch, cold caches, the softmax's transcendental work), applied to every layout alike;
+- fixed cost: what a pass of the model costs whatever its tokens (dispatching its operations), from the baseline's
+  model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline);
+- efficiency: the share of the rest of the model's own training step, timed alone on one device by the baseline,
+  that the products and bytes explain (cold caches, the softmax's transcendental work), for every layout alike;
 - communication: each collective of the plan (scalelm.plan.comm) at its message size, over the bus bandwidth the
   baseline measured for that operation, link and size (interpolated between the sizes it measured). On a GPU,
   collectives run on their own stream and hide behind the pass they overlap (DDP's buckets and FSDP's
@@ -21,11 +23,12 @@
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
-On a CPU the ranks of a host share its throughput, which the baseline measures with every rank at work (two
-threads or two processes on two virtual cores do not run twice as fast as one: they share caches, memory and, on
-a virtual machine, perhaps one physical core); the local default's "nodes" share one machine. Where the host's
-ranks want more cores than it has, a collective also waits for its members to get a core from the ranks computing
-meanwhile, and takes as much longer as the host is oversubscribed.
+On a CPU the ranks of a machine share its throughput, which the baseline measures with every rank at work, and a
+lone process gains what its threads gained there (two threads or two processes on two virtual cores do not run
+twice as fast as one: they share caches, memory and, on a virtual machine, perhaps a physical core). A machine is
+a kernel (scalelm.measure.hostload.machine_id): the local default's "nodes" and the Slurm test cluster's share one.
+Where a machine's ranks want more cores than it has, a collective also waits for its members to get a core from the
+ranks computing meanwhile, and takes as much longer as the machine is oversubscribed.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ class Speeds:
     threads: int | None = None  # CPU: the threads the rates were measured with; None on GPUs
     cpus: int | None = None  # CPU: the cores of a host
     model_step: tuple[int, float] | None = None  # (tokens, seconds) of the model's own step alone on one device
-    host_speedup: float | None = None  # CPU: a host's throughput with every rank at work over one rank's alone
+    small_step: tuple[int, float] | None = None  # the same for fewer tokens: the step's fixed cost
+    host_speedup: float | None = None  # CPU: a machine's throughput with every rank at work over one rank's alone
+    thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -86,7 +91,11 @@ class Speeds:
             threads=first.get("threads") if cpu else None,
             cpus=first.get("cpus") if cpu else None,
             model_step=(result["model_step"]["tokens"], result["model_step"]["seconds_max"]),
+            small_step=(result["model_step"]["small_tokens"], result["model_step"]["small_seconds_max"])
+            if "small_tokens" in result["model_step"]
+            else None,
             host_speedup=result["model_step"].get("host_speedup") if cpu else None,
+            thread_speedup=result["model_step"].get("thread_speedup") if cpu else None,
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -131,11 +140,15 @@ class Speeds:
         return max(1.0, threads * ranks_on_host / self.cpus)
 
     def per_rank(self, threads: int | None, ranks_on_host: int) -> float:
-        """How much faster than measured alone a rank computes: on a CPU its share of the host's throughput (the
-        launcher shares every core out), where the baseline measured it, else its share of the cores over the
-        threads of the measuring rank; 1 on GPUs."""
+        """How much faster than measured alone a rank computes: on a CPU, alone on its machine, what its threads
+        gained in the baseline; beside others, its share of the machine's throughput (the launcher shares every core
+        out); without those figures its share of the cores over the measuring rank's threads. 1 on GPUs."""
         if self.threads is None or threads is None:
             return 1.0
+        if ranks_on_host == 1 and self.thread_speedup and self.cpus and self.cpus > self.threads:
+            # one process: threads help as far as they did in the baseline (little, for small products)
+            share = (min(threads, self.cpus) - self.threads) / (self.cpus - self.threads)
+            return 1 + max(share, 0.0) * (self.thread_speedup - 1)
         if self.host_speedup:
             return self.host_speedup / ranks_on_host
         share = min(threads, (self.cpus or threads * ranks_on_host) / ranks_on_host)
@@ -149,12 +162,13 @@ class StepTime:
     matmul_s: float
     elementwise_s: float
     efficiency: float = 1.0  # the share of the model's own step that its products and bytes explain (divided in)
+    fixed_s: float = 0.0  # what its passes cost whatever their tokens (dispatch)
     communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
     bubble_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.elementwise_s
+        return self.matmul_s + self.elementwise_s + self.fixed_s
 
     @property
     def total_s(self) -> float:
@@ -206,9 +220,20 @@ def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, hides: bool)
     return out
 
 
+def fixed_cost(speeds: Speeds) -> float:
+    """Seconds a forward and backward pass of the model costs whatever its tokens (dispatching its operations, the
+    optimizer's loop over tensors): where a line through the baseline's two timed steps meets no tokens; 0 without
+    them, or where the line says less."""
+    if not (speeds.model_step and speeds.small_step):
+        return 0.0
+    (tokens, seconds), (few, few_seconds) = speeds.model_step, speeds.small_step
+    per_token = (seconds - few_seconds) / (tokens - few)
+    return max(0.0, seconds - per_token * tokens)
+
+
 def efficiency(work: Workload, speeds: Speeds) -> float:
     """The matrix products' and elementwise bytes' time of the model's own step on one device over the time the
-    baseline measured for it (1 without that measurement): what dispatch, cold caches and the softmax's
+    baseline measured for it less the fixed cost (1 without that measurement): what cold caches and the softmax's
     transcendental work add, as a share, for every layout alike."""
     if not speeds.model_step:
         return 1.0
@@ -217,7 +242,8 @@ def efficiency(work: Workload, speeds: Speeds) -> float:
     alone = replace(config.batch, mode="global", size=max(1, tokens // config.data.seq_len), micro_size=None)
     reference = replace(work, config=replace(config, batch=alone), activation_checkpointing="none")
     ((flops, moved),) = stage_work(reference, ParallelDims())
-    return (flops / (speeds.matmul_tflops * 1e12) + moved / (speeds.elementwise_gbps * 1e9)) / seconds
+    ideal = flops / (speeds.matmul_tflops * 1e12) + moved / (speeds.elementwise_gbps * 1e9)
+    return ideal / max(seconds - fixed_cost(speeds), 1e-9)
 
 
 def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Speeds, threads: int | None = None,
@@ -227,18 +253,22 @@ def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Spee
     ranks_on_host = ranks_on_host or gpus_per_node
     if threads is None and speeds.cpus:
         threads = max(1, speeds.cpus // ranks_on_host)  # as scalelm.launch.launcher.threads_per_process
-    faster = speeds.per_rank(threads, ranks_on_host) * efficiency(work, speeds)
+    share = speeds.per_rank(threads, ranks_on_host)
+    faster = share * efficiency(work, speeds)
+    layout = work.layout(dims)
+    global_batch, micro = work.config.batch.sizes(dims.dp_size)
+    passes = max(1, global_batch // dims.dp_size // micro) * layout.microbatches  # forward and backward, each
+    fixed = fixed_cost(speeds) * passes / share / dims.pp  # a pipeline rank dispatches its stages' share of each
     stages = [(flops / (speeds.matmul_tflops * 1e12 * faster), moved / (speeds.elementwise_gbps * 1e9 * faster))
               for flops, moved in stage_work(work, dims)]  # fmt: skip
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
-    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds))
+    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed)
     step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, speeds.threads is None)
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each
         # (1/v of one under the interleaved schedule); with equal stages, predicted_bubble's share of the step
-        layout = work.layout(dims)
         slots = layout.microbatches * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1)
-        step.bubble_s = sum(sum(stages[rank]) for rank in range(len(stages)) if rank != busiest) / slots
+        step.bubble_s = sum(sum(stages[rank]) + fixed for rank in range(len(stages)) if rank != busiest) / slots
     return step

@@ -29,7 +29,7 @@ def planned_step(run: RunSummary, vocab_size: int, baseline: dict[str, Any]) -> 
         record.launch["procs_per_node"],
         Speeds.from_baseline(baseline),
         threads=int(threads) if threads else None,
-        ranks_on_host=max(Counter(record.hostnames).values(), default=1),
+        ranks_on_host=max(Counter(record.machines or record.hostnames).values(), default=1),
     )
 
 

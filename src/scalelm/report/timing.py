@@ -63,8 +63,9 @@ def _interval(record: RunRecord) -> tuple[datetime, datetime] | None:
 
 
 def overlapping_runs(records: dict[str, RunRecord]) -> dict[str, list[str]]:
-    """For each run (name -> its record), the other runs that trained on one of its hosts at the same time."""
-    spans = {name: (_interval(r), set(r.nodes)) for name, r in records.items()}
+    """For each run (name -> its record), the other runs that trained on one of its machines at the same time (its
+    hosts where the record predates machine ids)."""
+    spans = {name: (_interval(r), set(r.machines or r.nodes)) for name, r in records.items()}
     found: dict[str, list[str]] = {name: [] for name in records}
     for name, (span, hosts) in spans.items():
         for other, (other_span, other_hosts) in spans.items():

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import scalelm
+from scalelm.measure.hostload import machine_id
 from scalelm.parallel.env import all_gather_object
 from scalelm.version import git_commit, installed, installed_closure, lock_facts
 
@@ -81,6 +82,7 @@ def device_facts() -> dict[str, Any]:
 def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Call on every rank (gathers the host names); the result matters on rank 0."""
     hosts = all_gather_object(socket.gethostname())
+    machines = all_gather_object(machine_id())
     distributions = installed()
     return {
         "config": config_dict,
@@ -100,6 +102,7 @@ def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
             "procs_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         },
         "hostnames": hosts,
+        "machines": machines,  # by rank: which ranks share a machine's cores (several "nodes" may be one machine)
         "nodes": sorted(set(hosts)),
         "device": device_facts(),
         "container": container(),

@@ -57,6 +57,7 @@ class RunRecord:
     wall_time_s: float
     results: Results
     hostnames: list[str] = field(default_factory=list)  # by rank
+    machines: list[str] = field(default_factory=list)  # by rank: the machine (boot id) whose cores the rank shares
     parallel: dict[str, Any] = field(default_factory=dict)  # degrees, groups, node of each rank, pipeline
     host_load: dict[str, dict[str, float]] = field(default_factory=dict)  # per host: the run's and other work's cores
     git_commit: str | None = None

@@ -6,13 +6,14 @@ answers while the collectives hang): the step it is in, since when, and per proc
 has issued (the group's sequence number). A step is overdue after max(hang_factor x the median step so far,
 hang_floor_s) seconds. The thread then
 
-- writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and on NCCL the Flight
-  Recorder's trace of the last collectives beside it (recording since the start: `flight_recorder_env`);
+- writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and PyTorch's Flight Recorder's
+  trace of its last collectives beside it (recording since the start: `flight_recorder_env`);
 - reads every rank's last progress and names the ranks behind: in a group, those that issued fewer collectives
   than the others (who wait for them in the next one), and those whose progress stopped coming (a stopped process,
   a dead node);
-- prints that, appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun then
-  stops the other ranks.
+- prints that, with what the ranks' Flight Recorder traces say (the collective each waits in, by name, sequence
+  number and sizes), appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun
+  then stops the other ranks.
 
 Checkpoints are written whole or not at all (scalelm.train.checkpoint): the last complete one stays and the rerun
 resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start) and
@@ -41,18 +42,43 @@ from scalelm.errors import EXIT_HUNG
 from scalelm.files import append_text, atomic_path
 
 PUBLISH_EVERY_S = 1.0
+FR_PREFIX = "fr_trace_rank_"  # the Flight Recorder's dump of a rank, by rank number
 SILENT_AFTER_S = 5.0  # a rank whose progress is older than this has stopped publishing it
 KEY = "scalelm/watchdog/rank{}"
 
 
 def flight_recorder_env(autopsy_dir: Path) -> dict[str, str]:
-    """NCCL: PyTorch's Flight Recorder keeps the last collectives of every rank and dumps them on a timeout, for
-    `torchfrtrace` (the environment is read when the NCCL process group starts; the launcher sets it)."""
+    """PyTorch's Flight Recorder keeps every rank's last collectives (NCCL's, and gloo's where the torch records
+    them) for the autopsy to read, and NCCL dumps them itself on a timeout (the environment is read when a process
+    group starts; the trainer sets it)."""
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the name before torch 2.8
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str(autopsy_dir / "nccl_trace_rank_"),
+        "TORCH_FR_DUMP_TEMP_FILE": str(autopsy_dir / FR_PREFIX),
     }
+
+
+def recorded(autopsy_dir: Path) -> list[str]:
+    """What the ranks' Flight Recorder dumps in `autopsy_dir` say: the last collective each rank issued, by name,
+    sequence number, group and input sizes, with its state where the backend tracks it (NCCL: completed or not;
+    gloo leaves every entry `scheduled`). Read with torch's own loader, the one its analyser `fr_trace` uses."""
+    from torch.distributed.flight_recorder.components.loader import read_dump
+
+    findings = []
+    for path in sorted(autopsy_dir.glob(FR_PREFIX + "*"), key=lambda p: int(p.name[len(FR_PREFIX) :])):
+        try:
+            dump = read_dump(FR_PREFIX, str(path))
+        except Exception:  # a dump being written, or of another format
+            continue
+        collectives = [e for e in dump["entries"] if not e.get("is_p2p")] or dump["entries"]
+        if not collectives:
+            continue
+        last = max(collectives, key=lambda e: e.get("record_id") or 0)  # the latest, whatever its group
+        findings.append(f"rank {dump['rank']}'s last collective {last['profiling_name']} "
+                        f"#{last.get('collective_seq_id')} of group {last['process_group'][1]} "
+                        f"(inputs {last.get('input_sizes')}, {last.get('state')})")  # fmt: skip
+    return findings
 
 
 def sequence_numbers() -> dict[str, dict[str, Any]]:
@@ -196,6 +222,7 @@ class Watchdog:
             + "; ".join(findings)
             + f". Stacks: {self.autopsy_dir}/rank*.txt. The last complete checkpoint is kept: rerun to resume."
         )
+        message += self._flight_recorder_findings()  # every rank waits for the dumps: none ends the job before
         if self._first_to_tell():
             append_text(self.autopsy_dir / "summary.txt", message + "\n")
             sys.stderr.write(message + "\n")
@@ -203,6 +230,21 @@ class Watchdog:
             sys.stderr.write(f"scalelm: [rank {self.rank}] step {self.step} overdue; stacks in {self.autopsy_dir}\n")
         sys.stderr.flush()
         os._exit(EXIT_HUNG)  # the main thread is stuck in a collective: no exception would reach it
+
+    def _flight_recorder_findings(self) -> str:
+        """The Flight Recorder's view, once every rank's dump is there (the other watchdogs fire within a second or
+        two of this one; a rank that stopped writes none)."""
+        deadline = time.monotonic() + 3 * PUBLISH_EVERY_S
+        while len(list(self.autopsy_dir.glob(FR_PREFIX + "*"))) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+        findings = recorded(self.autopsy_dir)
+        if not findings:
+            return ""
+        text = f" Flight Recorder: {'; '.join(findings)}"
+        if "nccl" in str(dist.get_backend()):  # torch's analyser matches NCCL's dumps (gloo's lack its groups table)
+            analyser = "python -m torch.distributed.flight_recorder.fr_trace"
+            text += f" (all of it: {analyser} {self.autopsy_dir} --prefix {FR_PREFIX})"
+        return text
 
     def _first_to_tell(self) -> bool:
         """Whether this rank is the first whose watchdog fired (the others' would only repeat its findings)."""
@@ -214,14 +256,16 @@ class Watchdog:
             return True
 
     def _dump_flight_recorder(self) -> None:
-        """NCCL's trace of the last collectives, where it records (flight_recorder_env)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+        """The Flight Recorder's trace of this rank's last collectives (flight_recorder_env), where it records."""
+        if not (dist.is_available() and dist.is_initialized()):
             return
-        try:
-            from torch._C._distributed_c10d import _dump_nccl_trace
+        import torch._C._distributed_c10d as c10d
 
-            trace = _dump_nccl_trace()
-        except Exception:  # an older torch, or no trace buffer
+        dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)  # torch < 2.8
+        try:
+            trace = dump() if dump else None
+        except Exception:  # no trace buffer
             return
-        with atomic_path(self.autopsy_dir / f"nccl_trace_rank_{self.rank}") as partial:
-            partial.write_bytes(trace)
+        if trace:
+            with atomic_path(self.autopsy_dir / f"{FR_PREFIX}{self.rank}") as partial:
+                partial.write_bytes(trace)
