@@ -194,6 +194,9 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
                                 for scope, bw in (("job", 20.0), ("node", 80.0))]}  # fmt: skip
     (tmp_path / "nodes2.json").write_text(json.dumps(baseline))
     from_file = plan_json(capsys, *COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json"))
+    older = {key: value for key, value in baseline.items() if key != "model_step"}  # a baseline of an older scalelm
+    with pytest.raises(ConfigError, match="nodes2.json lacks the step-time model's figures .* rerun the workflow's"):
+        Speeds.from_baseline(older, "nodes2.json")
     assert from_file["tp"]["step_time"]["efficiency"] == pytest.approx(0.5)
     assert from_file["tp"]["step_time"]["compute_s"] == pytest.approx(2 * layouts["tp"]["step_time"]["compute_s"])
     (tp_comm,) = from_file["tp"]["step_time"]["communication_s"].values()  # smaller messages than the baseline's

@@ -5,7 +5,7 @@ reshard after forward, HSDP (shards within a node, replicas across nodes), TP (o
 each node) and 3D (pipeline across nodes, TP inside, FSDP between); plus the layout the config itself sets, if any.
 Without the machine's speeds, the recommendation follows the lectures' "deciding on a parallelism strategy": the
 least parallelism that fits; with them (a baseline: scalelm.plan.steptime), the layout that fits, uses the whole
-machine and should take the least time per step.
+machine and should train the most tokens per second.
 A model and batch that fit one GPU are replicated (DDP: one all-reduce per step, the least traffic); one that does
 not is sharded, HSDP first where there are several nodes (only its shards' all-reduce crosses nodes), then FSDP over
 every GPU; then tensor parallelism inside the node, then the pipeline across nodes. Where nothing fits, the plan

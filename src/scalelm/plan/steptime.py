@@ -75,7 +75,8 @@ class Speeds:
         """A baseline's slowest rank's rates and its collectives: those over the whole job carry inter-node
         traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node."""
         if "elementwise_gbps_min" not in result or "model_step" not in result:
-            raise ConfigError(f"the machine baseline {source or ''} has no elementwise bandwidth (made by an older "
+            where = f" {source}" if source else ""
+            raise ConfigError(f"the machine baseline{where} lacks the step-time model's figures (made by an older "
                               "scalelm): rerun the workflow's machine_baseline")  # fmt: skip
         nodes = result["world_size"] // result["procs_per_node"]
         curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))

@@ -4,10 +4,12 @@ allows stands out from a machine slower than its references (scalelm.report.mach
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any
 
 from scalelm.config import from_dict
+from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload
 from scalelm.plan.steptime import Speeds, StepTime, predict
@@ -34,8 +36,15 @@ def planned_step(run: RunSummary, vocab_size: int, baseline: dict[str, Any]) -> 
 
 
 def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None:
-    """The PLANNED columns of every run whose node count has a baseline (None for the others)."""
-    by_nodes = {b["nodes"]: b for b in baselines}
+    """The PLANNED columns of every run whose node count has a baseline the model can read (None for the others: a
+    baseline of an older scalelm lacks its figures, and says so without stopping the summary)."""
+    by_nodes = {}
+    for baseline in baselines:
+        try:
+            Speeds.from_baseline(baseline)
+            by_nodes[baseline["nodes"]] = baseline
+        except ConfigError as err:
+            print(f"scalelm: no planned step time on {baseline['nodes']} node(s): {err}", file=sys.stderr)
     for run in runs:
         baseline = by_nodes.get(run.figures["nodes"])
         step = planned_step(run, run.vocab_size, baseline) if baseline and run.vocab_size else None
