@@ -146,8 +146,8 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device) ->
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens (a step's
-    fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with every core at
-    work: as threads of one process (`thread_speedup`, rank 0's), and as every rank of the job at once
+    fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with
+    every core at work: as threads of one process (`thread_speedup`, rank 0's), and as every rank of the job at once
     (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they are real, less where
     they share caches or a physical core)."""
     alone = max(r["model_step_s"] for r in per_rank)
@@ -362,9 +362,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
         per_rank = all_gather_object({
             "rank": env.rank, "host": socket.gethostname(), "machine": machine_id(), "matmul": rates,
-            "elementwise_gbps": bandwidth, "model_step_s": model_step, "model_step_small_s": small_step, "model_step_small_tokens": small,
-            "model_step_together_s": crowded,
-            "model_step_all_cores_s": all_cores,
+            "elementwise_gbps": bandwidth, "model_step_s": model_step, "model_step_small_s": small_step,
+            "model_step_small_tokens": small, "model_step_together_s": crowded, "model_step_all_cores_s": all_cores,
             "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
         })  # fmt: skip
         if not env.is_main:

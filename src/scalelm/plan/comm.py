@@ -79,15 +79,9 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
 
     if dims.sharded:
         shard, replicas = dims.dp_shard, dims.dp_replicate
-        add(
-            "all-gather weights (FSDP forward)",
-            "dp_shard",
-            "all_gather",
-            shard,
-            passes * params * e,
-            passes * units,
-            "forward",
-        )  # prefetched: the next unit's while this one computes
+        # prefetched: the next unit's while this one computes
+        add("all-gather weights (FSDP forward)", "dp_shard", "all_gather", shard, passes * params * e, passes * units,
+            "forward")  # fmt: skip
         if options.reshards(dims.pp):
             units_back = units - (1 if head else 0)
             add("all-gather weights (FSDP backward)", "dp_shard", "all_gather", shard, passes * (params - head) * e,
@@ -98,27 +92,15 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
                 -(-params // shard) * 4, units, "backward")  # fmt: skip
     elif dims.dp_replicate > 1:
         gradients = params * 4
-        add(
-            "all-reduce gradients (DDP)",
-            "dp_replicate",
-            "all_reduce",
-            dims.dp_replicate,
-            gradients,
-            -(-gradients // DDP_BUCKET_BYTES),
-            "backward",
-        )  # a bucket as soon as its gradients are ready
+        # a bucket as soon as its gradients are ready
+        add("all-reduce gradients (DDP)", "dp_replicate", "all_reduce", dims.dp_replicate, gradients,
+            -(-gradients // DDP_BUCKET_BYTES), "backward")  # fmt: skip
     if dims.tp > 1:
         blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
         tokens = per_rank_batch * config.data.seq_len
-        add(
-            "all-reduce activations (TP, 4 per block)",
-            "tp",
-            "all_reduce",
-            dims.tp,
-            4 * blocks * tokens * d * e,
-            4 * blocks * passes,
-            None,
-        )  # the next matrix product needs the sum
+        # waited for: the next matrix product needs the sum
+        add("all-reduce activations (TP, 4 per block)", "tp", "all_reduce", dims.tp, 4 * blocks * tokens * d * e,
+            4 * blocks * passes, None)  # fmt: skip
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
         tokens = per_rank_batch // chunks * config.data.seq_len

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from scalelm.errors import ConfigError
+from scalelm.launch.launcher import threads_per_process
 from scalelm.model.architecture import QKV_WEIGHT
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
@@ -132,6 +133,11 @@ class Speeds:
                 share = math.log(size / a) / math.log(b / a)
                 return math.exp(math.log(bw_a) + share * (math.log(bw_b) - math.log(bw_a)))
         return large_bw  # not reached: the sizes are ascending
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether these are a CPU's speeds (per thread, the cores shared with gloo's collectives)."""
+        return self.threads is not None
 
     def crowding(self, threads: int | None, ranks_on_host: int) -> float:
         """On a CPU whose ranks want more cores than it has, how much longer a collective takes in a step than in
@@ -253,7 +259,7 @@ def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Spee
     (default: the launcher's share of the host's cores for a node's ranks, which share one host)."""
     ranks_on_host = ranks_on_host or gpus_per_node
     if threads is None and speeds.cpus:
-        threads = max(1, speeds.cpus // ranks_on_host)  # as scalelm.launch.launcher.threads_per_process
+        threads = threads_per_process(speeds.cpus, ranks_on_host)
     share = speeds.per_rank(threads, ranks_on_host)
     faster = share * efficiency(work, speeds)
     layout = work.layout(dims)
@@ -264,7 +270,7 @@ def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Spee
               for flops, moved in stage_work(work, dims)]  # fmt: skip
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
     step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed)
-    step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, speeds.threads is None)
+    step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
     if dims.pp > 1:

@@ -19,17 +19,17 @@ from scalelm.report.tables import fmt, markdown_table
 PLANNED = ("planned_step_time_s", "planned_compute_s", "planned_comm_s", "planned_bubble_s")
 
 
-def planned_step(run: RunSummary, vocab_size: int, baseline: dict[str, Any]) -> StepTime:
-    """The model's step time of `run`'s layout, its threads and its hosts, at the speeds of `baseline`."""
+def planned_step(run: RunSummary, vocab_size: int, speeds: Speeds) -> StepTime:
+    """The model's step time of `run`'s layout, its threads and its machines, at `speeds`."""
     record = run.record
-    work = Workload(from_dict(record.config), vocab_size, "cpu" if baseline["device"] == "cpu" else "cuda")
+    work = Workload(from_dict(record.config), vocab_size, "cpu" if speeds.on_cpu else "cuda")
     degrees = {name: record.parallel[name] for name in ("dp_replicate", "dp_shard", "tp", "pp")}
     threads = record.environment.get("OMP_NUM_THREADS")
     return predict(
         work,
         ParallelDims(**degrees),
         record.launch["procs_per_node"],
-        Speeds.from_baseline(baseline),
+        speeds,
         threads=int(threads) if threads else None,
         ranks_on_host=max(Counter(record.machines or record.hostnames).values(), default=1),
     )
@@ -41,13 +41,12 @@ def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None
     by_nodes = {}
     for baseline in baselines:
         try:
-            Speeds.from_baseline(baseline)
-            by_nodes[baseline["nodes"]] = baseline
+            by_nodes[baseline["nodes"]] = Speeds.from_baseline(baseline)
         except ConfigError as err:
             print(f"scalelm: no planned step time on {baseline['nodes']} node(s): {err}", file=sys.stderr)
     for run in runs:
-        baseline = by_nodes.get(run.figures["nodes"])
-        step = planned_step(run, run.vocab_size, baseline) if baseline and run.vocab_size else None
+        speeds = by_nodes.get(run.figures["nodes"])
+        step = planned_step(run, run.vocab_size, speeds) if speeds and run.vocab_size else None
         values = (step.total_s, step.compute_s, sum(step.communication_s.values()), step.bubble_s) if step else ()
         run.figures.update(dict(zip(PLANNED, values or (None,) * len(PLANNED))))
 

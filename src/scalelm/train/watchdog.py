@@ -11,7 +11,7 @@ hang_floor_s) seconds. The thread then
 - reads every rank's last progress and names the ranks behind: in a group, those that issued fewer collectives
   than the others (who wait for them in the next one), and those whose progress stopped coming (a stopped process,
   a dead node);
-- prints that, with what the ranks' Flight Recorder traces say (the collective each waits in, by name, sequence
+- prints that, with what the ranks' Flight Recorder traces say (the collective each issued last, by name, sequence
   number and sizes), appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun
   then stops the other ranks.
 
@@ -63,8 +63,10 @@ def recorded(autopsy_dir: Path) -> list[str]:
     """What the ranks' Flight Recorder dumps in `autopsy_dir` say: the last collective each rank issued, by name,
     sequence number, group and input sizes, with its state where the backend tracks it (NCCL: completed or not;
     gloo leaves every entry `scheduled`). Read with torch's own loader, the one its analyser `fr_trace` uses."""
-    from torch.distributed.flight_recorder.components.loader import read_dump
-
+    try:
+        from torch.distributed.flight_recorder.components.loader import read_dump
+    except ImportError:  # a torch without the Flight Recorder's tools: the stacks and sequence numbers still tell
+        return []
     findings = []
     for path in sorted(autopsy_dir.glob(FR_PREFIX + "*"), key=lambda p: int(p.name[len(FR_PREFIX) :])):
         try:
@@ -234,6 +236,8 @@ class Watchdog:
     def _flight_recorder_findings(self) -> str:
         """The Flight Recorder's view, once every rank's dump is there (the other watchdogs fire within a second or
         two of this one; a rank that stopped writes none)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""  # one process: no collective to wait in
         deadline = time.monotonic() + 3 * PUBLISH_EVERY_S
         while len(list(self.autopsy_dir.glob(FR_PREFIX + "*"))) < self.world_size and time.monotonic() < deadline:
             time.sleep(0.2)
