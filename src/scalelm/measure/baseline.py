@@ -318,7 +318,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
 
     from scalelm.config import load_config
     from scalelm.measure.hostload import machine_id
-    from scalelm.parallel.env import all_gather_object, setup, teardown
+    from scalelm.parallel.env import all_gather_object, barrier, setup, teardown
 
     logs = args.out.parent / f"{args.out.stem}.nccl"
     if torch.cuda.is_available():
@@ -366,6 +366,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             "model_step_small_tokens": small, "model_step_together_s": crowded, "model_step_all_cores_s": all_cores,
             "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
         })  # fmt: skip
+        barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
             return None
         network = nccl_network([p.read_text(errors="replace") for p in logs.glob("*.log")]) if logs.is_dir() else None
@@ -444,4 +445,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from scalelm.parallel.env import exit_after
+
+    exit_after(main)
