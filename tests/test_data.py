@@ -196,3 +196,46 @@ def test_every_writer_of_prepared_data_writes_what_load_prepared_checks(tmp_path
     write_corpus(tmp_path / "selftest", vocab_size=64)
     data = load_prepared(tmp_path / "selftest")
     assert data.vocab_size == 64 and data.manifest["splits"]["train"]["tokens"] == 62 * 40
+
+
+def test_staging_copies_checks_and_removes_the_data_and_refuses_a_full_file_system(tmp_path, prepared, monkeypatch):
+    """data.stage: local rank 0 copies the prepared data (every file against the manifest), the training reads the
+    copy, and the copy goes when the block ends however it ends; no room, or a damaged copy, is a clear error
+    before any training (a training staged through a stop and a resume: tests/test_training.py)."""
+    from scalelm.data import stage
+    from scalelm.parallel.env import DistEnv
+
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), node_rank=1)
+    with stage.staged(prepared, "local", str(tmp_path / "scratch"), env, str(tmp_path / "run")) as staging:
+        assert staging.path.parent == tmp_path / "scratch" and staging.path.name.endswith("-node1")
+        assert load_prepared(staging.path).checksums() == load_prepared(prepared).checksums()
+        assert staging.record() == {"mode": "local", "dir": str(staging.path), "seconds": staging.seconds,
+                                    "bytes": sum(p.stat().st_size for p in prepared.iterdir())}  # fmt: skip
+    assert not staging.path.exists()
+    with pytest.raises(RuntimeError), stage.staged(prepared, "local", str(tmp_path), env, "run") as staging:
+        raise RuntimeError("the training failed")
+    assert not staging.path.exists() and list(tmp_path.glob("scalelm-*")) == []
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "job-tmp"))
+    assert stage.stage_root("local", None) == tmp_path / "job-tmp" and stage.stage_root("shm", None) == stage.SHM
+    with stage.staged(prepared, "none", None, env, "run") as staging:
+        assert staging.path == prepared and staging.record() is None
+
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(DataError, match=r"data staging: .*scratch has 0.0 MiB free, the prepared data needs"):
+        with stage.staged(prepared, "local", str(tmp_path / "scratch"), env, "run"):
+            pass
+    assert list((tmp_path / "scratch").iterdir()) == []  # nothing copied
+    monkeypatch.undo()
+
+    copyfile = shutil.copyfile
+
+    def damaging(source, target):
+        copyfile(source, target)
+        if target.name == "train.pt":
+            target.write_bytes(target.read_bytes()[:-8])
+
+    monkeypatch.setattr(stage.shutil, "copyfile", damaging)
+    with pytest.raises(DataError, match=r"the copy of .*train.pt in .* does not match the manifest's checksum"):
+        with stage.staged(prepared, "local", str(tmp_path / "scratch"), env, "run"):
+            pass
+    assert list((tmp_path / "scratch").iterdir()) == []

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -406,3 +407,65 @@ def test_run_json_names_the_cpu_and_the_gpu_driver(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # no such query: an old binding
     assert provenance.driver_version() is None
     assert provenance.device_facts()["cpu"] == provenance.cpu_model() and provenance.cpu_model()
+
+
+def test_energy_comes_from_nvmls_counter_else_integrated_power_and_rapl_packages_wrap(monkeypatch, tmp_path):
+    """A GPU's energy counter (millijoules); power integrated where a GPU has no counter; a MIG slice refused (NVML
+    reads its whole GPU); RAPL's package zones only (not their subzones), each wrapping at its range; and where
+    nothing can be read, None with the reason."""
+    import sys
+
+    from scalelm.measure import energy
+
+    class FakeNvmlEnergy(FakeNvml):
+        def __init__(self):
+            super().__init__()
+            self.millijoules = 1_000_000
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            self.millijoules += 2500
+            return self.millijoules
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlEnergy())
+    meter = energy.EnergyMeter.open("GPU-5c0e", reads_machine=False)
+    assert meter.source == "nvml energy counter"
+    with meter.paused():  # the counter moves 2.5 J per reading
+        pass
+    assert meter.lap() == pytest.approx(5.0)  # 7.5 J from the start, 2.5 J of them paused
+    assert meter.lap() == pytest.approx(2.5)
+
+    class FakeNvmlPower(FakeNvml):
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            raise self.NVMLError("Not Supported")
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return 300_000  # mW
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlPower())
+    meter = energy.EnergyMeter.open("GPU-5c0e", reads_machine=False)
+    assert meter.source == "nvml power, integrated"
+    began = time.monotonic()
+    time.sleep(0.25)
+    assert meter.lap() == pytest.approx(300 * (time.monotonic() - began), rel=0.2)
+    meter.close()
+
+    slice_meter = energy.EnergyMeter.open("MIG-77aa", reads_machine=False)
+    assert slice_meter.lap() is None and "MIG slice" in slice_meter.unknown
+
+    root = tmp_path / "powercap"
+    for zone, counter in (("intel-rapl:0", 2**20 - 100), ("intel-rapl:0:0", 5), ("intel-rapl:1", 40)):
+        (root / zone).mkdir(parents=True)
+        (root / zone / "max_energy_range_uj").write_text(str(2**20 - 1))
+        (root / zone / "energy_uj").write_text(str(counter))
+    monkeypatch.setattr(energy, "POWERCAP", root)
+    assert energy.EnergyMeter.open(None, reads_machine=False).lap() == 0.0  # another rank reads the machine
+    meter = energy.EnergyMeter.open(None, reads_machine=True)
+    assert meter.source == "rapl packages"
+    (root / "intel-rapl:0" / "energy_uj").write_text("400")  # wrapped: 100 + 400 uJ
+    (root / "intel-rapl:0:0" / "energy_uj").write_text("900000")  # inside package 0: not counted again
+    (root / "intel-rapl:1" / "energy_uj").write_text("1040")
+    assert meter.lap() == pytest.approx(1500e-6)
+
+    monkeypatch.setattr(energy, "POWERCAP", tmp_path / "none")
+    missing = energy.EnergyMeter.open(None, reads_machine=True)
+    assert missing.lap() is None and "no RAPL package zones" in missing.unknown

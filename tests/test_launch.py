@@ -42,6 +42,18 @@ def test_single_node_is_one_standalone_torchrun(monkeypatch):
         launch.parse_args(["--program", "os", "--", "x"])
 
 
+def test_the_spawn_launcher_replaces_torchrun_on_one_node_here_and_in_slurm_and_refuses_several(monkeypatch):
+    """The lecture's torch.multiprocessing.spawn (`launcher: spawn`); its run is tested against torchrun's, bitwise,
+    through a stop and a resume, in tests/test_training.py."""
+    spawn = ["-m", "scalelm.launch.spawn", "--nprocs=2", "--", "-m", "scalelm.train", "--config", "t.yaml"]
+    [command] = commands(monkeypatch, ["--launcher", "spawn", "--procs-per-node", "2"])
+    assert command == [launch.sys.executable, *spawn]
+    [command] = commands(monkeypatch, ["--launcher", "spawn", "--procs-per-node", "2"], {"SLURM_JOB_ID": "9"})
+    assert command[command.index("scalelm.launch.supervise") + 2 :] == [launch.sys.executable, *spawn]
+    with pytest.raises(ConfigError, match="--launcher spawn starts one node's processes, but --nodes is 2"):
+        commands(monkeypatch, ["--launcher", "spawn", "--nodes", "2"])
+
+
 def test_multi_node_in_slurm_is_one_supervised_torchrun_per_node_with_a_job_derived_port(monkeypatch):
     env = {"SLURM_JOB_ID": "123457"}
     [command] = commands(monkeypatch, ["--nodes", "2", "--procs-per-node", "4", "--host-suffix", "i"], env)

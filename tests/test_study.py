@@ -45,7 +45,11 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "ddp_multinode": (2, 1, "ddp", "2x1x1x1"), "fsdp": (2, 1, "fsdp", "1x2x1x1"),
         "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
         "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
+        "ddp_spawn": (1, 2, "ddp", "2x1x1x1"),
     }  # fmt: skip
+    launchers = {e.name: e.launcher for e in study.matrix.values()}
+    assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}
+    assert study.matrix["ddp_multinode", "1"].config.data.stage == "shm"  # staged in /dev/shm on each "node"
     assert [str(run.path) for run in study.runs][0] == "results/local/runs/single_gpu/seed1"
     assert study.image is None and study.in_container() == ""
     assert study.prepare_args() == "--min-freq 2"
@@ -101,6 +105,8 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
             {"training": {"optim": {"weight_decay": -1}}},
             "experiments.ddp: optim.weight_decay must be 0 or positive, got -1",
         ),
+        ({"launcher": "mpirun"}, "'mpirun' is not one of \\['torchrun', 'spawn'\\]"),
+        ({"launcher": "spawn", "nodes": 2}, "experiments.ddp: launcher spawn starts one node's processes, but nodes"),
     ],
 )
 def test_a_bad_experiment_is_refused_naming_the_key(change, message):
@@ -305,3 +311,16 @@ print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] == "t
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == []
     assert json.loads((tmp_path / "plan.json").read_text())["layout"] == "1x1x1x2"
+
+
+def test_the_site_chooses_where_data_is_staged_unless_the_experiment_does():
+    from scalelm.config import from_dict
+    from scalelm.site import SiteConfig
+    from scalelm.study.experiments import with_site_defaults
+
+    site = SiteConfig(stage="local", stage_dir="/scratch/node")
+    assert with_site_defaults(from_dict({}), site).data.stage == "local"
+    assert with_site_defaults(from_dict({}), site).data.stage_dir == "/scratch/node"
+    assert with_site_defaults(from_dict({"data": {"stage": "none"}}), site).data.stage == "none"
+    assert with_site_defaults(from_dict({"data": {"stage": "shm"}}), site).data.stage == "shm"
+    assert with_site_defaults(from_dict({}), SiteConfig()).data.stage is None  # the trainer reads None as none

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -178,22 +179,29 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("layout", ["single", "ddp", "tp", "fsdp_tp_sp", "pp"])
+@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "fsdp_tp_sp", "pp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads, FFN
-    columns and, with sequence parallelism, their part of the sequence)."""
-    nproc, layout_settings = LAYOUTS[layout]
+    columns and, with sequence parallelism, their part of the sequence). ddp_spawn: the interrupted and resumed
+    run is started by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by
+    the supervisor and the spawning process), the straight one by torchrun."""
+    nproc, layout_settings = LAYOUTS[layout.removesuffix("_spawn")]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
     run_train(straight, nproc)
-    status, stderr = interrupt_after_step(train_command(broken, nproc), run_dir_of(broken), step=6)
+    command = train_command(broken, nproc)
+    if layout.endswith("_spawn"):
+        command = [sys.executable, "-m", "scalelm.launch", "--launcher", "spawn", "--procs-per-node", str(nproc),
+                   "--", "--config", str(broken)]  # fmt: skip
+    status, stderr = interrupt_after_step(command, run_dir_of(broken), step=6)
     # torchrun forwards SIGTERM to its workers, which checkpoint and exit 75; torchrun itself then reports failure
-    assert status == EXIT_PREEMPTED if nproc == 1 else status != 0, (status, stderr[-2000:])
+    assert status == EXIT_PREEMPTED if nproc == 1 or "_spawn" in layout else status != 0, (status, stderr[-2000:])
     assert "stopped by a signal" in stderr
     assert not (run_dir_of(broken) / "run.json").exists()
-    resumed = run_train(broken, nproc)
-    assert "resumed from step" in resumed.stdout
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert resumed.returncode == 0 and "resumed from step" in resumed.stdout, resumed.stderr[-3000:]
     a, b = drills.final_weights(straight, tmp_path / "a.pt"), drills.final_weights(broken, tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert train_losses(run_dir_of(broken)) == train_losses(run_dir_of(straight))
@@ -271,12 +279,25 @@ def test_whole_epochs_are_counted_and_a_moved_run_resumes_instead_of_starting_af
     assert (moved / "run" / "previous" / "checkpoints").is_dir() and changed.results.steps == steps_per_epoch
 
 
-def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evaluation(tiny_config, monkeypatch):
+def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evaluation(
+    tiny_config, monkeypatch, tmp_path
+):
     """The signal comes while the first validation runs (step 5): the evaluation stops between batches, the step
-    is checkpointed, Preempted (exit 75) is raised; the rerun resumes from that step and finishes."""
+    is checkpointed, Preempted (exit 75) is raised; the rerun resumes from that step and finishes. Its energy,
+    from a fake RAPL tree of two packages drawing 5 W each, is that of its training time in both attempts:
+    evaluations and checkpoints left out, the first attempt's carried by the checkpoint. Both attempts train from
+    a staged copy of the data (data.stage: local), removed after the stop as after the end."""
+    from scalelm.measure import energy
     from scalelm.train.preemption import Preempted
 
-    config = tiny_config("evalstop", train__eval_every=5, train__eval_batch_size=2, checkpoint__every=None)
+    for package in ("intel-rapl:0", "intel-rapl:1"):
+        (tmp_path / "powercap" / package).mkdir(parents=True)
+        (tmp_path / "powercap" / package / "max_energy_range_uj").write_text(str(2**40))
+    monkeypatch.setattr(energy, "POWERCAP", tmp_path / "powercap")
+    monkeypatch.setattr(energy.Rapl, "read", staticmethod(lambda zone: int(time.monotonic() * 5e6)))
+    scratch = tmp_path / "scratch"
+    config = tiny_config("evalstop", train__eval_every=5, train__eval_batch_size=2, checkpoint__every=None,
+                         data__stage="local", data__stage_dir=str(scratch))  # fmt: skip
     evaluated = []
     forward = TransformerLM.forward
 
@@ -294,9 +315,18 @@ def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evalua
     assert len(evaluated) == 3  # of the validation split's hundreds of batches
     assert [p.name for p in complete_checkpoints(run_dir_of(config) / "checkpoints")] == ["step_00000005"]
     assert not [r for r in read_metrics(run_dir_of(config)) if r["kind"] == "eval"]
+    assert list(scratch.iterdir()) == []
 
     monkeypatch.setattr(TransformerLM, "forward", forward)
-    assert train_here(config).results.steps == 20
+    results = train_here(config).results
+    assert results.steps == 20
+    assert results.energy["source"] == "rapl packages" and results.energy["unknown"] is None
+    assert results.energy["joules"] == pytest.approx(10 * results.train_time_s, rel=0.05, abs=0.02)
+    assert results.energy["joules_per_token"] == results.energy["joules"] / results.tokens_seen
+    assert results.staging["mode"] == "local" and results.staging["seconds"] > 0 and list(scratch.iterdir()) == []
+    lines = [r for r in read_metrics(run_dir_of(config)) if r["kind"] == "train"]
+    assert sum(r["energy_j"] for r in lines) == pytest.approx(results.energy["joules"])
+    assert lines[-1]["joules_per_token"] == pytest.approx(lines[-1]["energy_j"] / lines[-1]["tokens_per_step"])
 
 
 COMPILED = ("single", "ddp", "fsdp", "tp")

@@ -61,7 +61,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 11
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 12
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -74,8 +74,10 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert launched == {
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
-        "3d": ("4", "4"), "gpt2_small": ("1", "1"),
+        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"),
     }  # fmt: skip
+    # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
+    assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
     found = re.findall(r"wildcards: experiment=(\w+).*\n(?:\s+threads: .*\n)?\s+resources: (.*)", result.stdout)
     resources = {name: line for name, line in found if "nodes=" in line}  # the train jobs
@@ -96,6 +98,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
 
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
     def faster(config):
+        config["local"]["experiments"]["ddp_spawn"] = None  # ddp started otherwise: tested in test_training.py
         training = config["local"]["training"]
         training["train"].update(max_steps=12, log_every=3, eval_every=6)
         training["checkpoint"]["every"] = 6
@@ -157,6 +160,14 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     by_name = {r["experiment"]: r for r in rows}
     assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
     assert by_name["single_gpu"]["speedup"] == "1.0"
+    # ddp_multinode staged its data in /dev/shm on each "node" (config/local.yaml), kept apart from training time
+    assert float(by_name["ddp_multinode"]["staging_s"]) > 0 and by_name["ddp"]["staging_s"] == ""
+    staging = json.loads((results / "runs/ddp_multinode/seed1/run.json").read_text())["results"]["staging"]
+    assert staging["mode"] == "shm" and not Path(staging["dir"]).exists()
+    # energy where the machine lets it be read (RAPL here), else none, with the reason
+    for run in results.glob("runs/*/seed1"):
+        energy = json.loads((run / "run.json").read_text())["results"]["energy"]
+        assert energy["joules"] > 0 if energy["joules"] is not None else energy["unknown"], (run, energy)
     # the pipelines: the bubble their schedule predicts ((pp - 1) / (m + pp - 1), m = 4) beside the measured one
     for name, schedule in (("pp", "1f1b"), ("pp_gpipe", "gpipe")):
         row = by_name[name]

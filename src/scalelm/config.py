@@ -29,6 +29,10 @@ class DataConfig:
     prepared_dir: str = "data/prepared"  # written by `python -m scalelm.data.prepare`
     seq_len: int = 32
     stride: int | None = None  # distance between training windows; None = seq_len, 1 = the course's overlap
+    # copy the prepared data to memory (shm: /dev/shm) or node-local disk (local: stage_dir, else $TMPDIR) before
+    # training (scalelm.data.stage); None: the site's choice (site.yaml `stage`), none without one
+    stage: Literal["none", "shm", "local"] | None = None
+    stage_dir: str | None = None
 
 
 @dataclass

@@ -58,6 +58,10 @@ class SiteConfig:
     # the nodes' network: with infiniband, a machine baseline in which NCCL chose sockets warns (scalelm.measure.baseline)
     interconnect: Literal["infiniband", "ethernet"] | None = None
     references: MachineReferences = field(default_factory=MachineReferences)
+    # where training jobs copy the prepared data first, unless an experiment says (data.stage: scalelm.data.stage):
+    # shm (/dev/shm, in memory), local (stage_dir, else the job's $TMPDIR: node-local disk), none
+    stage: Literal["none", "shm", "local"] | None = None
+    stage_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:

@@ -3,7 +3,9 @@
     python -m scalelm.launch --nodes 2 --procs-per-node 4 [--container IMAGE ...] -- --config train.yaml
     python -m scalelm.launch --program baseline --nodes 2 --procs-per-node 4 -- --out baseline.json
 
-- without a scheduler: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...` on one node; several
+- without a scheduler: `torchrun --standalone --nproc-per-node=P -m scalelm.train ...` on one node (or with
+  `--launcher spawn`, `python -m scalelm.launch.spawn --nprocs P -- -m scalelm.train ...`: the lecture's
+  torch.multiprocessing.spawn, one node only); several
   "nodes" (the local default) are N torchrun processes on this machine, meeting on a free port;
 - inside a Slurm allocation: one `srun` step with one task per node, each `python -m scalelm.launch.supervise --
   torchrun ...` (`--standalone` on one node; else `--nnodes=N --rdzv-backend=c10d --rdzv-endpoint=<first host>
@@ -40,6 +42,13 @@ def free_port() -> int:
 
 def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
+
+
+def starter(args: argparse.Namespace, python: str, rendezvous: list[str]) -> list[str]:
+    """What starts a node's processes: torchrun, or the lecture's torch.multiprocessing.spawn (one node)."""
+    if args.launcher == "spawn":
+        return [python, "-m", "scalelm.launch.spawn", f"--nprocs={args.procs_per_node}", "--"]
+    return torchrun(args.nodes, args.procs_per_node, rendezvous)
 
 
 # What Snakemake exports to every job as <rule threads>; MKL (torch's CPU matrix products) and OpenBLAS read theirs.
@@ -79,7 +88,7 @@ def build_commands(args: argparse.Namespace, train_args: list[str]) -> list[list
     inside = in_image(args)
     tail = ["-m", PROGRAMS[args.program], *train_args]
     if args.nodes == 1:
-        return [[*inside, *torchrun(1, args.procs_per_node, ["--standalone"]), *tail]]
+        return [[*inside, *starter(args, "python" if inside else sys.executable, ["--standalone"]), *tail]]
     port = free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=local-{port}"]
     return [[*inside, *torchrun(args.nodes, args.procs_per_node, rendezvous), *tail] for _ in range(args.nodes)]
@@ -109,7 +118,7 @@ def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) 
     supervisor = [python, "-m", "scalelm.launch.supervise", "--"]
     step = slurm.srun_step(job_id, args.nodes, allocation.cpus_per_node, args.procs_per_node if args.gpu else 0)
     program = ["-m", PROGRAMS[args.program], *train_args]
-    return [*step, *inside, *supervisor, *torchrun(args.nodes, args.procs_per_node, rendezvous), *program]
+    return [*step, *inside, *supervisor, *starter(args, python, rendezvous), *program]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -119,6 +128,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m scalelm.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--program", choices=PROGRAMS, default="train", help="what to run (default: train)")
     parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument(
+        "--launcher",
+        choices=("torchrun", "spawn"),
+        default="torchrun",
+        help="what starts a node's processes (spawn: torch.multiprocessing.spawn, one node only)",
+    )
     parser.add_argument("--procs-per-node", type=int, default=1)
     parser.add_argument("--container", help="Apptainer image to run torchrun in (default: none)")
     parser.add_argument("--container-runtime", default="apptainer", help="apptainer or singularity")
@@ -134,6 +149,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for key in ("nodes", "procs_per_node"):
         if getattr(args, key) <= 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.launcher == "spawn" and args.nodes > 1:
+        raise ConfigError(f"--launcher spawn starts one node's processes, but --nodes is {args.nodes}: use torchrun, "
+                          "whose rendezvous joins the nodes")  # fmt: skip
     return args, train_args
 
 

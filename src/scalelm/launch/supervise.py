@@ -33,7 +33,8 @@ def ignore_usr1() -> None:
 
 def training_processes(pid: int) -> list[psutil.Process]:
     """The training processes (`-m scalelm.train`) started under process `pid`: a torchrun's workers, or a
-    container's. Not the utilisation monitor they start (`-m scalelm.measure.sampler`)."""
+    container's, or the spawn launcher, which passes the signal on to its processes (scalelm.launch.spawn). Not the
+    utilisation monitor they start (`-m scalelm.measure.sampler`)."""
     try:
         found = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:

@@ -1,8 +1,10 @@
 """What a training measures besides its loss, in one place, behind the few calls the trainer makes: `start`, `step`
 around each optimizer step (the communication profile of the last steps), `note_state` once the state exists (this
 rank's parameters, gradients and optimizer state), `batches` around the batch iterator (the host time spent
-producing batches), `interval` at a log line (the peak memory, the data time, and whether the profiler ran), `mfu`, and at the end the hosts' load and `results` (what run.json records beside the plan). Nothing
-here changes the training; its collectives run on every rank in the same order."""
+producing batches), `paused` around evaluations and checkpoints, `interval` at a log line (the peak memory, the
+data time, the energy, and whether the profiler ran), `mfu`, and at the end the hosts' load and `results` (what
+run.json records beside the plan). Nothing here changes the training; its collectives run on every rank in the
+same order."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from torch import nn
 
 from scalelm.config import Config
 from scalelm.measure.comm import CommProfile
-from scalelm.measure.hostload import HostLoad
+from scalelm.measure.energy import EnergyMeter
+from scalelm.measure.hostload import HostLoad, machine_id
+from scalelm.measure.monitor import device_uuid
 from scalelm.measure.peak import mfu, peak_flops
 from scalelm.model.architecture import flops_per_token
 from scalelm.parallel.env import DistEnv, all_gather_object, global_reduce
@@ -55,13 +59,20 @@ class Instruments:
         self.steady_peak_mb = math.nan  # this rank's, from the last interval without the profiler
         self.host_load: HostLoad | None = None
         self.data_seconds = 0.0  # since the last log line
+        machines = all_gather_object(machine_id())  # on CPUs the machine's first rank reads its packages
+        self.energy = EnergyMeter.open(device_uuid(env.device), machines.index(machines[env.rank]) == env.rank)
 
     def start(self) -> None:
-        """At the start of training: the hosts' CPU load is measured from here to `results`."""
+        """At the start of training: the hosts' CPU load is measured from here to `results`, the energy from here."""
         self.host_load = HostLoad()
+        self.energy.lap()
 
     def step(self, step: int) -> AbstractContextManager:
         return self.comm.step(step)
+
+    def paused(self) -> AbstractContextManager:
+        """Around what is not training (evaluation, checkpoints), inside the clock's pause: its energy is left out."""
+        return self.energy.paused()
 
     def note_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Once, after an optimizer step and before zero_grad: every tensor of the state exists then."""
@@ -80,10 +91,11 @@ class Instruments:
                 return
             yield item
 
-    def interval(self, first_step: int, last_step: int, seconds: float) -> dict[str, Any]:
+    def interval(self, first_step: int, last_step: int, seconds: float, tokens: int) -> dict[str, Any]:
         """At a log line (a collective), the interval's figures of the metrics line: the largest rank's peak
         memory and reserved memory (MiB; None on CPU), its largest share of the `seconds` spent producing batches,
-        and whether the profiler ran in it (its time is then no steady-state figure)."""
+        the job's energy in its steps and per token of its `tokens` (None where a rank could not measure it), and
+        whether the profiler ran in it (its time is then no steady-state figure)."""
         peak, reserved = peak_memory_mb(self.env.device)
         profiled = any(self.comm.covers(step) for step in range(first_step, last_step + 1))
         if not profiled:
@@ -92,10 +104,15 @@ class Instruments:
         self.data_seconds = 0.0
         largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX)
         peak, reserved, data_share = largest.tolist()
+        joules = self.energy.lap()
+        joules = global_reduce(torch.tensor(math.nan if joules is None else joules, device=self.env.device)).item()
+        joules = None if math.isnan(joules) else joules
         return {
             "peak_mem_mb": peak,
             "peak_reserved_mb": reserved if reserved >= 0 else None,  # CUDA's caching allocator; None on CPU
             "data_share": data_share,
+            "energy_j": joules,
+            "joules_per_token": joules / tokens if joules is not None and tokens else None,
             "profiled": profiled,
         }
 
@@ -106,9 +123,10 @@ class Instruments:
         """Each host's CPU use since `start`, by the run and by other work (a collective)."""
         return HostLoad.per_host(all_gather_object(self.host_load.reading()))
 
-    def results(self, tokens_seen: int, train_seconds: float) -> dict[str, Any]:
+    def results(self, tokens_seen: int, train_seconds: float, energy_j: float | None) -> dict[str, Any]:
         """The measured figures of run.json's results (a collective), beside scalelm.plan's for the layout."""
         return {
+            "energy": self.energy_summary(tokens_seen, energy_j),
             "state_mb_per_rank": self.state_mb_per_rank(),
             # scalelm.plan's figures for this layout, the measured ones' reference (MiB, the fullest rank)
             "plan_mb_per_rank": plan_memory(self.workload, self.parallel.dims).mb(),
@@ -118,6 +136,22 @@ class Instruments:
             "flops_per_token": self.flops_per_token,
             "peak_flops_per_device": self.peak_flops,
             "peak_flops_source": self.peak_source,
+        }
+
+    def energy_summary(self, tokens_seen: int, energy_j: float | None) -> dict[str, Any]:
+        """The run's energy in training steps (every attempt's, the job's devices together) and per token, what
+        counted it, and why it is unknown where it is (a collective)."""
+        self.energy.close()
+        readings = all_gather_object((self.energy.source, self.energy.unknown))
+        unknown = sorted({f"rank {rank}: {why}" for rank, (_, why) in enumerate(readings) if why})
+        if energy_j is None and not unknown:
+            unknown = ["an earlier attempt of this run could not measure it"]
+        known = not unknown and energy_j is not None
+        return {
+            "joules": energy_j if known else None,
+            "joules_per_token": energy_j / tokens_seen if known and tokens_seen else None,
+            "source": ", ".join(sorted({source for source, _ in readings if source})) or None,
+            "unknown": "; ".join(unknown[:4]) or None,
         }
 
     def pipeline_measurements(self) -> dict[str, Any]:

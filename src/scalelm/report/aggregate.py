@@ -72,6 +72,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "steps": results.steps,
         "wall_time_s": record.wall_time_s,
         "train_time_s": results.train_time_s,
+        "staging_s": (results.staging or {}).get("seconds"),
         **steady,
         "mfu": steady_mfu,
         # the share of the profiled steps with a collective running (scalelm.measure.comm); 0 for one process
@@ -89,6 +90,8 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "other_cpu_cores": max((h["other_cores"] for h in record.host_load.values()), default=None),
         "overlapped_by": "",
         **summarise(series, monitor_cost),
+        "energy_j": (results.energy or {}).get("joules"),
+        "joules_per_token": (results.energy or {}).get("joules_per_token"),
         "final_train_loss": results.final_train_loss,
         "validation_loss": results.validation["loss"],
         "test_loss": test["loss"],

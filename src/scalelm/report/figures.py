@@ -33,6 +33,7 @@ FIGURES = (
     Figure("steps"),
     Figure("wall_time_s"),
     Figure("train_time_s"),
+    Figure("staging_s"),  # copying the data to memory or node-local disk first (scalelm.data.stage), not training
     # steady state after warm-up (report.timing), against the baseline (report.scaling)
     Figure("warmup_steps"),
     Figure("steady_intervals"),
@@ -71,6 +72,9 @@ FIGURES = (
     Figure("monitor_cpu_percent"),
     Figure("other_cpu_cores"),
     Figure("overlapped_by"),
+    # energy in training steps, every attempt's (scalelm.measure.energy): empty where it could not be read
+    Figure("energy_j", "spread"),
+    Figure("joules_per_token", "spread", "max"),
     # results
     Figure("final_train_loss"),
     Figure("validation_loss"),

@@ -30,6 +30,7 @@ class Experiment:
     config: Config = field(compare=False, hash=False)  # the resolved training settings
     layout: Layout = field(default=Layout(ParallelDims()), compare=False, hash=False)  # resolved and checked
     check_memory: bool = field(default=True, compare=False)  # refused before the queue if it cannot fit (plan)
+    launcher: str = field(default="torchrun", compare=False)  # what starts a node's processes (scalelm.launch)
 
     @property
     def world_size(self) -> int:
@@ -98,11 +99,15 @@ def training_config(study: StudySettings, name: str, seed: int, run_dir: str) ->
 
 
 def with_site_defaults(config: Config, site: SiteConfig) -> Config:
-    """What the site decides unless the experiment does: the GPU's peak for MFU where scalelm's table lacks it, and
-    the device on a GPU site (a job that sees no GPU then fails with a clear error instead of training for hours on
-    the CPU)."""
+    """What the site decides unless the experiment does: the GPU's peak for MFU where scalelm's table lacks it, the
+    device on a GPU site (a job that sees no GPU then fails with a clear error instead of training for hours on
+    the CPU), and where the data is staged."""
     if site.peak_tflops and not config.train.peak_tflops:
         config = replace(config, train=replace(config.train, peak_tflops=site.peak_tflops))
+    if site.stage and config.data.stage is None:
+        config = replace(
+            config, data=replace(config.data, stage=site.stage, stage_dir=config.data.stage_dir or site.stage_dir)
+        )
     if site.gpus_per_node and config.device == "auto":
         config = replace(config, device="cuda")
     return config
@@ -138,6 +143,9 @@ def load_matrix(study: StudySettings, site: SiteConfig | None = None) -> list[Ex
             run_dir = str(RunDir.of(study.results, name, seed).path)
             training = with_site_defaults(training_config(study, name, seed, run_dir), site or SiteConfig())
             layout = layout_of(name, training, spec.nodes, spec.procs_per_node)
+            if spec.launcher == "spawn" and spec.nodes > 1:
+                raise ConfigError(f"experiments.{name}: launcher spawn starts one node's processes, but nodes is "
+                                  f"{spec.nodes}; use launcher torchrun, whose rendezvous joins the nodes")  # fmt: skip
             geometry = (spec.strategy, spec.nodes, spec.procs_per_node)
-            matrix.append(Experiment(name, *geometry, seed, training, layout, spec.check_memory))
+            matrix.append(Experiment(name, *geometry, seed, training, layout, spec.check_memory, spec.launcher))
     return matrix

@@ -46,13 +46,14 @@ def preflight_batch(matrix: list[Experiment]) -> int:
 
 def preflight_settings(training: dict, dims: ParallelDims, batch: int, data_dir: str, run_dir: str) -> dict:
     """An experiment's training settings for the wiring check: its layout as explicit degrees (one node holds all
-    its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences on the sliced data."""
+    its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences on the sliced data (not
+    staged)."""
     parallel = {k: v for k, v in training["parallel"].items() if k not in ("cpu_offload", "strategy")}
     settings = {k: v for k, v in training.items() if k != "parallel"}
     return deep_merge(settings, {
         "run_dir": run_dir,
         "device": "cpu",
-        "data": {"prepared_dir": data_dir},
+        "data": {"prepared_dir": data_dir, "stage": "none"},  # a slice of the data in results: no staging to check
         "model": {"dropout": 0.0},
         "batch": {"mode": "global", "size": batch, "micro_size": None, "lr_scaling": "none"},
         "train": {"max_steps": PREFLIGHT_STEPS, "epochs": 1, "log_every": 1, "eval_every": None, "precision": "fp32",

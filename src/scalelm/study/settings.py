@@ -74,6 +74,7 @@ class ExperimentSpec:
     training: dict[str, Any] = field(default_factory=dict)
     check_memory: bool = True
     expect: dict[str, Any] | None = None  # checked by scalelm.report.expectations
+    launcher: Literal["torchrun", "spawn"] = "torchrun"  # spawn: the lecture's torch.multiprocessing.spawn, one node
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class Study:
     def launch_args(self, wildcards) -> str:
         e = self.geometry(wildcards)
         args = ["--nodes", str(e.nodes), "--procs-per-node", str(e.procs_per_node)]
+        args += ["--launcher", e.launcher] if e.launcher != "torchrun" else []
         if self.image:
             args += ["--container", self.image, "--container-runtime", self.runtime]
             args += [arg for bind in self.binds() for arg in ("--bind", bind)]

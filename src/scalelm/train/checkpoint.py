@@ -126,6 +126,12 @@ class TrainerState:
     tokens_seen: int = 0
     train_seconds: float = 0.0  # time in training steps, excluding evaluation and checkpoints
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
+    energy_j: float | None = None  # the job's, in training steps; None once an attempt could not measure it
+
+    def spent(self, seconds: float, joules: float | None) -> None:
+        """A logged interval's training time and energy."""
+        self.train_seconds += seconds
+        self.energy_j = None if self.energy_j is None or joules is None else self.energy_j + joules
 
     def advance(self, tokens: int, steps_per_epoch: int) -> bool:
         """One optimizer step of `tokens` done; True if it ended its epoch (the position moves to the next one)."""

@@ -42,6 +42,8 @@ class Results:
     peak_flops_source: str | None = None
     comm: dict[str, Any] | None = None  # the profiled steps' communication share (scalelm.measure.comm)
     pipeline: dict[str, Any] | None = None  # schedule, bubble, timeline (scalelm.parallel.pipeline)
+    energy: dict[str, Any] | None = None  # joules, joules_per_token, source, unknown (scalelm.measure.energy)
+    staging: dict[str, Any] | None = None  # the last attempt's: mode, dir, seconds, bytes (scalelm.data.stage)
 
 
 @dataclass(frozen=True)

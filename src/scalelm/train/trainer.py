@@ -24,6 +24,7 @@ import torch
 from scalelm import seeds
 from scalelm.config import Config, dump_config, load_config
 from scalelm.data.prepared import PreparedData, load_prepared
+from scalelm.data.stage import Staged, staged
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError, friendly_errors
 from scalelm.files import disk_errors
@@ -79,8 +80,10 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches):
+    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches,
+                 staging: Staged | None = None):  # fmt: skip
         self.config, self.env, self.parallel, self.data, self.batches = config, env, parallel, data, batches
+        self.staging = staging or Staged(data.path)
         self.run_dir = RunDir(Path(config.run_dir))
 
         dp_size = parallel.dims.dp_size
@@ -102,7 +105,7 @@ class Trainer:
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
-        self.state = resumed or TrainerState(model_shape=self.shape)
+        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=0.0)
         wandb = None
         if config.train.wandb and env.is_main:
             group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
@@ -171,7 +174,7 @@ class Trainer:
                     loss_acc.zero_()
                     steps_acc = 0
                     reset_peak_memory(env.device)  # each interval's peak is its own
-                with clock.paused():
+                with clock.paused(), self.instruments.paused():
                     if last or epoch_ended or due(state.step, config.train.eval_every):
                         validation = self.evaluate_split("validation")
                     if epoch_ended or due(state.step, config.checkpoint.every):
@@ -183,7 +186,7 @@ class Trainer:
             test = self.evaluate_split("test")
             self.stop.close()
         except StopRequested:  # every rank agreed: between steps or between evaluation batches
-            with clock.paused():
+            with clock.paused(), self.instruments.paused():
                 path = self.save(loss_acc)
             raise Preempted(f"stopped by a signal at step {state.step}; checkpoint {path}; rerun to resume") from None
         checkpoint = self.save(loss_acc)
@@ -197,7 +200,8 @@ class Trainer:
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
         values = global_reduce(values) / divisors
-        interval = self.instruments.interval(self.state.step - steps + 1, self.state.step, elapsed)
+        interval = self.instruments.interval(self.state.step - steps + 1, self.state.step, elapsed,
+                                             steps * self.tokens_per_step)  # fmt: skip
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
             bad = self.ranks_where(~loss_acc.isfinite())
@@ -205,7 +209,7 @@ class Trainer:
                 f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; the last good "
                 f"checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
-        self.state.train_seconds += elapsed
+        self.state.spent(elapsed, interval["energy_j"])
         self.last_loss = loss
         step_time = elapsed / steps
         self.metrics.log(
@@ -279,7 +283,7 @@ class Trainer:
             host_load=self.instruments.host_loads(),
             parallel=self.parallel.describe(self.model),
             results=Results(
-                **self.instruments.results(state.tokens_seen, state.train_seconds),
+                **self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j),
                 strategy=self.parallel.name,
                 layout=self.parallel.dims.layout,
                 steps=state.step,
@@ -293,6 +297,7 @@ class Trainer:
                 validation=validation,
                 test=test,
                 checkpoint=str(checkpoint),
+                staging=self.staging.record(),
             ),
         )
         if self.env.is_main:
@@ -310,27 +315,34 @@ def run(config: Config) -> RunRecord:
         os.environ.setdefault(name, value)
     env = setup(config.device, config.parallel.timeout_s, cpu_collectives=config.parallel.cpu_offload)
     try:
-        # Everything that can be refused is refused before the run directory is touched: the data, the layout
-        # against the world and the data, the batch against both.
-        data = load_prepared(config.data.prepared_dir)
-        parallel = Parallel.start(config, env, data.vocab_size)
-        batches = train_batches(config, parallel, data)
-        run_dir = RunDir(Path(config.run_dir))
-        with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
-            if env.is_main:
-                run_dir.start(identity(config, data.checksums(), env.world_size))
-            barrier()
-            trainer = Trainer(config, env, parallel, data, batches)
-            with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
-                try:
-                    record = trainer.fit()
-                finally:
-                    trainer.watchdog.close()
-                    trainer.metrics.close()
-            barrier()  # every rank done with every collective before any shuts its process groups down
-        return record
+        data = config.data
+        with staged(data.prepared_dir, data.stage or "none", data.stage_dir, env, config.run_dir) as staging:
+            return train_from(config, env, staging)
     finally:
         teardown()
+
+
+def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
+    """`run`'s training, from the prepared data where `staging` put it (removed when this returns or fails)."""
+    # Everything that can be refused is refused before the run directory is touched: the data, the layout against
+    # the world and the data, the batch against both.
+    data = load_prepared(staging.path)
+    parallel = Parallel.start(config, env, data.vocab_size)
+    batches = train_batches(config, parallel, data)
+    run_dir = RunDir(Path(config.run_dir))
+    with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
+        if env.is_main:
+            run_dir.start(identity(config, data.checksums(), env.world_size))
+        barrier()
+        trainer = Trainer(config, env, parallel, data, batches, staging)
+        with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
+            try:
+                record = trainer.fit()
+            finally:
+                trainer.watchdog.close()
+                trainer.metrics.close()
+        barrier()  # every rank done with every collective before any shuts its process groups down
+    return record
 
 
 @friendly_errors

@@ -1,0 +1,115 @@
+"""Data staging, the course's advice for I/O: before training, copy the prepared data from the shared file system
+to memory (`/dev/shm`, `data.stage: shm`) or to node-local disk (`local`: `data.stage_dir`, else $TMPDIR, else
+/tmp), train from the copy, and remove it at the end.
+
+One process per node (local rank 0) copies and checks every file against the manifest's checksums while the node's
+others wait; any node's failure (no room, a damaged copy) stops every rank with its message before training. The
+copy is removed when the training ends, however it ends (finished, stopped by a signal, failed); a process killed
+outright leaves it behind, and the next attempt replaces it. The time it took is kept apart from the training time
+(MLPerf HPC's convention): `staging` in run.json, `staging_s` in the summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalelm.data.manifest import MANIFEST, SPLITS
+from scalelm.errors import DataError
+from scalelm.files import sha256
+from scalelm.parallel.env import DistEnv, all_gather_object
+
+SHM = Path("/dev/shm")
+ROOM_MARGIN = 1.1  # free space asked for beyond the data's size
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Where the training reads its data from, and what staging cost (the slowest node's seconds)."""
+
+    path: Path
+    mode: str = "none"
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def record(self) -> dict[str, Any] | None:
+        if self.mode == "none":
+            return None
+        return {"mode": self.mode, "dir": str(self.path), "seconds": self.seconds, "bytes": self.bytes}
+
+
+def stage_root(mode: str, stage_dir: str | None) -> Path:
+    if mode == "shm":
+        return Path(stage_dir) if stage_dir else SHM
+    return Path(stage_dir or os.environ.get("TMPDIR") or "/tmp")
+
+
+def expected_files(source: Path) -> dict[str, str | None]:
+    """The prepared directory's files and the sha256 its manifest records for each (None: the manifest itself)."""
+    manifest = json.loads((source / MANIFEST).read_text())
+    files: dict[str, str | None] = {MANIFEST: None, "vocab.txt": manifest.get("vocab_sha256")}
+    files |= {f"{split}.pt": manifest["splits"][split].get("sha256") for split in SPLITS}
+    return files
+
+
+def copy_checked(source: Path, target: Path) -> int:
+    """Copy the prepared data to `target` (replacing a copy an earlier attempt left), each file checked against the
+    manifest; the bytes copied. Refused before anything is copied where the file system lacks room."""
+    files = expected_files(source)
+    size = sum((source / name).stat().st_size for name in files)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(target.parent).free
+    if free < size * ROOM_MARGIN:
+        raise DataError(
+            f"data staging: {target.parent} has {free / 2**20:,.1f} MiB free, the prepared data needs "
+            f"{size / 2**20:,.1f} MiB (and 10% to spare); free space there, set data.stage_dir to a larger file "
+            "system, or set data.stage: none"
+        )
+    shutil.rmtree(target, ignore_errors=True)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    for name, digest in files.items():
+        shutil.copyfile(source / name, partial / name)
+        if digest is not None and sha256(partial / name) != digest:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise DataError(
+                f"data staging: the copy of {source / name} in {partial} does not match the manifest's checksum "
+                f"(a full or failing {target.parent}?); set data.stage_dir elsewhere or data.stage: none"
+            )
+    partial.rename(target)
+    return size
+
+
+@contextlib.contextmanager
+def staged(source: str | Path, mode: str, stage_dir: str | None, env: DistEnv, run_dir: str) -> Iterator[Staged]:
+    """The prepared data at `source`, staged as `mode` asks (a collective: every rank enters it together)."""
+    source = Path(source)
+    if mode == "none":
+        yield Staged(source)
+        return
+    job = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]  # one copy per run and node
+    target = stage_root(mode, stage_dir) / f"scalelm-{job}-node{env.node_rank}"
+    began, copied, failure = time.perf_counter(), 0, None
+    if env.local_rank == 0:
+        try:
+            copied = copy_checked(source, target)
+        except (OSError, DataError) as err:
+            failure = str(err) if isinstance(err, DataError) else f"data staging to {target} failed: {err}"
+    outcomes = all_gather_object((failure, time.perf_counter() - began, copied))  # the node's others wait here
+    try:
+        failures = [f for f, _, _ in outcomes if f]
+        if failures:
+            raise DataError(failures[0])
+        yield Staged(target, mode, max(s for _, s, _ in outcomes), max(b for _, _, b in outcomes))
+    finally:
+        if env.local_rank == 0:  # the others may still map its files: Linux keeps them until they unmap
+            shutil.rmtree(target, ignore_errors=True)
