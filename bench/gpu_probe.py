@@ -420,9 +420,10 @@ def memory(probe: Probe) -> str:
 
 
 def nvml(probe: Probe) -> str:
-    """j. The monitor's NVML readings by index and by UUID (scalelm.measure.sampler), and this process among the
-    GPU's compute processes."""
+    """j. The monitor's NVML readings by index and by UUID (scalelm.measure.sampler), this process among the GPU's
+    compute processes, and the energy meter of training (scalelm.measure.energy) over two seconds of products."""
     probe.need_cuda()
+    from scalelm.measure.energy import EnergyMeter
     from scalelm.measure.monitor import device_uuid
     from scalelm.measure.sampler import GpuSampler
 
@@ -434,7 +435,17 @@ def nvml(probe: Probe) -> str:
     handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
     pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
     mine = "listed" if os.getpid() in pids else f"not listed (pids {pids[:4]}: another PID namespace?)"
-    return f"uuid {uuid}: {by_uuid[0]}; this process {mine}"
+    meter, square = EnergyMeter.open(uuid, reads_machine=False), torch.randn(8192, 8192, device=probe.device)
+    torch.cuda.synchronize()
+    meter.lap()
+    began = time.perf_counter()
+    while time.perf_counter() - began < 2:
+        square.bfloat16() @ square.bfloat16()
+        torch.cuda.synchronize()
+    joules, seconds = meter.lap(), time.perf_counter() - began
+    assert joules and joules > 0, (meter.source, meter.unknown, joules)
+    energy = f"energy ({meter.source}): {joules:.0f} J in {seconds:.1f} s of products, {joules / seconds:.0f} W"
+    return f"uuid {uuid}: {by_uuid[0]}; this process {mine}; {energy}"
 
 
 def compiled_block(probe: Probe) -> str:

@@ -1,0 +1,351 @@
+"""Context parallelism's core: causal ring attention over a group of ranks that each hold part of every sequence.
+
+torch's own context_parallel needs CUDA kernels and NCCL; this one is written with plain tensor operations and
+point-to-point messages, so it runs on CPUs and gloo as well (and on GPUs, without flash kernels).
+
+Each rank keeps its queries and passes its key/value block around the ring (to rank + 1, from rank - 1); after
+cp - 1 hops every query has met every key. A block's partial attention is merged into the running result through its
+log-sum-exp (online softmax, fp32), and blocks wholly in a query block's future are skipped. Backward recomputes the
+probabilities block by block from the saved log-sum-exp; dq stays home, while the dk/dv accumulator of a block
+travels with it and takes one last hop after the final step, which brings it back to its owner.
+
+Communication per attention call on a rank, with a local block of B x H x L x D elements of e bytes (q's dtype):
+forward cp - 1 messages of 2 B H L D e bytes (k and v together) and one all-gather of the positions (cp L int64);
+backward cp - 1 such key/value messages plus cp messages of 2 B H L D x 4 bytes (the fp32 dk/dv accumulators).
+
+The split of the sequence (chunk_positions): contiguous, or load-balanced as in torchtitan, where rank r holds chunks
+r and 2 cp - 1 - r of 2 cp, so that every rank gets the same share of the causal mask's work.
+
+Attention dropout draws its masks from a counter-based hash of (seed, batch, head, query position, key position),
+so they do not depend on cp or on the split: a run with cp = 2 drops the same probabilities as one without.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from scalelm.errors import ConfigError
+
+
+def _check_split(seq_len: int, cp_size: int, load_balance: bool) -> int:
+    """The length of one chunk (a rank holds one, or two with load balancing)."""
+    if cp_size < 1:
+        raise ConfigError(f"parallel.cp must be a positive integer, got {cp_size}")
+    pieces = 2 * cp_size if load_balance else cp_size
+    if seq_len % pieces:
+        if load_balance:
+            why = f"2 x parallel.cp = {pieces} (context parallelism with load balancing cuts each sequence into 2 x cp chunks)"
+        else:
+            why = f"parallel.cp = {pieces} (context parallelism gives each rank an equal part of each sequence)"
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by {why}; choose a sequence length that is a multiple of {pieces}"
+        )
+    return seq_len // pieces
+
+
+def chunk_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
+    """The global positions (int64, ascending) of the tokens of a sequence that rank `cp_rank` of `cp_size` holds."""
+    chunk = _check_split(seq_len, cp_size, load_balance)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
+    if not load_balance:
+        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=torch.int64)
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat(
+        [torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)]
+    ).to(torch.int64)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
+    """This rank's part of `x` along `dim`, the tokens at chunk_positions (a view when the split is contiguous)."""
+    chunk = _check_split(x.size(dim), cp_size, load_balance)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
+    if not load_balance:
+        return x.narrow(dim, cp_rank * chunk, chunk)
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, tail * chunk, chunk)], dim)
+
+
+def _size_rank(group) -> tuple[int, int]:
+    """group None stands for no context parallelism: one rank, whether or not a process group exists."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def gather_sequence(part: torch.Tensor, dim: int, group, load_balance: bool) -> torch.Tensor:
+    """The whole sequence along `dim` from every rank's part (shard_sequence's inverse; not differentiable)."""
+    n, _ = _size_rank(group)
+    if n == 1:
+        return part
+    parts = [torch.empty_like(part, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    seq_len = part.size(dim) * n
+    order = torch.cat([chunk_positions(seq_len, r, n, load_balance) for r in range(n)]).to(part.device)
+    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
+
+
+# --- dropout masks ---------------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Chris Wellons' integer hash) on values in [0, 2^32) held in int64: its multipliers are below 2^31,
+    so no product leaves int64's range and the result is the same on every device and build."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _keep_scale(
+    seed: int,
+    dropout_p: float,
+    batch: torch.Tensor,
+    heads: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The dropout factor, 0 or 1 / (1 - p), of every (batch, head, query, key): shape (B, H, Lq, Lk).
+
+    Each coordinate is folded into the hash in turn (xor, then mix), the cheap ones on small tensors first."""
+    h = _mix32(torch.tensor([(seed & _M32) ^ 0x9E3779B9], dtype=torch.int64, device=q_pos.device))
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    h = _mix32(h ^ batch.view(-1, 1, 1, 1))
+    h = _mix32(h ^ heads.view(1, -1, 1, 1))
+    h = _mix32(h ^ q_pos.view(1, 1, -1, 1))
+    h = _mix32(h ^ k_pos.view(1, 1, 1, -1))
+    keep = h.to(torch.float64) * 2.0**-32 >= dropout_p  # a uniform in [0, 1), exact in float64
+    return keep.to(dtype) * (1.0 / (1.0 - dropout_p))
+
+
+class _Dropout:
+    """What a block needs to regenerate its masks (scale() is None where dropout_p is 0: no masks computed)."""
+
+    def __init__(self, dropout_p: float, seed: int | None, batch: int, heads: int, batch_offset: int, head_offset: int):
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        if dropout_p and seed is None:
+            raise ValueError("attention dropout needs a seed: its masks are a function of it, the same on every rank")
+        self.p, self.seed = dropout_p, seed
+        self.batch = torch.arange(batch_offset, batch_offset + batch, dtype=torch.int64)
+        self.heads = torch.arange(head_offset, head_offset + heads, dtype=torch.int64)
+
+    def scale(self, q_pos: torch.Tensor, k_pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+        """The factors for a block of scores `like`, computed on its device in its dtype."""
+        if not self.p:
+            return None
+        on = like.device
+        batch, heads, q_pos, k_pos = (t.to(on) for t in (self.batch, self.heads, q_pos, k_pos))
+        return _keep_scale(self.seed, self.p, batch, heads, q_pos, k_pos, like.dtype)
+
+
+# --- one block -------------------------------------------------------------------------------------------------------
+
+
+class _Block:
+    """The part of a (query block, key block) pair that the causal mask leaves anything in: the queries from `rows`
+    on (the earlier ones see none of the keys) and the keys before `cols` (no query sees the later ones).
+
+    Positions ascend, so both are ranges. Under the load-balanced split this halves every block but a rank's own,
+    and leaves the half unmasked: that, not the skipped blocks, is what evens the ranks' work out."""
+
+    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        self.rows = int((q_pos < k_pos[0]).sum())
+        self.cols = int((k_pos <= q_pos[-1]).sum())
+        self.empty = self.rows == q_pos.numel() or self.cols == 0
+        self.q_pos, self.k_pos = q_pos[self.rows :], k_pos[: self.cols]
+        # None: every query of the part sees every key of it
+        self.mask = (
+            None if self.empty or self.k_pos[-1] <= self.q_pos[0] else self.q_pos.view(-1, 1) >= self.k_pos.view(1, -1)
+        )
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the accumulation dtype: fp32 for fp32 and narrower, float64 kept (the exact tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    s = torch.matmul(_acc(q), _acc(k).transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, dropout_p, seed, batch_offset, head_offset):
+        n, rank = _size_rank(group)
+        batch, heads, length, dim = q.shape
+        scale = 1.0 / math.sqrt(dim)
+        drop = _Dropout(dropout_p, seed, batch, heads, batch_offset, head_offset)
+        # the positions stay on the CPU: the block bounds are Python ints, which would otherwise sync with a GPU
+        q_pos = positions.to(device="cpu", dtype=torch.int64)
+        if q_pos.shape != (length,) or not bool(torch.all(q_pos[1:] > q_pos[:-1])):
+            raise ValueError(f"positions must be {length} ascending integers (chunk_positions), got {positions}")
+        all_pos = _all_positions(q_pos, group, n, q.device)
+        ring = _Ring(group, n, rank)
+
+        like = {"device": q.device, "dtype": _acc(q).dtype}
+        m = torch.full((batch, heads, length), float("-inf"), **like)  # running max of the scores
+        total = torch.zeros((batch, heads, length), **like)  # running sum of exp(score - m), undropped
+        acc = torch.zeros((batch, heads, length, dim), **like)  # running sum of exp(score - m) x v, dropped
+        kv = torch.stack([k, v])
+        for step in range(n):
+            nxt = ring.pass_on(kv, tag=0) if step < n - 1 else None  # the next block travels while this one computes
+            block = _Block(q_pos, all_pos[(rank - step) % n])
+            if not block.empty:
+                rows, cols = slice(block.rows, None), slice(None, block.cols)
+                s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, block.mask)
+                m_old = m[..., rows]
+                m_new = torch.maximum(m_old, s.amax(-1))
+                m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet: exp(-inf) = 0
+                alpha = torch.exp(m_old - m_safe)
+                p = torch.exp(s - m_safe.unsqueeze(-1))
+                total[..., rows] = total[..., rows] * alpha + p.sum(-1)
+                z = drop.scale(block.q_pos, block.k_pos, s)
+                pv = torch.matmul(p if z is None else p * z, _acc(kv[1][..., cols, :]))
+                acc[..., rows, :] = acc[..., rows, :] * alpha.unsqueeze(-1) + pv
+                m[..., rows] = m_new
+            if nxt is not None:
+                kv = nxt.wait()
+        # every query sees at least its own key, so total > 0; the guard only keeps a caller's odd positions from NaNs
+        total = total.masked_fill(total == 0, 1.0)
+        out = (acc / total.unsqueeze(-1)).to(q.dtype)
+        lse = m + torch.log(total)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos)
+        ctx.group, ctx.drop, ctx.scale = group, drop, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, q_pos, all_pos = ctx.saved_tensors
+        n, rank = _size_rank(ctx.group)
+        ring = _Ring(ctx.group, n, rank)
+        d_out = _acc(d_out)
+        delta = (d_out * _acc(out)).sum(-1, keepdim=True)  # D = rowsum(dO * O): the softmax's backward term
+        qf = _acc(q)
+
+        dq = torch.zeros_like(qf)
+        dkv = torch.zeros((2, *k.shape), device=k.device, dtype=qf.dtype)  # the dk/dv accumulator of the block in hand
+        kv = torch.stack([k, v])
+        incoming = None
+        for step in range(n):
+            nxt = ring.pass_on(kv, tag=0) if step < n - 1 else None
+            if incoming is not None:
+                dkv = incoming.wait()  # the accumulator of the block that has just arrived, from the rank before
+            block = _Block(q_pos, all_pos[(rank - step) % n])
+            if not block.empty:
+                rows, cols = slice(block.rows, None), slice(None, block.cols)
+                q_b, d_out_b = qf[..., rows, :], d_out[..., rows, :]
+                k_b, v_b = _acc(kv[0][..., cols, :]), _acc(kv[1][..., cols, :])
+                s = _scores(q_b, k_b, ctx.scale, block.mask)
+                # the undropped probabilities; masked entries are exp(-inf) = 0
+                p = torch.exp(s - lse[..., rows].unsqueeze(-1))
+                z = ctx.drop.scale(block.q_pos, block.k_pos, s)
+                dp = torch.matmul(d_out_b, v_b.transpose(-2, -1))
+                if z is not None:
+                    dp = dp * z
+                ds = p * (dp - delta[..., rows, :])
+                dq[..., rows, :] += torch.matmul(ds, k_b) * ctx.scale
+                dkv[0][..., cols, :] += torch.matmul(ds.transpose(-2, -1), q_b) * ctx.scale
+                dkv[1][..., cols, :] += torch.matmul((p if z is None else p * z).transpose(-2, -1), d_out_b)
+            if n > 1:
+                incoming = ring.pass_on(dkv, tag=1)  # after the last step this hop brings each block home
+            if nxt is not None:
+                kv = nxt.wait()
+        if incoming is not None:
+            dkv = incoming.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def _all_positions(q_pos: torch.Tensor, group, n: int, device: torch.device) -> torch.Tensor:
+    """Every rank's positions, (n, L) on the CPU: one small all-gather (on the tensors' device, which NCCL needs),
+    so the ring's messages carry only keys and values."""
+    if n == 1:
+        return q_pos.unsqueeze(0)
+    # the list form: all_gather_into_tensor is deprecated in torch 2.13, and its successor absent from torch 2.6
+    mine = q_pos.to(device)
+    out = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(out, mine, group=group)
+    return torch.stack(out).cpu()
+
+
+class _Transfer:
+    def __init__(self, works, buffer: torch.Tensor):
+        self.works, self.buffer = works, buffer
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.buffer
+
+
+class _Ring:
+    """Sends to the next rank of the group and receives from the one before, by global rank as P2POp wants."""
+
+    def __init__(self, group, n: int, rank: int):
+        self.group = group
+        if n > 1:
+            self.to = dist.get_global_rank(group, (rank + 1) % n)
+            self.frm = dist.get_global_rank(group, (rank - 1) % n)
+
+    def pass_on(self, tensor: torch.Tensor, tag: int) -> _Transfer:
+        """Start sending `tensor` on and receiving its successor; the tag keeps the key/value stream apart from the
+        accumulators' when both are in flight between the same two ranks (gloo matches by peer and tag)."""
+        buffer = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.to, self.group, tag),
+            dist.P2POp(dist.irecv, buffer, self.frm, self.group, tag),
+        ]
+        return _Transfer(dist.batch_isend_irecv(ops), buffer)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group=None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    *,
+    batch_offset: int = 0,
+    head_offset: int = 0,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, whose parts the ranks of `group` hold.
+
+    q, k, v: (batch, heads, local_seq, head_dim), the tokens at global `positions` (every rank's positions have the
+    same length). group None or of one rank: plain masked attention, through the same code. batch_offset and
+    head_offset place this rank's batch and heads among the global ones (data or tensor parallelism), so that the
+    dropout masks are those of the whole batch and all heads, whatever the split."""
+    return _RingAttention.apply(q, k, v, positions, group, dropout_p, seed, batch_offset, head_offset)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    *,
+    batch_offset: int = 0,
+    head_offset: int = 0,
+) -> torch.Tensor:
+    """ring_attention's result on one process with the whole sequence (positions 0..S-1), by plain autograd
+    operations on the full score matrix, with the same dropout masks."""
+    batch, heads, length, dim = q.shape
+    drop = _Dropout(dropout_p, seed, batch, heads, batch_offset, head_offset)
+    pos = torch.arange(length, device=q.device)
+    s = _scores(q, k, 1.0 / math.sqrt(dim), pos.view(-1, 1) >= pos.view(1, -1))
+    p = torch.softmax(s, dim=-1)
+    z = drop.scale(pos, pos, s)
+    if z is not None:
+        p = p * z
+    return torch.matmul(p, _acc(v)).to(q.dtype)
