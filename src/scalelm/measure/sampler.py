@@ -142,7 +142,7 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str], boar
     with out.open("a") as handle:
         tick = time.monotonic()
         while True:
-            tick += interval
+            tick = max(tick + interval, time.monotonic())  # late (a starved core): no burst of samples to catch up
             if stop_requested(tick - time.monotonic()):
                 break
             record = {"kind": "sample", "time": time.time(), "procs": sample_processes(processes)}
