@@ -11,6 +11,13 @@ from scalelm.errors import DataError
 
 SPLITS = ("train", "validation", "test")
 MANIFEST = "manifest.json"
+FILES = {"vocab": "vocab.txt", **{split: f"{split}.pt" for split in SPLITS}}  # the data's files beside the manifest
+
+
+def recorded_checksums(manifest: dict[str, Any]) -> dict[str, str | None]:
+    """The sha256 the manifest records for each of FILES, by name (None where an older manifest has none)."""
+    splits = manifest.get("splits", {})
+    return {"vocab": manifest.get("vocab_sha256"), **{split: splits.get(split, {}).get("sha256") for split in SPLITS}}
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:

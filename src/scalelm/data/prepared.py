@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from scalelm.data.manifest import MANIFEST, SPLITS, read_manifest
+from scalelm.data.manifest import FILES, MANIFEST, SPLITS, read_manifest, recorded_checksums
 from scalelm.data.vocab import SPECIALS, UNK_ID
 from scalelm.errors import DataError
 from scalelm.files import atomic_path, load_tensors, sha256
@@ -30,11 +30,8 @@ class PreparedData:
 
     def checksums(self) -> dict[str, str]:
         """sha256 of the vocabulary and of every split: the data's identity, wherever the directory lies."""
-        splits = self.manifest.get("splits", {})
-        named = {"vocab": self.manifest.get("vocab_sha256")}
-        named |= {split: splits.get(split, {}).get("sha256") for split in SPLITS}
-        files = {"vocab": "vocab.txt", **{split: f"{split}.pt" for split in SPLITS}}
-        return {name: digest or sha256(self.path / files[name]) for name, digest in named.items()}
+        recorded = recorded_checksums(self.manifest)
+        return {name: digest or sha256(self.path / FILES[name]) for name, digest in recorded.items()}
 
 
 def write_prepared(

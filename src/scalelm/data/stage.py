@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelm.data.manifest import MANIFEST, SPLITS
+from scalelm.data.manifest import FILES, MANIFEST, read_manifest, recorded_checksums
 from scalelm.errors import DataError
 from scalelm.files import sha256
 from scalelm.parallel.env import DistEnv, all_gather_object
@@ -54,10 +53,8 @@ def stage_root(mode: str, stage_dir: str | None) -> Path:
 
 def expected_files(source: Path) -> dict[str, str | None]:
     """The prepared directory's files and the sha256 its manifest records for each (None: the manifest itself)."""
-    manifest = json.loads((source / MANIFEST).read_text())
-    files: dict[str, str | None] = {MANIFEST: None, "vocab.txt": manifest.get("vocab_sha256")}
-    files |= {f"{split}.pt": manifest["splits"][split].get("sha256") for split in SPLITS}
-    return files
+    recorded = recorded_checksums(read_manifest(source))
+    return {MANIFEST: None, **{FILES[name]: digest for name, digest in recorded.items()}}
 
 
 def copy_checked(source: Path, target: Path) -> int:

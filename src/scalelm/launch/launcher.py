@@ -44,6 +44,13 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous]
 
 
+def check_launcher(launcher: str, nodes: int, keys: tuple[str, str] = ("--launcher", "--nodes")) -> None:
+    """spawn has no rendezvous across nodes: one node only (`keys` name the two settings as the caller knows them)."""
+    if launcher == "spawn" and nodes > 1:
+        raise ConfigError(f"{keys[0]} spawn starts one node's processes, but {keys[1]} is {nodes}: use torchrun, "
+                          "whose rendezvous joins the nodes")  # fmt: skip
+
+
 def starter(args: argparse.Namespace, python: str, rendezvous: list[str]) -> list[str]:
     """What starts a node's processes: torchrun, or the lecture's torch.multiprocessing.spawn (one node)."""
     if args.launcher == "spawn":
@@ -149,9 +156,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for key in ("nodes", "procs_per_node"):
         if getattr(args, key) <= 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
-    if args.launcher == "spawn" and args.nodes > 1:
-        raise ConfigError(f"--launcher spawn starts one node's processes, but --nodes is {args.nodes}: use torchrun, "
-                          "whose rendezvous joins the nodes")  # fmt: skip
+    check_launcher(args.launcher, args.nodes)
     return args, train_args
 
 

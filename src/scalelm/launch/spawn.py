@@ -20,6 +20,7 @@ import sys
 
 import torch.multiprocessing as mp
 
+from scalelm.launch.launcher import free_port
 from scalelm.launch.supervise import STOP_SIGNALS
 
 
@@ -35,8 +36,6 @@ def worker(local_rank: int, nprocs: int, port: int, module: str, argv: list[str]
 
 def spawn(nprocs: int, module: str, argv: list[str]) -> int:
     """Run `python -m module argv` in `nprocs` processes; the first failing one's exit status, else 0."""
-    from scalelm.launch.launcher import free_port
-
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the processes start ignoring it, until the training's handler
     context = mp.start_processes(
         worker, args=(nprocs, free_port(), module, argv), nprocs=nprocs, join=False, start_method="spawn"

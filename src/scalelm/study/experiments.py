@@ -13,6 +13,7 @@ from typing import Any
 
 from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
+from scalelm.launch.launcher import check_launcher
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout, resolve_layout
 from scalelm.site import SiteConfig
@@ -143,9 +144,10 @@ def load_matrix(study: StudySettings, site: SiteConfig | None = None) -> list[Ex
             run_dir = str(RunDir.of(study.results, name, seed).path)
             training = with_site_defaults(training_config(study, name, seed, run_dir), site or SiteConfig())
             layout = layout_of(name, training, spec.nodes, spec.procs_per_node)
-            if spec.launcher == "spawn" and spec.nodes > 1:
-                raise ConfigError(f"experiments.{name}: launcher spawn starts one node's processes, but nodes is "
-                                  f"{spec.nodes}; use launcher torchrun, whose rendezvous joins the nodes")  # fmt: skip
+            try:
+                check_launcher(spec.launcher, spec.nodes, keys=("launcher", "nodes"))
+            except ConfigError as err:
+                raise ConfigError(f"experiments.{name}: {err}") from None
             geometry = (spec.strategy, spec.nodes, spec.procs_per_node)
             matrix.append(Experiment(name, *geometry, seed, training, layout, spec.check_memory, spec.launcher))
     return matrix
