@@ -23,7 +23,19 @@ BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 
 
 # in the image: one process and DDP on two; the other layouts run the same code (tests/test_workflow.py)
-OTHER_EXPERIMENTS = ("ddp_multinode", "ddp_spawn", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "pp_gpipe", "3d")
+OTHER_EXPERIMENTS = (
+    "ddp_multinode",
+    "ddp_spawn",
+    "fsdp",
+    "hsdp",
+    "tp",
+    "fsdp_tp",
+    "pp",
+    "pp_gpipe",
+    "3d",
+    "cp",
+    "cp_long",
+)
 
 
 def script(name: str, *args: str):

@@ -122,6 +122,27 @@ def test_a_pipeline_that_cannot_be_built_is_refused_where_its_layout_is_resolved
         resolve_layout(config, world, world)
 
 
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallel.cp=2", "data.seq_len=18"], 2,
+         r"^data.seq_len=18 is not divisible by 2 x parallel.cp = 4 \(context parallelism with load balancing cuts "
+         r"each sequence into 2 x cp chunks\); choose a sequence length that is a multiple of 4$"),
+        (["parallel.cp=4", "parallel.cp_load_balance=false", "data.seq_len=18"], 4,
+         r"data.seq_len=18 is not divisible by parallel.cp = 4 .*multiple of 4$"),
+        (["parallel.cp=2", "parallel.cp_load_balance=false", "parallel.tp=2", "parallel.sequence_parallel=true",
+          "data.seq_len=18"], 4,
+         r"parallel.sequence_parallel splits each context-parallel rank's 9 tokens .* across parallel.tp=2 ranks"),
+        (["parallel.cp=0"], 1, r"parallel.cp must be a positive integer or -1 \(the rest of the world\), got 0"),
+    ],
+)  # fmt: skip
+def test_a_sequence_that_context_parallelism_cannot_split_is_refused_where_its_layout_is_resolved(
+    overrides, world, message
+):
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(load_config(None, overrides), world, world)
+
+
 def test_invalid_yaml_and_bad_override(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model: [unclosed\n")

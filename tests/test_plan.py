@@ -109,6 +109,30 @@ def test_communication_by_collective_and_link():
     assert [(f.dim, f.link) for f in pp] == [("pp", INTER)]
 
 
+def test_context_parallelism_divides_the_activations_and_sends_the_ring_its_blocks():
+    """cp 4 on a 2048-token workload: a quarter of the tokens per rank, the ring's log-sum-exp instead of attention's
+    scores, FSDP over the cp group (the state a quarter), and the ring's key/value traffic to the byte."""
+    config = load_config(None, ["model.n_layers=4", "data.seq_len=2048", "model.max_seq_len=2048", "batch.size=8"])
+    work = Workload(config, 28785)
+    d, a, blocks, tokens = config.model.d_model, config.model.n_heads, 4, 8 * 2048
+    single, cp = plan_memory(work, ParallelDims()), plan_memory(work, ParallelDims(cp=4))
+    assert cp.micro_batch_tokens == single.micro_batch_tokens // 4 and cp.state == pytest.approx(
+        single.state / 4, rel=0.01
+    )
+    assert cp.activation_bytes_per_token_per_block == single.activation_bytes_per_token_per_block + 4 * a  # fp32 lse
+    assert cp.bytes["activations"] < single.bytes["activations"] / 3
+    flows = {f.collective: f for f in traffic(work, ParallelDims(cp=4), gpus_per_node=4)}
+    forward, backward = (flows[f"send key/value blocks{x} (CP ring, {y})"] for x, y in
+                         (("", "forward"), (" and their gradients", "backward")))  # fmt: skip
+    block = 2 * tokens // 4 * d  # a rank's keys and values, bf16 on a GPU
+    assert forward.bytes == blocks * 3 * block * 2 and forward.messages == blocks * 3 and forward.link == INTRA
+    assert backward.bytes == blocks * (3 * block * 2 + 4 * block * 4) and backward.messages == blocks * 7
+    assert flows["reduce-scatter gradients (FSDP)"].dim == "dp_shard_cp"
+    assert {
+        f.dim for f in traffic(work, ParallelDims(dp_shard=2, cp=4), gpus_per_node=4) if "FSDP" in f.collective
+    } == {"dp_shard_cp"}
+
+
 def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
     """Compute from the FLOPs MFU divides and the bytes of the memory plan, each collective at its message size and
     link, hidden behind its pass on a GPU and not on a CPU, the pipeline's fill and drain, an oversubscribed CPU."""
@@ -217,18 +241,20 @@ def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
         "tp",
         "fsdp_tp",
         "3d",
+        "cp",
     }  # pp: 4 blocks, 8 GPUs
     assert all(layout["fits"] for layout in layouts.values())
+    assert layouts["cp"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 4}
     assert [name for name, layout in layouts.items() if layout["recommended"]] == ["ddp"]
     ddp = layouts["ddp"]
-    assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1}
+    assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
     assert set(ddp["bytes"]) == {"params", "grads", "optimizer", "activations", "buffers"}
     assert ddp["total_bytes"] == sum(ddp["bytes"].values())
     assert ddp["activation_formula"].endswith(
         "d=128, f=2048, t=1, u=1: 12,544 B per token and block"
     )  # 2 (8d+2f) + 2d+f
     assert layouts["fsdp_no_reshard"]["options"] == {"reshard_after_forward": False}
-    assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2}
+    assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2, "cp": 1}
     plan_main([*COURSE, *JURECA])
     table = capsys.readouterr().out
     assert "recommended: ddp (8x1x1x1)" in table and "pp: not possible here: model.n_layers=4 blocks" in table
@@ -340,7 +366,11 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     }
     assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
     assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
-    assert {run["reference"] for name, run in runs.items() if name != "reference.0"} == {"reference.0"}
+    # cp_long trains a wider model: a reference of its own; its 8192-token sequences checked at 64 (4 x 2 x cp chunks)
+    assert runs["cp_long"]["reference"] == "reference.1" and runs["cp_long"]["settings"]["data"]["seq_len"] == 64
+    assert runs["reference.1"]["settings"]["data"]["seq_len"] == 64 and runs["3d"]["settings"]["data"]["seq_len"] == 32
+    others = {run["reference"] for name, run in runs.items() if not name.startswith("reference.") and name != "cp_long"}
+    assert others == {"reference.0"}
     assert "single_gpu" not in runs and "gpt2_small" not in runs  # one process: no wiring to check
     # an experiment that trains with other settings gets a single process of its own to compare with
     faster = lambda e: replace(e, config=replace(e.config, optim=replace(e.config.optim, lr=1e-3)))  # noqa: E731

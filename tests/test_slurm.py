@@ -69,9 +69,9 @@ def project(tmp_path, cluster) -> Path:
             "strategy": "single", "nodes": 1, "procs_per_node": 1, "training": {"batch": {"size": 100000}}
         }  # fmt: skip
 
-    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's (tests/test_training.py)
+    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp one node's (tests/test_training.py)
     def fewer(config):
-        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn"):
+        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn", "cp"):
             config.get("local", config)["experiments"].pop(name)
 
     edit_yaml(tmp_path / "config/local.yaml", tiny)

@@ -45,7 +45,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "ddp_multinode": (2, 1, "ddp", "2x1x1x1"), "fsdp": (2, 1, "fsdp", "1x2x1x1"),
         "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
         "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
-        "ddp_spawn": (1, 2, "ddp", "2x1x1x1"),
+        "ddp_spawn": (1, 2, "ddp", "2x1x1x1"), "cp": (1, 2, "cp", "1x1x1x1x2"),
     }  # fmt: skip
     launchers = {e.name: e.launcher for e in study.matrix.values()}
     assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}
@@ -68,7 +68,10 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"nodes": "two"}, "'two' is not of type 'integer'"),
         ({"training": {"optim": {"lrr": 1}}}, "experiments.ddp: unknown setting 'optim.lrr'; did you mean 'optim.lr'"),
         ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
-        ({"strategy": "zero3"}, r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp'\]"),
+        (
+            {"strategy": "zero3"},
+            r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp', 'cp'\]",
+        ),
         (
             {"training": {"parallel": {"pp": 2, "pp_microbatches": 3}}},
             r"experiments.ddp \(1 x 2 processes\): parallel.pp_microbatches=3 does not divide the batch of 32 sequences",

@@ -45,13 +45,20 @@ LAYOUTS = {
     "fsdp_pp": (4, {"parallel__pp": 2, "parallel__dp_shard": 2}),
     "tp_pp": (4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True,
                   "parallel__loss_parallel": True}),
+    # context parallelism: each sequence of 16 split in 2 contiguous parts, or in 4 chunks (2 per rank, balanced)
+    "cp": (2, {"parallel__cp": 2, "parallel__cp_load_balance": False}),
+    "fsdp_cp": (4, {"parallel__dp_shard": 2, "parallel__cp": 2}),
+    "cp_tp": (4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True,
+                  "parallel__loss_parallel": True}),
+    "cp_pp": (4, {"parallel__cp": 2, "parallel__pp": 2}),
 }  # fmt: skip
 
 
 def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config):
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
     without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
-    of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2) give the same loss at every step and the same exact
+    of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and
+    load-balanced with FSDP 2, with TP 2 and with a pipeline of 2) give the same loss at every step and the same exact
     evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
@@ -71,13 +78,19 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         "tp": [[0], [1], [2], [3]],
         "dp": [[0, 1, 2, 3]],
         "pp": [[0], [1], [2], [3]],
+        "cp": [[0], [1], [2], [3]],
     }
     assert records["fsdp_tp"]["results"]["layout"] == "1x2x2x1"
     assert records["fsdp_tp"]["parallel"]["groups"] == {
         "tp": [[0, 1], [2, 3]],
         "dp": [[0, 2], [1, 3]],
         "pp": [[0], [1], [2], [3]],
+        "cp": [[0], [1], [2], [3]],
     }
+    assert records["fsdp_cp"]["results"]["layout"] == "1x2x1x1x2"
+    assert records["fsdp_cp"]["parallel"]["groups"]["cp"] == [[0, 1], [2, 3]]  # cp inside dp_shard, outside tp
+    assert records["fsdp_cp"]["parallel"]["groups"]["dp"] == [[0, 2], [1, 3]]
+    assert records["cp_tp"]["parallel"]["groups"]["cp"] == [[0, 2], [1, 3]]
     # the collectives each layout is made of, timed on two steps after the warm-up
     comm = {name: record["results"]["comm"] for name, record in records.items()}
     assert comm["single"]["share"] == 0.0 and comm["accumulate"]["share"] == 0.0
@@ -116,9 +129,11 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     assert first_stage("pp_gpipe") == "FFFFBBBB" and first_stage("pp") == "FFBFBFBB"  # 1F1B: 2 in flight at most
     # the pipeline's point-to-point traffic is part of its communication
     assert {"gloo:send", "gloo:recv"} <= set(comm["pp"]["ops_s_per_step_rank0"])
+    for name in ("cp", "fsdp_cp", "cp_tp"):  # the ring's key/value blocks, FSDP's gathers over dp_shard x cp
+        assert {"gloo:send", "gloo:recv", "gloo:all_gather"} <= set(comm[name]["ops_s_per_step_rank0"]), name
 
     pairs = (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp"), ("pp", "single"), ("fsdp_pp", "fsdp"),
-             ("single", "pp"), ("ddp", "tp_pp"))  # fmt: skip
+             ("single", "pp"), ("ddp", "tp_pp"), ("fsdp_cp", "single"), ("tp", "cp_tp"))  # fmt: skip
     for source, target in pairs:
         nproc, settings = LAYOUTS[target]
         config = tiny_config(f"{source}_into_{target}", **settings)
@@ -179,12 +194,13 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "fsdp_tp_sp", "pp"])
+@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads, FFN
-    columns and, with sequence parallelism, their part of the sequence). ddp_spawn: the interrupted and resumed
-    run is started by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by
+    columns and, with sequence parallelism, their part of the sequence; under CP x TP with SP the ring attention's
+    masks, from the seed its group shares, and each rank's own on its part of the sequence). ddp_spawn: the
+    interrupted and resumed run is started by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by
     the supervisor and the spawning process), the straight one by torchrun."""
     nproc, layout_settings = LAYOUTS[layout.removesuffix("_spawn")]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)

@@ -74,7 +74,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert launched == {
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
-        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"),
+        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"), "cp": ("1", "4"), "cp_long": ("1", "4"),
     }  # fmt: skip
     # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
     assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]
@@ -110,10 +110,11 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     results = project / "results/local"
     with (results / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    layouts = {r["experiment"]: r["layout"] for r in rows}  # dp_replicate x dp_shard x tp x pp
+    layouts = {r["experiment"]: r["layout"] for r in rows}  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
     assert layouts == {
         "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
         "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1", "pp": "1x1x1x2", "pp_gpipe": "1x1x1x2",
+        "cp": "1x1x1x1x2",
     }  # fmt: skip
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):

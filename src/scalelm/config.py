@@ -127,12 +127,16 @@ class ParallelConfig:
     # The layout: degrees whose product is the world size, one of them may be -1 (the rest); see scalelm.parallel.dims.
     # A strategy name is a shorthand for degrees not set here: single, ddp (dp_replicate -1), fsdp (dp_shard -1),
     # hsdp (dp_replicate = nodes, dp_shard = processes per node), tp (tp -1), fsdp_tp (tp = processes per node,
-    # dp_shard -1), pp (pp -1). Nothing set: one process.
+    # dp_shard -1), pp (pp -1), cp (cp -1). Nothing set: one process.
     strategy: str | None = None
     dp_replicate: int | None = None
     dp_shard: int | None = None
     tp: int | None = None
     pp: int | None = None  # pipeline stages: the blocks split into groups on successive ranks
+    cp: int | None = None  # context parallelism: every sequence split across cp ranks, attention by a ring
+    # cp: each rank holds chunks r and 2 cp - 1 - r of 2 cp (the causal mask's work even across ranks); False: one
+    # contiguous part each (the last rank then does most of the attention's work)
+    cp_load_balance: bool = True
     # pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in the steady state),
     # interleaved_1f1b (pp_virtual_stages stages per rank, a smaller bubble for more point-to-point traffic)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"

@@ -45,13 +45,17 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.dropout_stream = 0  # nonzero: this rank's heads are its own (tensor parallel), so are their masks
+        # (q, k, v, dropout_p) -> attention, in place of SDPA: context parallelism's ring over the whole sequence
+        self.core = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.qkv(x)  # under tensor parallelism: this rank's heads only
         q, k, v = qkv.view(batch, seq, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         p = self.dropout if self.training else 0.0
-        if p and self.dropout_stream:
+        if self.core is not None:
+            y = self.core(q, k, v, p)
+        elif p and self.dropout_stream:
             with own_random_stream(self.dropout_stream, x.device):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:  # no context manager on the common path: nothing for torch.compile to trace through
@@ -112,6 +116,8 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(config.d_model)
         self.head = OutputHead(config.d_model, vocab_size)
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
+        # set by context parallelism: this rank holds part of every sequence (parallel.context.SequenceSplit)
+        self.sequence_split = None
         self.init_buffers()
         self.reset_parameters()
         if config.tie_weights:
@@ -147,13 +153,18 @@ class TransformerLM(nn.Module):
         IGNORE_INDEX left out): `lm_loss(logits, targets)`, fused with the output projection on CPU.
 
         A pipeline stage (scalelm.parallel.pipeline) lacks the parts of other stages: without the embedding it takes
-        the previous stage's hidden states instead of tokens, without the head it returns its own.
+        the previous stage's hidden states instead of tokens, without the head it returns its own. Under context
+        parallelism the tokens are this rank's part of each sequence (`sequence_split`), read at their global
+        positions.
         """
         if self.embed is not None:
             seq = tokens.shape[1]
-            if seq > self.positions.shape[0]:
-                raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
-            x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[:seq])
+            split = self.sequence_split
+            whole = seq if split is None else seq * split.size
+            if whole > self.positions.shape[0]:
+                raise ValueError(f"sequence of {whole} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
+            positions = self.positions[:seq] if split is None else self.positions[split.positions(seq, tokens.device)]
+            x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + positions)
         else:
             x = tokens
         for block in self.blocks.values():

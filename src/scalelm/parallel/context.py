@@ -27,28 +27,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from scalelm.errors import ConfigError
-
-
-def _check_split(seq_len: int, cp_size: int, load_balance: bool) -> int:
-    """The length of one chunk (a rank holds one, or two with load balancing)."""
-    if cp_size < 1:
-        raise ConfigError(f"parallel.cp must be a positive integer, got {cp_size}")
-    pieces = 2 * cp_size if load_balance else cp_size
-    if seq_len % pieces:
-        if load_balance:
-            why = f"2 x parallel.cp = {pieces} (context parallelism with load balancing cuts each sequence into 2 x cp chunks)"
-        else:
-            why = f"parallel.cp = {pieces} (context parallelism gives each rank an equal part of each sequence)"
-        raise ConfigError(
-            f"data.seq_len={seq_len} is not divisible by {why}; choose a sequence length that is a multiple of {pieces}"
-        )
-    return seq_len // pieces
+from scalelm.parallel.layout import sequence_chunk
 
 
 def chunk_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
     """The global positions (int64, ascending) of the tokens of a sequence that rank `cp_rank` of `cp_size` holds."""
-    chunk = _check_split(seq_len, cp_size, load_balance)
+    chunk = sequence_chunk(seq_len, cp_size, load_balance)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
     if not load_balance:
@@ -61,7 +45,7 @@ def chunk_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
     """This rank's part of `x` along `dim`, the tokens at chunk_positions (a view when the split is contiguous)."""
-    chunk = _check_split(x.size(dim), cp_size, load_balance)
+    chunk = sequence_chunk(x.size(dim), cp_size, load_balance)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
     if not load_balance:
@@ -349,3 +333,55 @@ def reference_attention(
     if z is not None:
         p = p * z
     return torch.matmul(p, _acc(v)).to(q.dtype)
+
+
+# --- context parallelism applied to a model --------------------------------------------------------------------------
+
+
+class SequenceSplit:
+    """This rank's part of every sequence of a context-parallel group: which tokens (`shard`) and their global
+    positions (`positions`), for the model's positional table and the ring's causal mask."""
+
+    def __init__(self, group, load_balance: bool):
+        self.group, self.load_balance = group, load_balance
+        self.size, self.rank = _size_rank(group)
+        self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return shard_sequence(x, dim, self.rank, self.size, self.load_balance)
+
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global positions of this rank's `local_len` tokens of each sequence (kept per device: no copy a step)."""
+        key = (local_len, torch.device(device))
+        if key not in self._positions:
+            whole = local_len * self.size
+            self._positions[key] = chunk_positions(whole, self.rank, self.size, self.load_balance).to(key[1])
+        return self._positions[key]
+
+
+class RingCore:
+    """Causal attention of a block's heads over the whole sequence (the model's attention calls it in place of
+    scaled_dot_product_attention). The dropout masks' seed is one draw of the default CPU generator, which the ranks of
+    a context-parallel group share (their RNG states are equal), so they drop the same probabilities; `tp_rank` places
+    this rank's heads among all of them."""
+
+    def __init__(self, split: SequenceSplit, tp_rank: int):
+        self.split, self.tp_rank = split, tp_rank
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        seed = int(torch.randint(2**62, ())) if dropout_p else None
+        positions = self.split.positions(q.shape[2])
+        return ring_attention(
+            q, k, v, positions, self.split.group, dropout_p, seed, head_offset=self.tp_rank * q.shape[1]
+        )
+
+
+def apply_cp(model, split: SequenceSplit, tp_rank: int, tp_size: int) -> None:
+    """Context parallelism on a TransformerLM, in place: its attention becomes a ring over the split's group, its
+    positional table is read at this rank's global positions, and its activation dropouts, each on this rank's own
+    part of the sequence, draw from a stream of their own."""
+    model.sequence_split = split
+    for block in model.blocks.values():
+        block.attn.core = RingCore(split, tp_rank)
+    # streams 1.. are this rank's own across the cp x tp ranks that share the default generator (0: the shared one)
+    model.split_dropout_streams(split.rank * tp_size + tp_rank + 1, sequence_parallel=True)

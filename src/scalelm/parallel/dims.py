@@ -1,18 +1,21 @@
 """Parallel degrees: how the world's ranks divide into data-parallel replicas, shards and tensor-parallel groups.
 
-A layout is four integers whose product is the world size (torchtitan's convention):
+A layout is five integers whose product is the world size (torchtitan's convention):
 
     dp_replicate  replicas that all-reduce gradients (DDP; the outer dimension of HSDP)
     dp_shard      ranks that shard parameters, gradients and optimizer state (FSDP; the inner dimension of HSDP)
     tp            ranks that split each matrix multiplication (Megatron-style tensor parallelism)
     pp            pipeline stages: successive groups of blocks, micro-batches handed from stage to stage
+    cp            ranks that split every sequence, attention included (context parallelism: ring attention); they
+                  share a batch, and FSDP shards the parameters over dp_shard x cp, which averages their gradients
 
 At most one degree may be -1, "the rest of the world size". The strategy names of earlier configs are shorthands
 that fill in the degrees a config does not set itself: `fsdp` with `tp: 2` on 4 ranks is dp_shard 2 x tp 2.
 
-Ranks are laid out on the mesh (pp, dp_replicate, dp_shard, tp), tp innermost: torchrun numbers a node's processes
-consecutively, so a tensor-parallel group, which communicates in every layer, never leaves its node, and pipeline
-stages, which exchange only activations at their boundary, are the ones spread over nodes.
+Ranks are laid out on the mesh (pp, dp_replicate, dp_shard, cp, tp), tp innermost: torchrun numbers a node's processes
+consecutively, so a tensor-parallel group, which communicates in every layer, never leaves its node, a context-
+parallel group (key/value blocks in every attention) stays as close as it can, and pipeline stages, which exchange
+only activations at their boundary, are the ones spread over nodes.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from dataclasses import asdict, dataclass
 
 from scalelm.errors import ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # the order a layout is written in
-SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")  # the order a layout is written in (cp only where > 1)
+SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp")
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,11 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
     def dp_size(self) -> int:
@@ -45,23 +49,36 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard_size(self) -> int:
+        """The ranks FSDP shards each tensor over: dp_shard x cp (a context-parallel group holds one replica)."""
+        return self.dp_shard * self.cp
+
+    @property
     def sharded(self) -> bool:
-        """FSDP applies: parameters are sharded (dp_shard > 1), or replicated by FSDP's HSDP path beside TP or PP."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+        """FSDP applies: parameters are sharded (over dp_shard x cp), or replicated by FSDP's HSDP path beside TP or
+        PP."""
+        return self.shard_size > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
 
     @property
     def layout(self) -> str:
-        """dp_replicate x dp_shard x tp x pp, e.g. 2x2x1x1 for HSDP on 2 nodes of 2."""
-        return "x".join(str(getattr(self, d)) for d in DEGREES)
+        """dp_replicate x dp_shard x tp x pp, and x cp where cp > 1: e.g. 2x2x1x1 for HSDP on 2 nodes of 2, 1x2x1x1x2
+        for FSDP 2 x CP 2 (the four-part form of the layouts without context parallelism is kept)."""
+        return "x".join(str(getattr(self, d)) for d in self.written_degrees)
+
+    @property
+    def written_degrees(self) -> tuple[str, ...]:
+        return DEGREES if self.cp > 1 else DEGREES[:-1]
 
     @property
     def name(self) -> str:
-        """A readable name of the layout: single, ddp, fsdp, hsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp, ..."""
+        """A readable name of the layout: single, ddp, fsdp, hsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp, cp, fsdp_cp_tp,
+        ..."""
         if self.world_size == 1:
             return "single"
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}
         parts = [
             data[(self.dp_replicate > 1, self.dp_shard > 1)],
+            "cp" if self.cp > 1 else "",
             "tp" if self.tp > 1 else "",
             "pp" if self.pp > 1 else "",
         ]
@@ -84,8 +101,9 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def groups(self, dim: str) -> list[list[int]]:
-        """The ranks of every group along `dim` ("dp" = dp_replicate and dp_shard together), each in rank order."""
-        along = ("dp_replicate", "dp_shard") if dim == "dp" else (dim,)
+        """The ranks of every group along `dim` ("dp" = dp_replicate and dp_shard together, "dp_shard_cp" = dp_shard
+        and cp: FSDP's), each in rank order."""
+        along = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}.get(dim, (dim,))
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
@@ -101,13 +119,14 @@ def degrees_of(config) -> dict[str, int | None]:
 def shorthand_degrees(strategy: str, nodes: int, procs_per_node: int) -> dict[str, int]:
     """The degrees a strategy name stands for, on `nodes` nodes of `procs_per_node` processes."""
     return {
-        "single": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1},
+        "single": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1},
         "ddp": {"dp_replicate": -1},
         "fsdp": {"dp_shard": -1},
         "hsdp": {"dp_replicate": nodes, "dp_shard": procs_per_node},
         "tp": {"tp": -1},
         "fsdp_tp": {"dp_shard": -1, "tp": procs_per_node},
         "pp": {"pp": -1},
+        "cp": {"cp": -1},
     }[strategy]
 
 
@@ -117,7 +136,7 @@ def check_strategy(strategy: str | None) -> None:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(
             f"parallel.strategy: unknown strategy {strategy!r}{hint} (choose one of {', '.join(SHORTHANDS)}, "
-            "or set the degrees parallel.dp_replicate, dp_shard, tp)"
+            "or set the degrees parallel.dp_replicate, dp_shard, tp, pp, cp)"
         )
 
 
@@ -152,7 +171,7 @@ def resolve_dims(
     if strategy == "single" and world_size > 1:
         raise ConfigError(
             f"strategy 'single' runs one process, but it was started with WORLD_SIZE={world_size}; "
-            "use parallel.strategy=ddp, fsdp, hsdp, tp, fsdp_tp or pp (or set the degrees), or start one process"
+            "use parallel.strategy=ddp, fsdp, hsdp, tp, fsdp_tp, pp or cp (or set the degrees), or start one process"
         )
     if strategy is None and not given and world_size > 1:
         raise ConfigError(
@@ -192,4 +211,4 @@ def resolve_dims(
 
 
 def _written(degrees: dict[str, int]) -> str:
-    return " x ".join(f"{name} {degrees[name]}" for name in DEGREES)
+    return " x ".join(f"{name} {degrees[name]}" for name in DEGREES if name != "cp" or degrees[name] != 1)

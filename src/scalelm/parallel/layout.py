@@ -8,6 +8,7 @@ workflow's parse, the planner and the launcher read layouts without importing to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,7 @@ def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) 
     dims, options = layout.dims, config.parallel
     check_tp(dims.tp, config.model, vocab_size, options.loss_parallel, config.data.seq_len, options.sequence_parallel)
     check_pipeline(dims.pp, options, config.model)
+    check_cp(dims, options, config.data.seq_len)
     _, per_replica = config.batch.sizes(dims.dp_size)
     if dims.pp > 1:
         check_microbatches(layout.microbatches, per_replica)
@@ -85,6 +87,46 @@ def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel:
             f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
             "which does not divide it; switch loss_parallel off or choose another tp"
         )
+
+
+def check_cp(dims: ParallelDims, options: ParallelConfig, seq_len: int) -> None:
+    """The sequence a context-parallel group splits, each rank's part split again by sequence parallelism."""
+    if dims.cp == 1:
+        return
+    sequence_chunk(seq_len, dims.cp, options.cp_load_balance)
+    if options.sequence_parallel and dims.tp > 1 and (seq_len // dims.cp) % dims.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits each context-parallel rank's {seq_len // dims.cp} tokens (data.seq_len="
+            f"{seq_len} / parallel.cp={dims.cp}) across parallel.tp={dims.tp} ranks, which does not divide them; "
+            "choose another seq_len or switch sequence_parallel off"
+        )
+
+
+def sequence_unit(dims: ParallelDims, options: ParallelConfig) -> int:
+    """What every sequence length of a layout must be a multiple of: the context-parallel split's chunks, and tensor
+    parallelism's share of each rank's part under sequence parallelism."""
+    unit = 2 * dims.cp if dims.cp > 1 and options.cp_load_balance else dims.cp
+    if options.sequence_parallel and dims.tp > 1:
+        unit = math.lcm(unit, dims.cp * dims.tp)
+    return unit
+
+
+def sequence_chunk(seq_len: int, cp: int, load_balance: bool) -> int:
+    """The length of one chunk of a sequence split over `cp` ranks: a rank holds one (contiguous), or two with load
+    balancing (chunks r and 2 cp - 1 - r of 2 cp, which evens out the causal mask's work)."""
+    if cp < 1:
+        raise ConfigError(f"parallel.cp must be a positive integer, got {cp}")
+    pieces = 2 * cp if load_balance else cp
+    if seq_len % pieces:
+        if load_balance:
+            why = f"2 x parallel.cp = {pieces} (context parallelism with load balancing cuts each sequence into 2 x cp "
+            why += "chunks)"
+        else:
+            why = f"parallel.cp = {pieces} (context parallelism gives each rank an equal part of each sequence)"
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by {why}; choose a sequence length that is a multiple of {pieces}"
+        )
+    return seq_len // pieces
 
 
 def check_pipeline(pp: int, options: ParallelConfig, model: ModelConfig) -> None:

@@ -32,6 +32,7 @@ from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precisio
 from scalelm.errors import ConfigError
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile
+from scalelm.parallel.context import SequenceSplit, apply_cp
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv, all_gather_object
@@ -78,6 +79,13 @@ class Parallel:
         self.dp_rank = dims.dp_rank(env.rank)
         self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
         self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        # FSDP shards over dp_shard x cp: the ranks of a context-parallel group hold the same parameters and average
+        # their gradients, as data-parallel ranks do
+        self.shard_dim = "dp_shard"
+        if dims.cp > 1:
+            self.shard_dim = "dp_shard_cp"
+            mesh["dp_shard", "cp"]._flatten(self.shard_dim)
+        self.sequence_split = SequenceSplit(mesh["cp"].get_group(), options.cp_load_balance) if dims.cp > 1 else None
 
     @classmethod
     def start(cls, config: Config, env: DistEnv, vocab_size: int) -> Parallel:
@@ -105,7 +113,7 @@ class Parallel:
             "name": self.name,
             "layout": self.dims.layout,
             **self.dims.to_dict(),
-            "groups": {"tp": self.dims.groups("tp"), "dp": self.dims.groups("dp"), "pp": self.dims.groups("pp")},
+            "groups": {dim: self.dims.groups(dim) for dim in ("tp", "dp", "pp", "cp")},
             "node_of_rank": [node for _, node in self.places],
             **({"pipeline": pipeline.describe()} if pipeline else {}),
         }
@@ -162,9 +170,12 @@ class Parallel:
         options, device = self.options, self.env.device
         if self.dims.tp > 1:
             apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
+        if self.sequence_split is not None:
+            apply_cp(model, self.sequence_split, self.dims.coordinates(self.env.rank)["tp"], self.dims.tp)
         self.apply_recompute_and_compile(model)
         if self.uses_fsdp:
-            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            shard = self.shard_dim
+            dp_mesh = self.mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.mesh[shard]
             if options.cpu_offload and device.type != "cuda":
                 raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
             reshard = options.reshards(self.dims.pp)
@@ -182,6 +193,7 @@ class Parallel:
     ) -> torch.Tensor:
         """Forward and backward of one batch for optimizer step `step`, its loss weighted by `scale`; returns that
         weighted mean loss (zero on pipeline ranks without the last stage)."""
+        inputs, targets = self.local_part(inputs), self.local_part(targets)
         pipeline = pipeline_of(model)
         if pipeline is not None:
             with self.autocast():  # the schedule runs the forwards (and backwards) inside
@@ -193,14 +205,22 @@ class Parallel:
         return loss.detach()
 
     def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
-        """Logits for evaluation, on the ranks that compute the loss (None on a pipeline's other stages)."""
+        """Logits of this rank's part of each sequence (`local_part`) for evaluation, on the ranks that compute the
+        loss (None on a pipeline's other stages)."""
+        inputs = self.local_part(inputs)
         with self.autocast():
             pipeline = pipeline_of(model)
             return pipeline.forward(inputs) if pipeline is not None else model(inputs)
 
+    def local_part(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of each sequence of a (batch, seq) batch: all of it, but under context parallelism."""
+        return tokens if self.sequence_split is None else self.sequence_split.shard(tokens, dim=1)
+
     def reduce_eval(self, totals: torch.Tensor) -> None:
-        """Sum evaluation totals over the data-parallel ranks (and from a pipeline's last stage to all)."""
-        for group in (self.dp_group, self.pp_group):
+        """Sum evaluation totals over the data-parallel ranks, the parts of a sequence (context parallelism), and from
+        a pipeline's last stage to all."""
+        cp_group = self.sequence_split.group if self.sequence_split is not None else None
+        for group in (self.dp_group, cp_group, self.pp_group):
             if group is not None:
                 dist.all_reduce(totals, group=group)
 

@@ -11,6 +11,11 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
                                         same bytes as a reduce-scatter and an all-gather each
     send/recv        B                  a pipeline stage's activations forward and their gradients back,
                                         B = micro-batch tokens x d_model, per micro-batch and stage boundary
+    CP ring          B                  per block and pass: cp - 1 key/value blocks forward (B = 2 x a rank's
+                                        tokens x d_model / tp in the compute precision), backward the same and cp
+                                        hops of their fp32 gradients
+
+With context parallelism FSDP's group is dp_shard x cp, and every activation counts a rank's 1/cp of the tokens.
 
 The link is the slowest one a group's ranks span: within a node (NVLink, PCIe) or across nodes (the network), from
 where the mesh puts the ranks (scalelm.parallel.dims: tp innermost, pp outermost). Small collectives (the gradient
@@ -77,16 +82,18 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
             out.append(Traffic(collective, dim, int(sent), link(dims, dim, gpus_per_node), op, messages,
                                int(payload / messages), overlaps))  # fmt: skip
 
+    tokens = per_rank_batch * config.data.seq_len // dims.cp  # this rank's, over the step's passes
     if dims.sharded:
-        shard, replicas = dims.dp_shard, dims.dp_replicate
+        shard, replicas = dims.shard_size, dims.dp_replicate
+        over = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         # prefetched: the next unit's while this one computes
-        add("all-gather weights (FSDP forward)", "dp_shard", "all_gather", shard, passes * params * e, passes * units,
+        add("all-gather weights (FSDP forward)", over, "all_gather", shard, passes * params * e, passes * units,
             "forward")  # fmt: skip
         if options.reshards(dims.pp):
             units_back = units - (1 if head else 0)
-            add("all-gather weights (FSDP backward)", "dp_shard", "all_gather", shard, passes * (params - head) * e,
+            add("all-gather weights (FSDP backward)", over, "all_gather", shard, passes * (params - head) * e,
                 passes * units_back, "backward")  # fmt: skip
-        add("reduce-scatter gradients (FSDP)", "dp_shard", "reduce_scatter", shard, params * 4, units, "backward")
+        add("reduce-scatter gradients (FSDP)", over, "reduce_scatter", shard, params * 4, units, "backward")
         if replicas > 1:
             add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", "all_reduce", replicas,
                 -(-params // shard) * 4, units, "backward")  # fmt: skip
@@ -95,17 +102,25 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         # a bucket as soon as its gradients are ready
         add("all-reduce gradients (DDP)", "dp_replicate", "all_reduce", dims.dp_replicate, gradients,
             -(-gradients // DDP_BUCKET_BYTES), "backward")  # fmt: skip
+    blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
     if dims.tp > 1:
-        blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
-        tokens = per_rank_batch * config.data.seq_len
         # waited for: the next matrix product needs the sum
         add("all-reduce activations (TP, 4 per block)", "tp", "all_reduce", dims.tp, 4 * blocks * tokens * d * e,
             4 * blocks * passes, None)  # fmt: skip
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
-        tokens = per_rank_batch // chunks * config.data.seq_len
         transfers = 2 * virtual * accumulation * chunks
-        add("send activations and gradients (PP)", "pp", "send_recv", 2, transfers * tokens * d * e, transfers, None)
+        add("send activations and gradients (PP)", "pp", "send_recv", 2, transfers * tokens // chunks * d * e,
+            transfers, None)  # fmt: skip
+    if dims.cp > 1:
+        block = 2 * tokens * d / dims.tp  # a rank's keys and values, over the step's passes
+        hops = blocks * passes * (dims.cp - 1)
+        # the next block travels while this one computes
+        add("send key/value blocks (CP ring, forward)", "cp", "send_recv", dims.cp, blocks * (dims.cp - 1) * block * e,
+            hops, "forward")  # fmt: skip
+        add("send key/value blocks and their gradients (CP ring, backward)", "cp", "send_recv", dims.cp,
+            blocks * ((dims.cp - 1) * block * e + dims.cp * block * 4), hops + blocks * passes * dims.cp,
+            "backward")  # fmt: skip
     return out
 
 

@@ -2,13 +2,15 @@
 
 The candidates are the course's ladder on the whole machine: single (one GPU), DDP, FSDP with and without
 reshard after forward, HSDP (shards within a node, replicas across nodes), TP (one node), PP, FSDP x TP (TP inside
-each node) and 3D (pipeline across nodes, TP inside, FSDP between); plus the layout the config itself sets, if any.
+each node), 3D (pipeline across nodes, TP inside, FSDP between) and CP (every sequence split over a node's GPUs,
+FSDP over all); plus the layout the config itself sets, if any.
 Without the machine's speeds, the recommendation follows the lectures' "deciding on a parallelism strategy": the
 least parallelism that fits; with them (a baseline: scalelm.plan.steptime), the layout that fits, uses the whole
 machine and should train the most tokens per second.
 A model and batch that fit one GPU are replicated (DDP: one all-reduce per step, the least traffic); one that does
 not is sharded, HSDP first where there are several nodes (only its shards' all-reduce crosses nodes), then FSDP over
-every GPU; then tensor parallelism inside the node, then the pipeline across nodes. Where nothing fits, the plan
+every GPU; then tensor parallelism inside the node, then the pipeline across nodes, and last context parallelism,
+which divides the activations of long sequences that nothing else does. Where nothing fits, the plan
 names the smallest machine of the same nodes on which something would.
 """
 
@@ -24,7 +26,7 @@ from scalelm.plan.comm import Traffic, totals, traffic
 from scalelm.plan.memory import MemoryPlan, Workload, plan_memory
 from scalelm.plan.steptime import Speeds, StepTime, predict
 
-LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d")
+LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d", "cp")
 GB = 1e9
 LARGEST_MACHINE_NODES = 4096  # how far the search for a machine that would hold the model goes
 
@@ -123,6 +125,8 @@ def candidates(machine: Machine) -> list[Candidate]:
     three = three_d(machine)
     if three:
         out.append(Candidate("3d", three, None))
+    if g > 1:  # every sequence split over a node's GPUs (the ring stays inside it), FSDP across the nodes
+        out.append(Candidate("cp", ParallelDims(dp_shard=machine.nodes, cp=g), "cp" if machine.nodes == 1 else None))
     order = {name: i for i, name in enumerate(LADDER)}
     return sorted(out, key=lambda c: order[c.name])
 
@@ -236,6 +240,8 @@ def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
         "3d": "a pipeline across nodes, tensor parallelism inside them, FSDP between",
         "pp": "the blocks split into stages, one per GPU",
         "tp": "tensor parallelism across the node",
+        "cp": "every sequence split over a node's GPUs (ring attention): each holds a share of every activation; "
+        "FSDP over all of them",
     }
     for name in reasons:
         plan = by_name.get(name)

@@ -11,8 +11,9 @@ Each rank holds, in bytes (the figures are those of the rank holding the most, a
                  the positional table, the fused CPU loss's workspace
 
 Sharding divides the first three as scalelm.parallel applies it: tensor parallelism (tp) splits the four matrices of
-a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_shard) cuts every tensor's first
-dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors.
+a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_shard x cp) cuts every tensor's first
+dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors. Context
+parallelism (cp) divides every activation: a rank holds 1/cp of each sequence's tokens.
 
 Activations, per token of a micro-batch and per block, in bytes; d = d_model, f = d_ff, a = heads, s = seq_len,
 e = 2 in bf16 (4 in fp32), k = a dropout mask's bytes per element (1 on GPUs, 4 for scalelm's CPU dropout, 0
@@ -26,7 +27,9 @@ residual dropouts and the FFN's. Attention keeps its (a x s) scores only on CPU 
 fused kernels keep a few numbers per row. With full activation checkpointing a block keeps only its input (e d/u),
 with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
 attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
-is recomputed. The embedding adds its dropout's mask, the last stage the final norm's and the
+is recomputed. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
+log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
+backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t). The embedding adds its dropout's mask, the last stage the final norm's and the
 head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
 and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
 gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
@@ -53,6 +56,7 @@ STATE_PARTS = PARTS[:3]
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter: fp32 weights, gradients, AdamW's moments
 BLOCK_FORMULA = "e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)"  # activation bytes per token and block
 SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
+RING_FORMULA = " + 4a/t"  # context parallelism's ring attention: its log-sum-exp
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
 
@@ -172,7 +176,10 @@ def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, st
     u = t if work.config.parallel.sequence_parallel else 1
     kept = e * (2 * d + 2 * d / u + (4 * d + 2 * f) / t) + k * (2 * d / u + f / t)
     formula, values = BLOCK_FORMULA, f"e={e}, k={k}, d={d}, f={f}, t={t}, u={u}"
-    if work.device == "cpu" and model.dropout:  # the math attention kernel keeps its scores
+    if dims.cp > 1:  # ring attention keeps its log-sum-exp (fp32) beside the output, and recomputes the rest
+        kept += 4 * a / t
+        formula, values = formula + RING_FORMULA, values + f", a={a}"
+    elif work.device == "cpu" and model.dropout:  # the math attention kernel keeps its scores
         kept += a * s * (2 * e + k) / t
         formula, values = formula + SCORES_FORMULA, values + f", a={a}, s={s}"
     return kept, f"{formula} with {values}: {kept:,.0f} B per token and block"
@@ -185,12 +192,12 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     _, micro = config.batch.sizes(dims.dp_size)  # sequences of one forward/backward on a data-parallel rank
     layout = work.layout(dims)
     chunks, virtual, stages = layout.microbatches, layout.virtual_stages, layout.stage_blocks(model.n_layers)
-    tokens = max(1, micro // chunks) * config.data.seq_len
+    tokens = max(1, micro // chunks) * config.data.seq_len // dims.cp  # a context-parallel rank's part
     per_block, formula = block_bytes_per_token(work, dims)
     e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
     u = dims.tp if options.sequence_parallel else 1
     vocab_split = dims.tp if options.loss_parallel else 1
-    shard = dims.dp_shard if dims.sharded else 1
+    shard = dims.shard_size if dims.sharded else 1
 
     plans = []
     for rank, tensors in enumerate(rank_tensors(work, dims)):
@@ -229,6 +236,8 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
+        if dims.cp > 1:  # the ring's key/value blocks in hand and in flight, and backward's fp32 dk/dv accumulators
+            buffers += tokens * d / dims.tp * (4 * e + 16)
         if last and work.fused_cpu_loss:
             columns = -(-(d + 2) // 8) * 8
             buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK) + 32) * 4

@@ -190,8 +190,8 @@ def stage_work(work: Workload, dims: ParallelDims) -> list[tuple[float, float]]:
     config, model = work.config, work.config.model
     d, s, vocab = model.d_model, config.data.seq_len, work.vocab_size
     global_batch, _ = config.batch.sizes(dims.dp_size)
-    tokens = global_batch // dims.dp_size * s  # every micro-batch of the step on this rank
-    shard = dims.dp_shard if dims.sharded else 1
+    tokens = global_batch // dims.dp_size * s // dims.cp  # every micro-batch of the step on this rank
+    shard = dims.shard_size if dims.sharded else 1
     per_block, _ = block_bytes_per_token(work, dims)
     recompute = {"full": 8 / 6, "selective": 1.0}.get(work.checkpointing, 1.0)  # full: the forward twice
     vocab_share = dims.tp if config.parallel.loss_parallel else 1
@@ -200,7 +200,7 @@ def stage_work(work: Workload, dims: ParallelDims) -> list[tuple[float, float]]:
         blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
         block_weights = sum(t.numel(dims.tp) for t in tensors if t.unit.startswith("blocks.") and len(t.shape) == 2)
         head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head" and len(t.shape) == 2)
-        attention = 12 * blocks * s * d / dims.tp  # QK^T and AV, forward and backward
+        attention = 12 * blocks * s * d / dims.tp  # QK^T and AV, forward and backward (a query sees every rank's keys)
         flops = tokens * ((6 * block_weights + attention) * recompute + 6 * head)
         moved = ACTIVATION_PASSES * tokens * blocks * per_block
         moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if head else 0

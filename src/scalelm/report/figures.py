@@ -22,7 +22,7 @@ class Figure:
 FIGURES = (
     Figure("experiment", "shared"),
     Figure("strategy", "shared"),
-    Figure("layout", "shared"),  # dp_replicate x dp_shard x tp x pp
+    Figure("layout", "shared"),  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
     Figure("seed"),
     Figure("nodes", "shared"),
     Figure("procs_per_node", "shared"),

@@ -46,7 +46,7 @@ def plot_losses(runs: list[RunSummary], x_key: str, x_label: str, path: Path) ->
     for name, runs in experiments.items():
         first = runs[0].figures
         seeds = f"seed {first['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
-        label = f"{name} ({first['layout']}, {seeds})"  # dp_replicate x dp_shard x tp x pp
+        label = f"{name} ({first['layout']}, {seeds})"  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
         for ax, split in zip(axes, ("train", "validation")):
             x, mean, low, high = across_seeds(runs, x_key, split)
             (line,) = ax.plot(x, mean, marker=None if split == "train" else "o", label=label)
@@ -79,7 +79,9 @@ def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
     names = [s["experiment"] for s in summaries]
     throughput = [s["tokens_per_s_mean"] or 0.0 for s in summaries]
     errors = [s["tokens_per_s_std"] or 0.0 for s in summaries]
-    labels = [f"{s['experiment']}\n{s['layout']}" for s in summaries]  # dp_replicate x dp_shard x tp x pp
+    labels = [
+        f"{s['experiment']}\n{s['layout']}" for s in summaries
+    ]  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
     axes[0].bar(labels, throughput, yerr=errors, capsize=3, color=[colours[n] for n in names])
     axes[0].set_title("throughput (tokens/s, all devices)")
     axes[0].tick_params(axis="x", labelsize=8, rotation=30)

@@ -22,12 +22,14 @@ from typing import Any
 
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
 from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.layout import sequence_unit
 from scalelm.study.experiments import Experiment, deep_merge
 from scalelm.train.record import read_metrics, read_record
 
 PREFLIGHT_STEPS = 3
 LOSS_TOLERANCE = 1e-4  # relative, per step
 MIN_BATCH = 8  # sequences per step, at least
+MAX_SEQ_LEN = 64  # longer sequences are halved towards this: the wiring is the same, the check seconds long
 COLUMNS = ["experiment", "layout", "world_size", "reference", "steps", "max_relative_gap", "matches"]
 
 
@@ -44,16 +46,28 @@ def preflight_batch(matrix: list[Experiment]) -> int:
     return batch * math.ceil(MIN_BATCH / batch)
 
 
-def preflight_settings(training: dict, dims: ParallelDims, batch: int, data_dir: str, run_dir: str) -> dict:
+def preflight_seq_len(matrix: list[Experiment], seq_len: int) -> int:
+    """`seq_len`, halved while above MAX_SEQ_LEN and still a multiple of what every layout of the matrix splits
+    sequences into (context parallelism's chunks): the same for every experiment of that length, so they share a
+    reference. A long-context experiment's check thus takes seconds on a CPU, not hours."""
+    unit = math.lcm(*(sequence_unit(e.dims, e.config.parallel) for e in matrix))
+    while seq_len > MAX_SEQ_LEN and seq_len % 2 == 0 and (seq_len // 2) % unit == 0:
+        seq_len //= 2
+    return seq_len
+
+
+def preflight_settings(training: dict, dims: ParallelDims, batch: int, seq_len: int, data_dir: str,
+                       run_dir: str) -> dict:  # fmt: skip
     """An experiment's training settings for the wiring check: its layout as explicit degrees (one node holds all
-    its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences on the sliced data (not
-    staged)."""
+    its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences of `seq_len` tokens on the
+    sliced data (not staged)."""
     parallel = {k: v for k, v in training["parallel"].items() if k not in ("cpu_offload", "strategy")}
     settings = {k: v for k, v in training.items() if k != "parallel"}
     return deep_merge(settings, {
         "run_dir": run_dir,
         "device": "cpu",
-        "data": {"prepared_dir": data_dir, "stage": "none"},  # a slice of the data in results: no staging to check
+        # a slice of the data in results: no staging to check
+        "data": {"prepared_dir": data_dir, "stage": "none", "seq_len": seq_len},
         "model": {"dropout": 0.0},
         "batch": {"mode": "global", "size": batch, "micro_size": None, "lr_scaling": "none"},
         "train": {"max_steps": PREFLIGHT_STEPS, "epochs": 1, "log_every": 1, "eval_every": None, "precision": "fp32",
@@ -72,11 +86,12 @@ def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str
     for e in matrix:
         if e.name in runs or e.world_size == 1:
             continue
-        settings = preflight_settings(e.settings, e.dims, batch, data, f"{runs_dir}/{e.name}")
+        seq_len = preflight_seq_len(matrix, e.config.data.seq_len)
+        settings = preflight_settings(e.settings, e.dims, batch, seq_len, data, f"{runs_dir}/{e.name}")
         same = json.dumps({k: v for k, v in settings.items() if k not in ("parallel", "run_dir")}, sort_keys=True)
         reference = references.setdefault(same, f"reference.{len(references)}")
         if reference not in runs:
-            alone = preflight_settings(e.settings, ParallelDims(), batch, data, f"{runs_dir}/{reference}")
+            alone = preflight_settings(e.settings, ParallelDims(), batch, seq_len, data, f"{runs_dir}/{reference}")
             runs[reference] = {"settings": alone, "world_size": 1, "reference": None}
         runs[e.name] = {"settings": settings, "world_size": e.world_size, "reference": reference}
     return runs

@@ -68,7 +68,7 @@ class MachineSettings:
 
 @dataclass(frozen=True)
 class ExperimentSpec:
-    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp"]
+    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp"]
     nodes: int
     procs_per_node: int
     training: dict[str, Any] = field(default_factory=dict)

@@ -48,15 +48,16 @@ def evaluate(
     max_tokens: int | None = None,
 ) -> dict[str, float]:
     """Mean loss, perplexity and token count over `tokens`, in one process or across the data-parallel ranks of
-    `parallel` (the ranks of a tensor-parallel group score the same windows together), `batch_size` sequences at a
-    time, or fewer where they would hold more than `max_tokens` tokens (the logits of a batch are tokens x
-    vocabulary). `should_stop` (a collective: every rank runs the same number of batches) is asked between
+    `parallel` (the ranks of a tensor-parallel group score the same windows together, those of a context-parallel
+    group each its part of every window), `batch_size` sequences at a time, or fewer where they would hold more than
+    `max_tokens` tokens (the logits of a batch are tokens x vocabulary). `should_stop` (a collective: every rank runs the same number of batches) is asked between
     batches; when it says yes, StopRequested is raised on every rank."""
     batch_size = eval_rows(batch_size, seq_len, max_tokens)
     rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
     forward = (lambda inputs: parallel.forward(model, inputs)) if parallel else model
     loss_context = parallel.loss_context if parallel else contextlib.nullcontext
     local = parallel.local_tensor if parallel else (lambda tensor: tensor)
+    part = parallel.local_part if parallel else (lambda tokens: tokens)  # of each sequence: context parallelism
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
@@ -64,7 +65,7 @@ def evaluate(
         for inputs, targets in EvalBatches(tokens, seq_len, batch_size, rank, ranks):
             if should_stop is not None and should_stop():
                 raise StopRequested("stop signal during evaluation")
-            inputs, targets = inputs.to(device), targets.to(device)
+            inputs, targets = inputs.to(device), part(targets.to(device))
             logits = forward(inputs)
             if logits is None:  # a pipeline stage before the last: it handed its activations on
                 continue

@@ -22,7 +22,7 @@ class Results:
     """What the run did and measured, beside what scalelm.plan predicted for its layout (MiB, the fullest rank)."""
 
     strategy: str  # the layout's name: single, ddp, fsdp, hsdp, tp, fsdp_tp, pp, ...
-    layout: str  # dp_replicate x dp_shard x tp x pp
+    layout: str  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
     steps: int
     global_batch: int  # sequences per optimizer step
     tokens_per_step: int

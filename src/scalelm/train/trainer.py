@@ -143,11 +143,11 @@ class Trainer:
         return loss_sum, grad_norm
 
     def fit(self) -> RunRecord:
-        config, env, state = self.config, self.env, self.state
+        config, env, state, dims = self.config, self.env, self.state, self.parallel.dims
         if env.is_main:
             dump_config(config, self.run_dir.config)
             print(
-                f"training {self.parallel.name} (dp_replicate x dp_shard x tp x pp = {self.parallel.dims.layout}) "
+                f"training {self.parallel.name} ({' x '.join(dims.written_degrees)} = {dims.layout}) "
                 f"on {env.world_size} x {env.device.type}: "
                 f"{self.total_steps} steps ({self.batches.steps_per_epoch}/epoch), global batch "
                 f"{self.batches.global_batch} x {config.data.seq_len} tokens, accumulation {self.batches.accumulation}",
