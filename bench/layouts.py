@@ -3,7 +3,7 @@
     python bench/layouts.py [--models course,m59,m136,m270] [--layouts ddp,fsdp] [--steps 4] [--warmup 2] [--json FILE]
 
 For each model and layout (single; DDP, FSDP with and without resharding after forward, TP with and without sequence
-parallelism on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point
+parallelism, CP load-balanced and contiguous on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point
 (`torchrun ... -m scalelm.train`) on random token ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
 as the course compares), and reports from the run's own records:
 
@@ -49,7 +49,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "m59": {"model": {"d_model": 512, "n_heads": 8, "n_layers": 8, "d_ff": 2048}, "seq_len": 64, "batch": 4},
     "m136": {"model": {"d_model": 768, "n_heads": 12, "n_layers": 12, "d_ff": 3072}, "seq_len": 64, "batch": 4},
     "m270": {"model": {"d_model": 1024, "n_heads": 16, "n_layers": 16, "d_ff": 4096}, "seq_len": 64, "batch": 4},
-}
+    # a long sequence of a small model, where context parallelism pays
+    "long4k": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "max_seq_len": 4096},
+               "seq_len": 4096, "batch": 1},
+}  # fmt: skip
 PROFILED = 2  # the last steps, under the profiler for the communication share
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
     "single": (1, {}),
@@ -60,6 +63,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
     "tp_sp": (2, {"strategy": "tp", "sequence_parallel": True}),
     "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "fsdp_tp_2x2": (4, {"strategy": "fsdp", "tp": 2}),
+    "cp": (2, {"strategy": "cp"}),
+    "cp_contiguous": (2, {"strategy": "cp", "cp_load_balance": False}),
 }
 
 
@@ -134,7 +139,7 @@ def percent(share: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| model | layout | dp_r x dp_s x tp x pp | procs | tokens/s | per device | state MiB/rank (planned) "
+    head = "| model | layout | dp_r x dp_s x tp x pp (x cp) | procs | tokens/s | per device | state MiB/rank (planned) "
     lines = [head + "| peak MiB/rank (planned) | comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         plan = r["plan_mb_per_rank"]

@@ -61,7 +61,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 12
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 14
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -151,7 +151,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")]
         )
     )
-    assert len(spans) == 9 + 9 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 9: the preflight's
+    assert len(spans) == 10 + 10 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 10: the preflight's
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
