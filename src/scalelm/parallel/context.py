@@ -5,9 +5,11 @@ point-to-point messages, so it runs on CPUs and gloo as well (and on GPUs, witho
 
 Each rank keeps its queries and passes its key/value block around the ring (to rank + 1, from rank - 1); after
 cp - 1 hops every query has met every key. A block's partial attention is merged into the running result through its
-log-sum-exp (online softmax, fp32), and blocks wholly in a query block's future are skipped. Backward recomputes the
-probabilities block by block from the saved log-sum-exp; dq stays home, while the dk/dv accumulator of a block
-travels with it and takes one last hop after the final step, which brings it back to its owner.
+log-sum-exp (fp32), and blocks wholly in a query block's future are skipped. Backward recomputes the probabilities
+block by block from the saved log-sum-exp; dq stays home, while the dk/dv accumulator of a block travels with it and
+takes one last hop after the final step, which brings it back to its owner. On the CPU without dropout each block goes
+through torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its backward), which never holds a
+block's whole score matrix; elsewhere, and for dropout, through plain matrix products.
 
 Communication per attention call on a rank, with a local block of B x H x L x D elements of e bytes (q's dtype):
 forward cp - 1 messages of 2 B H L D e bytes (k and v together) and one all-gather of the positions (cp L int64);
@@ -139,7 +141,8 @@ class _Block:
     on (the earlier ones see none of the keys) and the keys before `cols` (no query sees the later ones).
 
     Positions ascend, so both are ranges. Under the load-balanced split this halves every block but a rank's own,
-    and leaves the half unmasked: that, not the skipped blocks, is what evens the ranks' work out."""
+    and leaves the half unmasked: that, not the skipped blocks, is what evens the ranks' work out. What is left is
+    unmasked, or (a rank's own block: the same positions) causal, or, for positions no split makes, a general mask."""
 
     def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
         self.rows = int((q_pos < k_pos[0]).sum())
@@ -150,6 +153,7 @@ class _Block:
         self.mask = (
             None if self.empty or self.k_pos[-1] <= self.q_pos[0] else self.q_pos.view(-1, 1) >= self.k_pos.view(1, -1)
         )
+        self.causal = self.mask is not None and torch.equal(self.q_pos, self.k_pos)
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +164,47 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     s = torch.matmul(_acc(q), _acc(k).transpose(-2, -1)) * scale
     return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
+
+
+def _fused(q: torch.Tensor, block: _Block, drop: _Dropout) -> bool:
+    """Whether a block goes through torch's CPU flash kernel, which never holds its whole score matrix: on the CPU,
+    without dropout (the kernel's masks would not be the split-independent ones), unmasked or causal."""
+    return q.device.type == "cpu" and not drop.p and (block.mask is None or block.causal)
+
+
+def _block_forward(q, k, v, block: _Block, scale: float, drop: _Dropout) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's attention output, normalised over its own keys, and its log-sum-exp (both in the accumulation
+    dtype): what the ring merges."""
+    if _fused(q, block, drop):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, block.causal, scale=scale)
+        return _acc(out), _acc(lse)
+    s = _scores(q, k, scale, block.mask)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    z = drop.scale(block.q_pos, block.k_pos, s)
+    return torch.matmul(p if z is None else p * z, _acc(v)), lse
+
+
+def _block_backward(d_out, q, k, v, out, lse, delta, block: _Block, scale: float, drop: _Dropout):
+    """A block's dq, dk, dv (accumulation dtype), from the whole attention's output and log-sum-exp: the
+    probabilities are recomputed against the final normalisation, so the blocks' gradients add up."""
+    if _fused(q, block, drop):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out.to(q.dtype), q, k, v, out, lse, 0.0, block.causal, scale=scale
+        )
+        return tuple(_acc(g) for g in grads)
+    d_out, q, k, v = _acc(d_out), _acc(q), _acc(k), _acc(v)
+    s = _scores(q, k, scale, block.mask)
+    p = torch.exp(s - lse.unsqueeze(-1))  # the undropped probabilities; masked entries are exp(-inf) = 0
+    z = drop.scale(block.q_pos, block.k_pos, s)
+    dp = torch.matmul(d_out, v.transpose(-2, -1))
+    if z is not None:
+        dp = dp * z
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    dv = torch.matmul((p if z is None else p * z).transpose(-2, -1), d_out)
+    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -177,32 +222,23 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, n, rank)
 
         like = {"device": q.device, "dtype": _acc(q).dtype}
-        m = torch.full((batch, heads, length), float("-inf"), **like)  # running max of the scores
-        total = torch.zeros((batch, heads, length), **like)  # running sum of exp(score - m), undropped
-        acc = torch.zeros((batch, heads, length, dim), **like)  # running sum of exp(score - m) x v, dropped
+        out = torch.zeros((batch, heads, length, dim), **like)  # normalised over the keys seen so far
+        lse = torch.full((batch, heads, length), float("-inf"), **like)  # their log-sum-exp
         kv = torch.stack([k, v])
         for step in range(n):
             nxt = ring.pass_on(kv, tag=0) if step < n - 1 else None  # the next block travels while this one computes
             block = _Block(q_pos, all_pos[(rank - step) % n])
             if not block.empty:
                 rows, cols = slice(block.rows, None), slice(None, block.cols)
-                s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, block.mask)
-                m_old = m[..., rows]
-                m_new = torch.maximum(m_old, s.amax(-1))
-                m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet: exp(-inf) = 0
-                alpha = torch.exp(m_old - m_safe)
-                p = torch.exp(s - m_safe.unsqueeze(-1))
-                total[..., rows] = total[..., rows] * alpha + p.sum(-1)
-                z = drop.scale(block.q_pos, block.k_pos, s)
-                pv = torch.matmul(p if z is None else p * z, _acc(kv[1][..., cols, :]))
-                acc[..., rows, :] = acc[..., rows, :] * alpha.unsqueeze(-1) + pv
-                m[..., rows] = m_new
+                out_b, lse_b = _block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale,
+                                              drop)  # fmt: skip
+                merged = torch.logaddexp(lse[..., rows], lse_b)  # every row of a block sees a key: lse_b is finite
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
+                                     + out_b * torch.exp(lse_b - merged).unsqueeze(-1))  # fmt: skip
+                lse[..., rows] = merged
             if nxt is not None:
                 kv = nxt.wait()
-        # every query sees at least its own key, so total > 0; the guard only keeps a caller's odd positions from NaNs
-        total = total.masked_fill(total == 0, 1.0)
-        out = (acc / total.unsqueeze(-1)).to(q.dtype)
-        lse = m + torch.log(total)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos)
         ctx.group, ctx.drop, ctx.scale = group, drop, scale
         return out
@@ -212,12 +248,10 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, all_pos = ctx.saved_tensors
         n, rank = _size_rank(ctx.group)
         ring = _Ring(ctx.group, n, rank)
-        d_out = _acc(d_out)
-        delta = (d_out * _acc(out)).sum(-1, keepdim=True)  # D = rowsum(dO * O): the softmax's backward term
-        qf = _acc(q)
+        delta = (_acc(d_out) * _acc(out)).sum(-1, keepdim=True)  # D = rowsum(dO * O): the softmax's backward term
 
-        dq = torch.zeros_like(qf)
-        dkv = torch.zeros((2, *k.shape), device=k.device, dtype=qf.dtype)  # the dk/dv accumulator of the block in hand
+        dq = torch.zeros_like(_acc(q))
+        dkv = torch.zeros((2, *k.shape), device=k.device, dtype=dq.dtype)  # the dk/dv accumulator of the block in hand
         kv = torch.stack([k, v])
         incoming = None
         for step in range(n):
@@ -227,19 +261,13 @@ class _RingAttention(torch.autograd.Function):
             block = _Block(q_pos, all_pos[(rank - step) % n])
             if not block.empty:
                 rows, cols = slice(block.rows, None), slice(None, block.cols)
-                q_b, d_out_b = qf[..., rows, :], d_out[..., rows, :]
-                k_b, v_b = _acc(kv[0][..., cols, :]), _acc(kv[1][..., cols, :])
-                s = _scores(q_b, k_b, ctx.scale, block.mask)
-                # the undropped probabilities; masked entries are exp(-inf) = 0
-                p = torch.exp(s - lse[..., rows].unsqueeze(-1))
-                z = ctx.drop.scale(block.q_pos, block.k_pos, s)
-                dp = torch.matmul(d_out_b, v_b.transpose(-2, -1))
-                if z is not None:
-                    dp = dp * z
-                ds = p * (dp - delta[..., rows, :])
-                dq[..., rows, :] += torch.matmul(ds, k_b) * ctx.scale
-                dkv[0][..., cols, :] += torch.matmul(ds.transpose(-2, -1), q_b) * ctx.scale
-                dkv[1][..., cols, :] += torch.matmul((p if z is None else p * z).transpose(-2, -1), d_out_b)
+                dq_b, dk_b, dv_b = _block_backward(
+                    d_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], out[..., rows, :],
+                    lse[..., rows], delta[..., rows, :], block, ctx.scale, ctx.drop,
+                )  # fmt: skip
+                dq[..., rows, :] += dq_b
+                dkv[0][..., cols, :] += dk_b
+                dkv[1][..., cols, :] += dv_b
             if n > 1:
                 incoming = ring.pass_on(dkv, tag=1)  # after the last step this hop brings each block home
             if nxt is not None:
