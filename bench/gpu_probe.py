@@ -201,7 +201,7 @@ def process_group(probe: Probe) -> str:
     dist.all_reduce(ones, group=gloo)
     on_device = torch.ones(3, device=probe.device)
     dist.all_reduce(on_device)
-    probe.mesh = init_device_mesh(probe.device.type, (1, 1, 1, 1), mesh_dim_names=MESH_DIMS)
+    probe.mesh = init_device_mesh(probe.device.type, (1,) * len(MESH_DIMS), mesh_dim_names=MESH_DIMS)
     flat = probe.mesh["dp_replicate", "dp_shard"]._flatten("dp")
     assert gathered == [{"rank": 0}] and ones.tolist() == [1, 1, 1] and on_device.sum().item() == 3
     return f"backend {backend}, mesh {tuple(probe.mesh.shape)} {probe.mesh.mesh_dim_names}, dp size {flat.size()}"

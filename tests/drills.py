@@ -190,3 +190,20 @@ def reseal(checkpoint: Path) -> None:
     """What whoever can write a checkpoint can also do: make its marker's checksums match again."""
     sums = {p.name: sha256(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != MARKER}
     (checkpoint / MARKER).write_text(json.dumps(sums))
+
+
+def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, str]:
+    """Start training, send SIGTERM once `step` is logged; returns the exit status and stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if metrics.is_file() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line
+        ):
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr

@@ -26,6 +26,7 @@ BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 OTHER_EXPERIMENTS = (
     "ddp_multinode",
     "ddp_spawn",
+    "ddp_lightning",
     "fsdp",
     "hsdp",
     "tp",

@@ -46,6 +46,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
         "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
         "ddp_spawn": (1, 2, "ddp", "2x1x1x1"), "cp": (1, 2, "cp", "1x1x1x1x2"),
+        "ddp_lightning": (1, 2, "ddp", "2x1x1x1"),
     }  # fmt: skip
     launchers = {e.name: e.launcher for e in study.matrix.values()}
     assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}

@@ -177,31 +177,14 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
     assert train_losses(run_dir_of(a)) != train_losses(run_dir_of(c))
 
 
-def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, str]:
-    """Start training, send SIGTERM once `step` is logged; returns the exit status and stderr."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and process.poll() is None:
-        if metrics.is_file() and any(
-            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line
-        ):
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
-    _, stderr = process.communicate(timeout=120)
-    return process.returncode, stderr
-
-
 @pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP: the masks shared by a TP group on replicated activations and its ranks' own on their heads, FFN
     columns and, with sequence parallelism, their part of the sequence; under CP x TP with SP the ring attention's
     masks, from the seed its group shares, and each rank's own on its part of the sequence). ddp_spawn: the
-    interrupted and resumed run is started by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by
-    the supervisor and the spawning process), the straight one by torchrun."""
+    interrupted and resumed run is started by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the
+    stop signal passed on by the supervisor and the spawning process), the straight one by torchrun."""
     nproc, layout_settings = LAYOUTS[layout.removesuffix("_spawn")]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
@@ -210,7 +193,7 @@ def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_p
     if layout.endswith("_spawn"):
         command = [sys.executable, "-m", "scalelm.launch", "--launcher", "spawn", "--procs-per-node", str(nproc),
                    "--", "--config", str(broken)]  # fmt: skip
-    status, stderr = interrupt_after_step(command, run_dir_of(broken), step=6)
+    status, stderr = drills.interrupt_after_step(command, run_dir_of(broken), step=6)
     # torchrun forwards SIGTERM to its workers, which checkpoint and exit 75; torchrun itself then reports failure
     assert status == EXIT_PREEMPTED if nproc == 1 or "_spawn" in layout else status != 0, (status, stderr[-2000:])
     assert "stopped by a signal" in stderr

@@ -61,7 +61,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 14
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 15
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -75,6 +75,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
         "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"), "cp": ("1", "4"), "cp_long": ("1", "4"),
+        "ddp_lightning": ("1", "4"),
     }  # fmt: skip
     # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
     assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]
@@ -99,6 +100,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
     def faster(config):
         config["local"]["experiments"]["ddp_spawn"] = None  # ddp started otherwise: tested in test_training.py
+        config["local"]["experiments"]["ddp_lightning"] = None  # ddp trained by Lightning: tested in test_lightning.py
         training = config["local"]["training"]
         training["train"].update(max_steps=12, log_every=3, eval_every=6)
         training["checkpoint"]["every"] = 6

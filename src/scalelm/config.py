@@ -114,6 +114,9 @@ class TrainConfig:
     # its ranks (scalelm.train.watchdog) instead of hanging; hang_factor 0: no watchdog
     hang_factor: float = 20.0
     hang_floor_s: float = 120.0
+    # what runs the loop: scalelm's trainer, or PyTorch Lightning's Trainer with its DDP strategy over the same
+    # model, data order, optimizer and records (scalelm.train.lightning_engine; pip install 'scalelm[lightning]')
+    engine: Literal["scalelm", "lightning"] = "scalelm"
 
 
 @dataclass

@@ -64,6 +64,7 @@ def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) 
     check_tp(dims.tp, config.model, vocab_size, options.loss_parallel, config.data.seq_len, options.sequence_parallel)
     check_pipeline(dims.pp, options, config.model)
     check_cp(dims, options, config.data.seq_len)
+    check_engine(config.train.engine, dims)
     _, per_replica = config.batch.sizes(dims.dp_size)
     if dims.pp > 1:
         check_microbatches(layout.microbatches, per_replica)
@@ -87,6 +88,19 @@ def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel:
             f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
             "which does not divide it; switch loss_parallel off or choose another tp"
         )
+
+
+def check_engine(engine: str, dims: ParallelDims) -> None:
+    """train.engine=lightning runs Lightning's DDP strategy: data parallelism by replicas only."""
+    if engine != "lightning":
+        return
+    for degree in ("dp_shard", "tp", "pp", "cp"):
+        if getattr(dims, degree) > 1:
+            raise ConfigError(
+                f"train.engine=lightning runs DDP only, not {dims.name} ({degree} {getattr(dims, degree)}): use "
+                "parallel.strategy=ddp (data parallelism is parallel.dp_replicate), or train.engine=scalelm for "
+                "this layout"
+            )
 
 
 def check_cp(dims: ParallelDims, options: ParallelConfig, seq_len: int) -> None:

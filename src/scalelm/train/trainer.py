@@ -123,6 +123,10 @@ class Trainer:
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
                                          config.train.hang_floor_s)  # fmt: skip
 
+    def close(self) -> None:
+        self.watchdog.close()
+        self.metrics.close()
+
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches: the step's mean loss on this rank, and the gradient's
@@ -282,27 +286,40 @@ class Trainer:
             wall_time_s=clock.wall(),
             host_load=self.instruments.host_loads(),
             parallel=self.parallel.describe(self.model),
-            results=Results(
+            results=results_of(
+                self,
+                validation,
+                test,
+                checkpoint,
                 **self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j),
-                strategy=self.parallel.name,
-                layout=self.parallel.dims.layout,
-                steps=state.step,
-                epochs_completed=state.epoch,
-                tokens_seen=state.tokens_seen,
-                global_batch=self.batches.global_batch,
-                tokens_per_step=self.tokens_per_step,
-                train_time_s=state.train_seconds,
-                tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
-                final_train_loss=self.last_loss,
-                validation=validation,
-                test=test,
-                checkpoint=str(checkpoint),
-                staging=self.staging.record(),
-            ),
+            ),  # fmt: skip
         )
         if self.env.is_main:
             write_record(self.run_dir.path, record)
         return record
+
+
+def results_of(trainer, validation, test, checkpoint: Path, **measured) -> Results:
+    """run.json's results of a trainer (this module's or Lightning's: the same attributes) at its end: its progress
+    and losses, and what it `measured`."""
+    state = trainer.state
+    return Results(
+        **measured,
+        strategy=trainer.parallel.name,
+        layout=trainer.parallel.dims.layout,
+        steps=state.step,
+        epochs_completed=state.epoch,
+        tokens_seen=state.tokens_seen,
+        global_batch=trainer.batches.global_batch,
+        tokens_per_step=trainer.tokens_per_step,
+        train_time_s=state.train_seconds,
+        tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
+        final_train_loss=trainer.last_loss,
+        validation=validation,
+        test=test,
+        checkpoint=str(checkpoint),
+        staging=trainer.staging.record(),
+    )
 
 
 def run(config: Config) -> RunRecord:
@@ -322,10 +339,21 @@ def run(config: Config) -> RunRecord:
         teardown()
 
 
+def engine(config: Config) -> type:
+    """What runs the loop (train.engine): this module's Trainer, or Lightning's (same interface: fit, close)."""
+    if config.train.engine == "lightning":
+        from scalelm.train.lightning_engine import LightningTrainer, require_lightning
+
+        require_lightning()
+        return LightningTrainer
+    return Trainer
+
+
 def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
     """`run`'s training, from the prepared data where `staging` put it (removed when this returns or fails)."""
     # Everything that can be refused is refused before the run directory is touched: the data, the layout against
     # the world and the data, the batch against both.
+    make_trainer = engine(config)
     data = load_prepared(staging.path)
     parallel = Parallel.start(config, env, data.vocab_size)
     batches = train_batches(config, parallel, data)
@@ -334,13 +362,12 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
         if env.is_main:
             run_dir.start(identity(config, data.checksums(), env.world_size))
         barrier()
-        trainer = Trainer(config, env, parallel, data, batches, staging)
+        trainer = make_trainer(config, env, parallel, data, batches, staging)
         with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
             try:
                 record = trainer.fit()
             finally:
-                trainer.watchdog.close()
-                trainer.metrics.close()
+                trainer.close()
         barrier()  # every rank done with every collective before any shuts its process groups down
     return record
 

@@ -1,0 +1,105 @@
+"""train.engine: lightning (scalelm.train.lightning_engine): Lightning's DDP trains like scalelm's, resumes after a
+stop signal, and the run it leaves reads like any other; clear errors without the extra or with another layout."""
+
+import builtins
+import re
+
+import pytest
+import torch
+
+import drills
+from conftest import run_dir_of, run_train, train_command, train_losses
+from scalelm.config import load_config
+from scalelm.errors import ConfigError
+from scalelm.parallel.layout import resolve_layout
+from scalelm.train.record import read_metrics, read_record
+
+DDP = {"parallel__strategy": "ddp"}
+LIGHTNING = {**DDP, "train__engine": "lightning"}
+# both engines with gradient accumulation (2 micro-batches per rank), clipping and dropout
+PARITY = {"batch__micro_size": 4, "optim__grad_clip": 0.5, "model__dropout": 0.1}
+TOLERANCE = 1e-5  # relative, per logged step: measured 0 (bitwise) on CPU with gloo, see docs/benchmarks.md
+
+
+def relative_gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def evals(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+
+
+def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_config, tmp_path):
+    """2 processes, 20 steps of the tiny model with 2 micro-batches per rank, clipping and dropout: the same loss at
+    every step and the same exact evaluations; run.json is a scalelm record, the last checkpoint consolidates to
+    model.pt, and the report reads the run."""
+    from scalelm.report.aggregate import read_run
+    from scalelm.train.consolidate import consolidate
+    from scalelm.train.evaluation import main as evaluate_main
+    from scalelm.train.rundir import RunDir
+
+    ddp, lightning = tiny_config("ddp", **DDP, **PARITY), tiny_config("lightning", **LIGHTNING, **PARITY)
+    run_train(ddp, 2)
+    run_train(lightning, 2)
+    theirs, ours = train_losses(run_dir_of(lightning)), train_losses(run_dir_of(ddp))
+    assert len(theirs) == 20
+    assert relative_gap(theirs, ours) <= TOLERANCE
+    for mine, ref in zip(evals(run_dir_of(lightning)), evals(run_dir_of(ddp)), strict=True):
+        assert (mine["split"], mine["step"], mine["tokens"]) == (ref["split"], ref["step"], ref["tokens"])
+        assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= TOLERANCE
+
+    record = read_record(run_dir_of(lightning))
+    assert record.world_size == 2 and record.results.steps == 20 and record.results.layout == "2x1x1x1"
+    assert record.parallel["engine"].startswith("lightning ")
+    assert record.results.test["tokens"] == read_record(run_dir_of(ddp)).results.test["tokens"]
+
+    run = RunDir(run_dir_of(lightning))
+    meta = consolidate(run)
+    assert meta["step"] == 20
+    evaluate_main(["--model", str(run.model), "--data", str(load_config(lightning).data.prepared_dir),
+                   "--out", str(run.test_result)])  # fmt: skip
+    row = read_run(run).figures
+    assert row["strategy"] == "ddp" and row["steps"] == 20 and row["tokens_per_s"] > 0
+    assert row["test_loss"] == pytest.approx(record.results.test["loss"], rel=1e-5)
+
+
+def test_lightning_run_stopped_by_a_signal_resumes_to_the_same_end(tiny_config, tmp_path):
+    """Dropout on, cosine schedule: a stop signal after step 6 (torchrun passes SIGTERM on, as scalelm's supervisor
+    passes Slurm's SIGUSR1): the ranks agree on a step, checkpoint and exit 75; the same command resumes and ends
+    bitwise where an uninterrupted run ends (weights and every logged loss)."""
+    settings = dict(LIGHTNING, model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3)
+    straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
+    run_train(straight, 2)
+    status, stderr = drills.interrupt_after_step(train_command(broken, 2), run_dir_of(broken), step=6)
+    # torchrun passes SIGTERM on to its workers, which checkpoint and exit 75; torchrun then reports the failure
+    assert status != 0 and "stopped by a signal" in stderr, stderr[-3000:]
+    assert not (run_dir_of(broken) / "run.json").exists()
+    resumed = run_train(broken, 2)
+    assert "resumed from step" in resumed.stdout
+    a, b = drills.final_weights(straight, tmp_path / "a.pt"), drills.final_weights(broken, tmp_path / "b.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert train_losses(run_dir_of(broken)) == train_losses(run_dir_of(straight))
+
+
+def test_lightning_errors_are_clear(tiny_config, monkeypatch):
+    """Without the extra: the value and the fix; with a layout that is not DDP: the degree and what to do."""
+    from scalelm.train.trainer import engine
+
+    real_import = builtins.__import__
+
+    def no_lightning(name, *args, **kwargs):
+        if name == "lightning" or name.startswith("lightning."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_lightning)
+    with pytest.raises(
+        ConfigError, match=r"train.engine=lightning needs the optional extra: pip install 'scalelm\[lightning\]'"
+    ):
+        engine(load_config(tiny_config("missing", **LIGHTNING)))
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    for settings, world, name in ((["parallel.tp=2"], 2, "tp (tp 2)"), (["parallel.strategy=fsdp"], 2, "fsdp")):
+        config = load_config(None, ["train.engine=lightning", *settings])
+        with pytest.raises(ConfigError, match=rf"train.engine=lightning runs DDP only, not {re.escape(name)}"):
+            resolve_layout(config, world, world)  # where every layout is checked: the trainer, the workflow, the plan
