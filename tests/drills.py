@@ -63,9 +63,12 @@ def run_dir_of(config: Path) -> Path:
 
 
 def last_step(metrics: Path) -> int:
+    """The last step logged in a metrics file that a running training is appending to: its complete lines only (a
+    CI run read a line half written)."""
     if not metrics.is_file():
         return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    complete = metrics.read_text().split("\n")[:-1]  # what follows the last newline is still being written
+    steps = [json.loads(line).get("step", 0) for line in complete if line.strip()]
     return max(steps, default=0)
 
 
@@ -199,9 +202,7 @@ def interrupt_after_step(command: list[str], run_dir, step: int) -> tuple[int, s
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and process.poll() is None:
-        if metrics.is_file() and any(
-            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line
-        ):
+        if last_step(metrics) >= step:
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.05)

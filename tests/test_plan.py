@@ -366,10 +366,14 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     }
     assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
     assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
-    # cp_long trains a wider model: a reference of its own; its 8192-token sequences checked at 64 (4 x 2 x cp chunks)
-    assert runs["cp_long"]["reference"] == "reference.1" and runs["cp_long"]["settings"]["data"]["seq_len"] == 64
-    assert runs["reference.1"]["settings"]["data"]["seq_len"] == 64 and runs["3d"]["settings"]["data"]["seq_len"] == 32
-    others = {run["reference"] for name, run in runs.items() if not name.startswith("reference.") and name != "cp_long"}
+    # a wider model (cp_long) and another engine (ddp_lightning): references of their own; cp_long's 8192-token
+    # sequences checked at 64 (8 chunks of 8 for cp 4), the others at their 32
+    apart = {"cp_long", "ddp_lightning"}
+    assert len({runs[name]["reference"] for name in apart} | {"reference.0"}) == 3
+    long_reference = runs[runs["cp_long"]["reference"]]
+    assert runs["cp_long"]["settings"]["data"]["seq_len"] == long_reference["settings"]["data"]["seq_len"] == 64
+    assert runs["3d"]["settings"]["data"]["seq_len"] == 32
+    others = {run["reference"] for name, run in runs.items() if not name.startswith("reference.") and name not in apart}
     assert others == {"reference.0"}
     assert "single_gpu" not in runs and "gpt2_small" not in runs  # one process: no wiring to check
     # an experiment that trains with other settings gets a single process of its own to compare with

@@ -51,6 +51,7 @@ LAYOUTS = {
     "cp_tp": (4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True,
                   "parallel__loss_parallel": True}),
     "cp_pp": (4, {"parallel__cp": 2, "parallel__pp": 2}),
+    "hsdp_cp": (4, {"parallel__dp_replicate": 2, "parallel__cp": 2}),
 }  # fmt: skip
 
 
@@ -58,7 +59,7 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
     without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
     of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and
-    load-balanced with FSDP 2, with TP 2 and with a pipeline of 2) give the same loss at every step and the same exact
+    load-balanced with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step and the same exact
     evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
