@@ -59,8 +59,8 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
     without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
     of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and
-    load-balanced with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step and the same exact
-    evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
+    load-balanced with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step
+    and the same exact evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
     for name, (nproc, _) in LAYOUTS.items():
