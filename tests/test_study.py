@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,22 @@ def local_config(change=None) -> dict:
 def resolve(config: dict) -> Study:
     validate(config, SCHEMA)  # what common.smk does first
     return Study(config)
+
+
+def test_the_study_settings_and_the_schema_admit_exactly_the_layout_shorthands():
+    """The typed study settings and Snakemake's schema list the strategies; the layout module defines them: neither
+    may gain or lose a name alone."""
+    from typing import get_args, get_type_hints
+
+    from scalelm.parallel.dims import SHORTHANDS
+    from scalelm.study.settings import ExperimentSpec
+
+    assert get_args(get_type_hints(ExperimentSpec)["strategy"]) == SHORTHANDS
+    schema = yaml.safe_load(Path(SCHEMA).read_text())
+    assert (
+        tuple(schema["properties"]["experiments"]["additionalProperties"]["properties"]["strategy"]["enum"])
+        == SHORTHANDS
+    )
 
 
 def test_the_local_default_resolves_to_the_course_matrix_scaled_down():

@@ -119,10 +119,15 @@ def check_cp(dims: ParallelDims, options: ParallelConfig, seq_len: int) -> None:
 def sequence_unit(dims: ParallelDims, options: ParallelConfig) -> int:
     """What every sequence length of a layout must be a multiple of: the context-parallel split's chunks, and tensor
     parallelism's share of each rank's part under sequence parallelism."""
-    unit = 2 * dims.cp if dims.cp > 1 and options.cp_load_balance else dims.cp
+    unit = sequence_pieces(dims.cp, options.cp_load_balance) if dims.cp > 1 else 1
     if options.sequence_parallel and dims.tp > 1:
         unit = math.lcm(unit, dims.cp * dims.tp)
     return unit
+
+
+def sequence_pieces(cp: int, load_balance: bool) -> int:
+    """The chunks a sequence is cut into for `cp` ranks: one each, or two each with load balancing."""
+    return 2 * cp if load_balance else cp
 
 
 def sequence_chunk(seq_len: int, cp: int, load_balance: bool) -> int:
@@ -130,7 +135,7 @@ def sequence_chunk(seq_len: int, cp: int, load_balance: bool) -> int:
     balancing (chunks r and 2 cp - 1 - r of 2 cp, which evens out the causal mask's work)."""
     if cp < 1:
         raise ConfigError(f"parallel.cp must be a positive integer, got {cp}")
-    pieces = 2 * cp if load_balance else cp
+    pieces = sequence_pieces(cp, load_balance)
     if seq_len % pieces:
         if load_balance:
             why = f"2 x parallel.cp = {pieces} (context parallelism with load balancing cuts each sequence into 2 x cp "

@@ -29,8 +29,8 @@ with selective the outputs of its products and attention as well, e (d/u + (4d +
 attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
 is recomputed. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
 log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
-backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t). The embedding adds its dropout's mask, the last stage the final norm's and the
-head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
+backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t). The embedding adds its dropout's mask, the
+last stage the final norm's and the head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
 and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
 gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
 gradients (scalelm.model.cpu_ops). A pipeline rank keeps one micro-batch per schedule slot in flight: all m with

@@ -50,8 +50,8 @@ def evaluate(
     """Mean loss, perplexity and token count over `tokens`, in one process or across the data-parallel ranks of
     `parallel` (the ranks of a tensor-parallel group score the same windows together, those of a context-parallel
     group each its part of every window), `batch_size` sequences at a time, or fewer where they would hold more than
-    `max_tokens` tokens (the logits of a batch are tokens x vocabulary). `should_stop` (a collective: every rank runs the same number of batches) is asked between
-    batches; when it says yes, StopRequested is raised on every rank."""
+    `max_tokens` tokens (the logits of a batch are tokens x vocabulary). `should_stop` (a collective: every rank runs
+    the same number of batches) is asked between batches; when it says yes, StopRequested is raised on every rank."""
     batch_size = eval_rows(batch_size, seq_len, max_tokens)
     rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
     forward = (lambda inputs: parallel.forward(model, inputs)) if parallel else model

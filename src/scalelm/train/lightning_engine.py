@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import signal
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from scalelm import seeds
 from scalelm.config import dump_config, resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.model.architecture import flops_per_token
@@ -34,14 +31,10 @@ from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.env import backend_for, global_reduce
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.train import provenance
-from scalelm.train.checkpoint import Checkpointer, TrainerState
-from scalelm.train.evaluation import evaluate
-from scalelm.train.metrics import MetricsLogger, Stopwatch, peak_memory_mb, reset_peak_memory
-from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
-from scalelm.train.preemption import SIGNALS, Preempted, StopFlag, StopRequested
+from scalelm.train.metrics import Stopwatch, peak_memory_mb, reset_peak_memory
+from scalelm.train.preemption import Preempted, StopRequested
 from scalelm.train.record import RunRecord, write_record
-from scalelm.train.rundir import RunDir
-from scalelm.train.trainer import TrainingError, due, model_shape, results_of
+from scalelm.train.trainer import TrainerBase, TrainingError, due
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -54,42 +47,19 @@ def require_lightning():
     return lightning
 
 
-class LightningTrainer:
+class LightningTrainer(TrainerBase):
     """The scalelm Trainer's interface (`fit`, `close`) over lightning.Trainer; built on every rank."""
 
     def __init__(self, config, env, parallel, data, batches, staging):
-        L = require_lightning()
-        self.L, self.config, self.env, self.parallel, self.data, self.batches = L, config, env, parallel, data, batches
-        self.staging = staging
-        self.run_dir = RunDir(Path(config.run_dir))
-        self.tokens_per_step = batches.global_batch * config.data.seq_len
-        total = config.train.epochs * batches.steps_per_epoch
-        self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
-        if config.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-        self.shape = model_shape(config, data.vocab_size)
-        torch.manual_seed(config.seed)  # the initial weights of a single process with this seed
-        self.model = TransformerLM(config.model, data.vocab_size).to(env.device)
-        torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
-        dp_size = parallel.dims.dp_size
-        self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, dp_size))
-        self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep)
-        resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
-        if resumed and not self.checkpointer.rng_restored:
-            torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
-        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=None)
-        self.metrics = MetricsLogger(self.run_dir.metrics, env.is_main, resumed.step if resumed else None,
-                                     self.run_dir.tensorboard)  # fmt: skip
-        if resumed and env.is_main:
-            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
-        self.stop = StopFlag()
-        self.last_loss = math.nan
+        self.L = require_lightning()
+
+        def build() -> torch.nn.Module:  # the initial weights of a single process with this seed
+            torch.manual_seed(config.seed)
+            return TransformerLM(config.model, data.vocab_size).to(env.device)
+
+        super().__init__(config, env, parallel, data, batches, staging, build, energy_j=None)
         self.validation: dict[str, Any] | None = None
         self.preempted = False
-
-    def close(self) -> None:
-        self.metrics.close()
 
     # -------------------------------------------------------------------------------------- the loop
     def micro_batches(self):
@@ -206,14 +176,6 @@ class LightningTrainer:
             "world_size": self.env.world_size,
         })  # fmt: skip
 
-    def evaluate_split(self, split: str) -> dict[str, Any]:
-        config = self.config
-        result = evaluate(self.model, self.data.splits[split], config.data.seq_len, config.train.eval_batch_size,
-                          self.env.device, self.parallel, should_stop=self.stop.raised,
-                          max_tokens=config.train.eval_batch_tokens)  # fmt: skip
-        self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
-        return result
-
     def save(self):
         if self.checkpointer.latest_step != self.state.step:
             self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
@@ -227,8 +189,7 @@ class LightningTrainer:
             end_time=provenance.now(),
             wall_time_s=self.clock.wall(),
             parallel={**self.parallel.describe(self.model), "engine": f"lightning {self.L.__version__}"},
-            results=results_of(
-                self,
+            results=self.results(
                 self.validation,
                 test,
                 checkpoint,
@@ -281,8 +242,7 @@ def Bookkeeping(engine: LightningTrainer):
     class ScaleLMCallback(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             # Lightning's own SIGTERM handler would end the loop at once; scalelm's StopFlag agrees on a step first
-            for sig in SIGNALS:
-                signal.signal(sig, engine.stop._handle)
+            engine.stop.reinstall()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if getattr(pl_module, "stepped", False):

@@ -40,6 +40,11 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         self.signal = signum
 
+    def reinstall(self) -> None:
+        """Handle the stop signals again where a library has put its own handlers over this flag's."""
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+
     def raised(self) -> bool:
         """True on every rank if any rank had a stop signal by the previous call (a collective: every rank calls
         it, as often as the others). Each call reads the previous call's all-reduce and starts its own."""

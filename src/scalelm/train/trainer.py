@@ -16,10 +16,12 @@ import contextlib
 import itertools
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from scalelm import seeds
 from scalelm.config import Config, dump_config, load_config
@@ -79,14 +81,18 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
     return batches
 
 
-class Trainer:
+class TrainerBase:
+    """What every engine of the loop shares (this module's Trainer, scalelm.train.lightning_engine's): the run's
+    settings and steps, the model with the seed's initial weights and each rank's dropout streams, AdamW and its
+    schedule, the checkpoints and the state resumed from them, the metrics, the stop flag, the exact evaluation and
+    the results run.json records. `build` makes the model (after determinism is set, before the dropout streams)."""
+
     def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches,
-                 staging: Staged | None = None):  # fmt: skip
+                 staging: Staged, build: Callable[[], nn.Module], energy_j: float | None):  # fmt: skip
         self.config, self.env, self.parallel, self.data, self.batches = config, env, parallel, data, batches
-        self.staging = staging or Staged(data.path)
+        self.staging = staging
         self.run_dir = RunDir(Path(config.run_dir))
 
-        dp_size = parallel.dims.dp_size
         self.tokens_per_step = self.batches.global_batch * config.data.seq_len
         total = config.train.epochs * self.batches.steps_per_epoch
         self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
@@ -94,18 +100,17 @@ class Trainer:
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.shape = model_shape(config, data.vocab_size)
-        workload = Workload(config, data.vocab_size, self.env.device.type)
-        # the initial weights of a single process with this seed, whatever the layout
-        self.model = parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)
+        self.model = build()
         torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
-        self.optimizer = build_optimizer(self.model, config.optim, scaled_lr(config.optim, config.batch, dp_size))
+        lr = scaled_lr(config.optim, config.batch, parallel.dims.dp_size)
+        self.optimizer = build_optimizer(self.model, config.optim, lr)
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
         self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
-        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=0.0)
+        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=energy_j)
         wandb = None
         if config.train.wandb and env.is_main:
             group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
@@ -117,6 +122,53 @@ class Trainer:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
         self.last_loss = math.nan
         self.stop = StopFlag()
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    def evaluate_split(self, split: str) -> dict[str, Any]:
+        result = evaluate(
+            self.model,
+            self.data.splits[split],
+            self.config.data.seq_len,
+            self.config.train.eval_batch_size,
+            self.env.device,
+            self.parallel,
+            should_stop=self.stop.raised,
+            max_tokens=self.config.train.eval_batch_tokens,
+        )
+        self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
+        return result
+
+    def results(self, validation, test, checkpoint: Path, **measured) -> Results:
+        """run.json's results at the end: the run's progress and losses, and what the engine `measured`."""
+        state = self.state
+        return Results(
+            **measured,
+            strategy=self.parallel.name,
+            layout=self.parallel.dims.layout,
+            steps=state.step,
+            epochs_completed=state.epoch,
+            tokens_seen=state.tokens_seen,
+            global_batch=self.batches.global_batch,
+            tokens_per_step=self.tokens_per_step,
+            train_time_s=state.train_seconds,
+            tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
+            final_train_loss=self.last_loss,
+            validation=validation,
+            test=test,
+            checkpoint=str(checkpoint),
+            staging=self.staging.record(),
+        )
+
+
+class Trainer(TrainerBase):
+    def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches,
+                 staging: Staged | None = None):  # fmt: skip
+        # the initial weights of a single process with this seed, whatever the layout
+        build = lambda: parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)  # noqa: E731
+        super().__init__(config, env, parallel, data, batches, staging or Staged(data.path), build, energy_j=0.0)
+        workload = Workload(config, data.vocab_size, self.env.device.type)
         self.instruments = Instruments(
             config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
         )
@@ -125,7 +177,7 @@ class Trainer:
 
     def close(self) -> None:
         self.watchdog.close()
-        self.metrics.close()
+        super().close()
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,20 +288,6 @@ class Trainer:
             }
         )
 
-    def evaluate_split(self, split: str) -> dict[str, Any]:
-        result = evaluate(
-            self.model,
-            self.data.splits[split],
-            self.config.data.seq_len,
-            self.config.train.eval_batch_size,
-            self.env.device,
-            self.parallel,
-            should_stop=self.stop.raised,
-            max_tokens=self.config.train.eval_batch_tokens,
-        )
-        self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
-        return result
-
     def save(self, pending_loss: torch.Tensor) -> Path:
         """A checkpoint of this step, once (the last step's is asked for at the end, and maybe at its epoch's end
         or on a stop signal)."""
@@ -286,8 +324,7 @@ class Trainer:
             wall_time_s=clock.wall(),
             host_load=self.instruments.host_loads(),
             parallel=self.parallel.describe(self.model),
-            results=results_of(
-                self,
+            results=self.results(
                 validation,
                 test,
                 checkpoint,
@@ -297,29 +334,6 @@ class Trainer:
         if self.env.is_main:
             write_record(self.run_dir.path, record)
         return record
-
-
-def results_of(trainer, validation, test, checkpoint: Path, **measured) -> Results:
-    """run.json's results of a trainer (this module's or Lightning's: the same attributes) at its end: its progress
-    and losses, and what it `measured`."""
-    state = trainer.state
-    return Results(
-        **measured,
-        strategy=trainer.parallel.name,
-        layout=trainer.parallel.dims.layout,
-        steps=state.step,
-        epochs_completed=state.epoch,
-        tokens_seen=state.tokens_seen,
-        global_batch=trainer.batches.global_batch,
-        tokens_per_step=trainer.tokens_per_step,
-        train_time_s=state.train_seconds,
-        tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
-        final_train_loss=trainer.last_loss,
-        validation=validation,
-        test=test,
-        checkpoint=str(checkpoint),
-        staging=trainer.staging.record(),
-    )
 
 
 def run(config: Config) -> RunRecord:
