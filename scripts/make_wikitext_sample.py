@@ -45,7 +45,7 @@ def main(source: str, target: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, lines in (("train", train_lines), ("validation", valid_lines), ("test", test_lines)):
         (out / f"{name}.txt").write_text("".join(lines), encoding="utf-8")
-        print(f"{name}: {sum(len(l.split()) for l in lines)} words")
+        print(f"{name}: {sum(len(line.split()) for line in lines)} words")
 
 
 if __name__ == "__main__":

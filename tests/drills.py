@@ -7,6 +7,7 @@ the Slurm profile asks for ahead of the time limit) goes to the whole group, as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -114,18 +115,112 @@ def interrupt(config: Path, at_step: int, nodes: int = 1, procs: int = 2, timeou
     return Interruption(at_step, job.returncode, stopped_at, took, output)
 
 
+def training_workers(job: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(job.pid).children(recursive=True) if "scalelm.train" in " ".join(p.cmdline())]
+
+
+def worker_of_rank(workers: list[psutil.Process], rank: int) -> psutil.Process:
+    return next(p for p in workers if p.environ().get("RANK") == str(rank))
+
+
 def kill_rank(config: Path, rank: int, at_step: int, nodes: int = 1, procs: int = 2, timeout: int = 300) -> Crash:
     """SIGKILL one training process (as the OOM killer or a lost node would) once the job has logged `at_step`."""
     job = start(config, nodes, procs)
     wait_for_step(job, config, at_step, timeout)
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "scalelm.train" in " ".join(p.cmdline())]
-    victim = next(p for p in workers if p.environ().get("RANK") == str(rank))
+    workers = training_workers(job)
+    victim = worker_of_rank(workers, rank)
     killed = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     output, _ = job.communicate(timeout=timeout)
     detected = time.monotonic() - killed
     survivors = sum(1 for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
     return Crash(rank, at_step, job.returncode, detected, survivors, output)
+
+
+@dataclass
+class Freeze:
+    rank: int
+    at_step: int  # the step after which the rank was stopped
+    exit_code: int | None  # None: the job was still running at the timeout
+    detected_s: float  # from the stop to the whole job's exit (or the timeout)
+    survivors: int  # processes of the job still running (or stopped) after it exited
+    output: str
+
+
+# Loaded by every Python process of the job (sitecustomize, first on PYTHONPATH): once rank RANK has ended step STEP,
+# before the collective of that step's log line, it writes its pid to PAUSED and waits there for the drill's SIGSTOP.
+# The other ranks then wait in that collective, between two steps. (The rank is known only once the training runs:
+# the spawn launcher sets RANK in the process it started.)
+PAUSING_SITE = """
+import os, time
+command = open("/proc/self/cmdline").read()
+if "torchrun" not in command and ("scalelm.train" in command or "--multiprocessing-fork" in command):
+    from scalelm.train import trainer
+
+    unpaused = trainer.Trainer.log_train
+
+    def log_train(self, *args, **kwargs):
+        if os.environ.get("RANK") == "{rank}" and self.state.step == {step}:
+            open("{paused}", "w").write(str(os.getpid()))
+            time.sleep(3600)
+        return unpaused(self, *args, **kwargs)
+
+    trainer.Trainer.log_train = log_train
+"""
+
+
+def freeze_rank(config: Path, rank: int, at_step: int, site: Path, timeout: int = 120,
+                env: dict[str, str] | None = None, procs: int = 2) -> Freeze:  # fmt: skip
+    """SIGSTOP one training process once it has ended step `at_step` (train.log_every: 1): a process that makes no
+    progress at all, its threads included, as with a hung file system, a driver hang or a node that stops
+    answering. Wait for the job to end; whatever happens, no process of the job is left behind, stopped or running.
+    `env`: variables added to the job's environment."""
+    site.mkdir(parents=True, exist_ok=True)
+    paused = site / "paused"
+    (site / "sitecustomize.py").write_text(PAUSING_SITE.format(rank=rank, step=at_step, paused=paused))
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    job = start(config, 1, procs, {**os.environ, **(env or {}), "PYTHONPATH": path})
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while job.poll() is None and not pid_in(paused) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pid_in(paused):  # failed or finished first, or too slow: nothing to stop
+            end_job(job, workers)
+            return Freeze(rank, at_step, job.returncode, 0.0, 0, job.communicate()[0])
+        victim = psutil.Process(pid_in(paused))
+        workers = [*training_workers(job), victim]  # torchrun's, and the rank (spawn's workers run another command)
+        victim.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            output, exit_code = job.communicate(timeout=timeout)[0], job.returncode
+        except subprocess.TimeoutExpired:  # still running: its output up to here, once it is ended
+            end_job(job, workers)
+            output, exit_code = job.communicate()[0], None
+        detected = time.monotonic() - stopped
+        survivors = sum(1 for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+        return Freeze(rank, at_step, exit_code, detected, survivors, output)
+    finally:
+        end_job(job, workers)
+
+
+def pid_in(path: Path) -> int | None:
+    text = path.read_text() if path.is_file() else ""
+    return int(text) if text.strip() else None
+
+
+def end_job(job: subprocess.Popen, workers: list[psutil.Process]) -> None:
+    """Kill what is left of a drilled job: SIGKILL ends a stopped process too (a SIGTERM would wait for a SIGCONT)."""
+    if job.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            workers = [*workers, *training_workers(job)]
+    for process in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
 
 
 @dataclass

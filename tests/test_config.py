@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from scalelm.config import Config, load_config, parse_override
@@ -163,3 +165,199 @@ def test_weights_and_biases_without_its_package_is_a_clear_error(monkeypatch):
         ConfigError, match=r"train.wandb=true .* needs the wandb package: pip install 'scalelm\[wandb\]'"
     ):
         load_config(None, ["train.wandb=true"])
+
+
+# ------------------------------------------------------------------------------ settings files: hostile YAML
+def alias_bomb(depth: int) -> str:
+    """Under 500 bytes of YAML whose value, expanded, holds 10^(depth+1) strings (550 MB of repr at depth 6)."""
+    value = "&a0 [x, x, x, x, x, x, x, x, x, x]"
+    for level in range(1, depth + 1):
+        value = f"&a{level} [{value}, {', '.join([f'*a{level - 1}'] * 9)}]"
+    return f"train:\n  epochs: {value}\n"
+
+
+def test_settings_files_refuse_aliases_duplicate_keys_deep_nesting_and_unreadable_files_naming_them(tmp_path):
+    from scalelm.config import write_settings
+    from scalelm.site import load_site
+
+    cases = {
+        "bomb.yaml": (alias_bomb(7), r"bomb.yaml, line 2: YAML anchors and aliases \(&name, \*name\) are not accepted"),
+        "twice.yaml": ("seed: 1\nmodel:\n  d_ff: 64\n  n_layers: 3\n  d_ff: 32\n",
+                       r"twice.yaml, line 5: key 'd_ff' appears twice \(first on line 3\); keep one"),
+        "deep.yaml": ("seed: " + "[" * 50_000 + "]" * 50_000 + "\n", r"deep.yaml, line 1: nested more than 32 levels"),
+        "latin1.yaml": (b"run_dir: r\xe9sultats\n", r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 10\); save"),
+        "huge_int.yaml": ("seed: " + "1" * 5000 + "\n", r"huge_int.yaml is not valid YAML: a value cannot be read"),
+    }  # fmt: skip
+    assert len(alias_bomb(7)) < 500
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ConfigError, match=f"^config file {tmp_path}/{message}") as err:
+            load_config(path)
+        assert len(str(err.value)) < 300
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path} is a directory; give the YAML file in it"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=f"^site file {tmp_path}/bomb.yaml, line 2: YAML anchors and aliases"):
+        load_site(tmp_path / "bomb.yaml")
+    for override, message in [
+        ("seed=[&a 1, *a]", "anchors and aliases"),
+        ("model={d_ff: 1, d_ff: 2}", "'d_ff' appears twice"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^override '{re.escape(override)}', line 1: .*{message}"):
+            load_config(None, [override])
+    # JSON (a Snakemake config file may be) is read even where YAML is not (tabs), its duplicate keys refused too
+    (tmp_path / "tabs.json").write_text('{\n\t"seed": 3,\n\t"model": {"d_ff": 64}\n}')
+    assert load_config(tmp_path / "tabs.json").seed == 3
+    (tmp_path / "tabs.json").write_text('{\n\t"seed": 3,\n\t"seed": 4\n}')
+    with pytest.raises(ConfigError, match="tabs.json is not valid YAML: key 'seed' appears twice in one object"):
+        load_config(tmp_path / "tabs.json")
+    # what scalelm writes it reads back: a list held twice is written out twice, not as an alias
+    shared = [0.8, 0.9]
+    write_settings({"optim": {"betas": shared}, "other": shared}, tmp_path / "written.yaml")
+    assert "&" not in (tmp_path / "written.yaml").read_text()
+
+
+def test_an_error_quotes_at_most_a_few_hundred_characters_of_a_value(tmp_path):
+    from scalelm.settings_yaml import shown
+    from scalelm.study.workflow import check_command_line_values
+
+    long_list = "[" + ", ".join(["12345"] * 2000) + "]"
+    for override in (f"train.epochs={long_list}", f"model={long_list}", f"seed='{'x' * 100_000}'"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert len(str(err.value)) < 500, str(err.value)[:100]
+    with pytest.raises(ConfigError, match=r"^results: 'x{100}.*\.\.\. holds ;") as err:
+        check_command_line_values({"results": "x" * 1_000_000 + ";"})
+    assert len(str(err.value)) < 600
+    nested = []
+    for _ in range(100_000):  # deeper than Python's stack: quoting stops after the limit
+        nested = [nested]
+    assert shown(nested, 50) == "[" * 50 + "..."
+    assert shown({"a": [1, "b"], "c": None}) == "{'a': [1, 'b'], 'c': None}"
+
+
+def test_set_merges_a_mapping_into_its_section_and_refuses_a_value_in_place_of_a_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  n_layers: 5\n  d_ff: 64\ndata:\n")  # data: null, every key commented out: defaults
+    c = load_config(path, ["model={d_model: 64, n_heads: 2}", "optim={betas: [0.8, 0.9]}"])
+    assert (c.model.d_model, c.model.n_heads, c.model.n_layers, c.model.d_ff) == (64, 2, 5, 64)
+    assert c.optim.betas == (0.8, 0.9) and c.optim.lr == Config().optim.lr and c.data.seq_len == Config().data.seq_len
+    for override, message in [
+        ("model=null", r"cannot set 'model' to None: it is a section of settings \(n_layers, d_ff\); set its keys "
+                       r"\(model.KEY=VALUE\) or merge a mapping into it \(model=\{KEY: VALUE\}\)"),
+        ("model=0", r"cannot set 'model' to 0: it is a section"),
+        ("data=0", r"^data: expected a mapping of settings, got 0$"),
+        ("train=[]", r"^train: expected a mapping of settings, got \[\]$"),
+        ("train=", r"^train: expected a mapping of settings, got ''$"),
+        ("model={n_layers: {x: 1}}", r"^model.n_layers: expected an integer, got \{'x': 1\}$"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, [override])
+    path.write_text("train: 0\n")
+    with pytest.raises(ConfigError, match=r"^train: expected a mapping of settings, got 0$"):
+        load_config(path)
+
+
+def test_the_planner_refuses_machine_figures_that_are_not_finite_or_fall_back_to_the_site(capsys, tmp_path):
+    from scalelm.plan.__main__ import main as plan_main
+
+    site = tmp_path / "site.yaml"
+    site.write_text("gpus_per_node: 4\ngpu_memory_gb: 80\n")
+    model = ["--vocab-size", "1000", "--site", str(site)]
+    speeds = ["--elementwise-gbps", "1000", "--busbw-intra-gbps", "100"]
+    for args, message in [
+        (["--gpu-memory-gb", "inf"], r"--gpu-memory-gb must be a finite number, got inf"),
+        (["--gpu-memory-gb", "1e999"], r"--gpu-memory-gb must be a finite number, got inf"),
+        (["--gpu-memory-gb", "nan"], r"--gpu-memory-gb must be a finite number, got nan"),
+        (["--matmul-tflops", "inf", *speeds], r"--matmul-tflops must be a finite number, got inf"),
+        (["--gpu-memory-gb", "0"], r"--gpu-memory-gb must be one GPU's memory in GB \(positive\), got 0.0"),
+        (["--gpus-per-node", "0"], r"the machine's gpus-per-node must be at least 1 \(--gpus-per-node\), got 0"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            plan_main([*model, *args])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and re.fullmatch(f"error: {message}\n", err), err
+
+
+def test_a_lock_line_that_is_not_an_exact_pin_is_refused_naming_the_line(tmp_path, monkeypatch):
+    from scalelm.version import check_lock, read_lock
+
+    lock = tmp_path / "lock.txt"
+    pinned = "pyyaml==6.0.2 \\\n    --hash=sha256:00\n    # via scalelm\npywin32==306 ; sys_platform == 'win32'\n"
+    lock.write_text(pinned)
+    assert read_lock(lock) == {"pyyaml": "6.0.2"}
+    for line, problem in [("numpy>=1,<3", "is not an exact pin"), ("numpy>=1", "is not an exact pin"),
+                          ("numpy", "is not an exact pin"), ("numpy==1.*", "is not an exact pin"),
+                          ("numpy = 1", "is not a requirement")]:  # fmt: skip
+        lock.write_text(f"{pinned}{line} \\\n    --hash=sha256:11\n")
+        with pytest.raises(ConfigError, match=rf"^the lock file {lock}, line 5: '{re.escape(line)}' {problem}"):
+            read_lock(lock)
+    monkeypatch.setenv("SCALELM_LOCK", str(lock))
+    with pytest.raises(ConfigError, match="a lock holds exact pins, as scripts/lock.sh exports them .*: point "
+                       "SCALELM_LOCK at one, or unset it"):  # fmt: skip
+        check_lock()
+    lock.write_bytes(b"numpy==1.0 # \xff\n")
+    with pytest.raises(ConfigError, match=rf"^the lock file {lock} cannot be read"):
+        check_lock()
+
+
+def test_a_training_refuses_a_lock_that_is_not_exact_before_touching_its_run_directory(tiny_config, tmp_path,
+                                                                                        monkeypatch):  # fmt: skip
+    from conftest import run_dir_of, train_here
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text("numpy>=1,<3\n")
+    monkeypatch.setenv("SCALELM_LOCK", str(lock))
+    config = tiny_config()
+    with pytest.raises(ConfigError, match="is not an exact pin"):
+        train_here(config)
+    assert not run_dir_of(config).exists()
+
+
+class CountingDict(dict):
+    """A mapping that counts how often its items are listed."""
+
+    listed = 0
+
+    def items(self):
+        CountingDict.listed += 1
+        return super().items()
+
+
+def test_the_shell_value_check_visits_each_value_once_however_often_the_config_holds_it():
+    from scalelm.study.workflow import check_command_line_values
+
+    shared = CountingDict(leaf="ok")
+    for _ in range(16):  # 2^16 paths to the leaf, as nested YAML aliases load: one object held twice at each level
+        shared = CountingDict(a=shared, b=[shared])
+    CountingDict.listed = 0
+    check_command_line_values({"experiments": shared})
+    assert CountingDict.listed == 17
+    shared["c"] = "x;y"
+    with pytest.raises(ConfigError, match=r"^experiments.c: 'x;y' holds ;"):
+        check_command_line_values({"experiments": shared})
+    deep = "rm -rf ~;"
+    for _ in range(50_000):  # deeper than Python's stack
+        deep = [deep]
+    with pytest.raises(ConfigError, match=r"^\.\.\.[0\[\]]{200}: 'rm -rf ~;' holds ;"):
+        check_command_line_values(deep)
+
+
+def test_the_workflow_refuses_a_duplicate_key_in_its_config_files(tmp_path):
+    """Snakemake's own loader keeps the last of a duplicate key: the workflow reads its config files again with
+    scalelm's, and stops before any job."""
+    import shutil
+    import subprocess
+
+    from conftest import REPO
+
+    for part in ("workflow", "config", "profiles", "resources"):
+        shutil.copytree(REPO / part, tmp_path / part)
+    local = tmp_path / "config/local.yaml"
+    lines = len(local.read_text().splitlines())
+    local.write_text(local.read_text() + "local:\n  results: results/elsewhere\n")
+    result = subprocess.run(["snakemake", "-n"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert (f"invalid config: config file {local}, line {lines + 1}: key 'local' appears twice (first on line "
+            in result.stdout + result.stderr), result.stdout + result.stderr  # fmt: skip
+    assert not (tmp_path / "results").exists()

@@ -6,6 +6,7 @@ import os
 import random
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -62,21 +63,123 @@ def test_a_stalled_rank_is_named_within_the_threshold_and_the_rerun_resumes(tiny
 
 def test_the_autopsy_names_late_and_silent_ranks_in_every_process_group():
     """From the progress the ranks published: a rank that issued fewer collectives in a group than its other members
-    (here in the TP group of ranks 0 and 1, the world group agreeing), and ranks whose progress is stale or missing."""
+    (here in the TP group of ranks 0 and 1, the world group agreeing), and ranks whose progress is stale or missing;
+    not a rank whose training is over (its watchdog closed)."""
     from scalelm.train.watchdog import behind
 
-    def progress(issued_world, issued_tp, age=0.0, step=9):
+    def progress(issued_world, issued_tp, age=0.0, step=9, **more):
         groups = {"0": {"desc": "default_pg", "issued": issued_world}, "3": {"desc": "mesh_tp", "issued": issued_tp}}
-        return {"step": step, "in_step_s": 30.0, "groups": groups, "time": 1000.0 - age, "host": "node7"}
+        return {"step": step, "in_step_s": 30.0, "groups": groups, "time": 1000.0 - age, "host": "node7", "pid": 42,
+                **more}  # fmt: skip
 
-    findings = behind({0: progress(50, 20), 1: progress(50, 19), 2: None, 3: progress(48, 20, age=60, step=8)}, 1000.0)
+    progresses = {0: progress(50, 20), 1: progress(50, 19), 2: None, 3: progress(48, 20, age=60, step=8)}
+    findings = behind({**progresses, 4: progress(50, 20, age=60, closed=True, groups={})}, 1000.0)
     assert findings == [
         "rank 2 never published its progress (a stopped or dead process, or a lost node)",
-        "rank 3 stopped publishing its progress 60 s ago, in step 8 (a stopped or dead process, or a lost node)",
+        "rank 3 stopped publishing its progress 60 s ago, in step 8, on node7 (pid 42) (a stopped or dead process, "
+        "or a lost node)",
         "rank 1 is behind in process group mesh_tp (ranks 0, 1): it issued 19 collectives, rank(s) 0 issued 20 and "
         "wait for it in collective #20 (rank 1 is in step 9 since 30 s, on node7)",
     ]
     assert behind({0: progress(50, 20), 1: progress(50, 20)}, 1000.0) == []  # nobody behind: a slow step everywhere
+
+
+def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config, tmp_path):
+    """Rank 1 of 2 is stopped (SIGSTOP: no thread of it runs, its watchdog's neither) after step 7, before that step's
+    log line; rank 0 waits for it in that line's collective, between two steps. Its watchdog finds rank 1's progress
+    as old as its own wait, over the 4 s floor: it writes the autopsy naming rank 1, kills it (torchrun's SIGTERM
+    would wait for a SIGCONT, its SIGKILL for 30 s) and exits 76. The rerun resumes from step 5."""
+    config = tiny_config("freeze", parallel__strategy="ddp", train__max_steps=12, checkpoint__every=5,
+                         train__hang_floor_s=4)  # fmt: skip
+    site = tmp_path / "site"
+    freeze = drills.freeze_rank(config, rank=1, at_step=7, site=site, timeout=45)
+    assert freeze.exit_code not in (None, 0) and "exitcode  : 76" in freeze.output, freeze.output[-3000:]
+    # under torchrun's 30 s wait for a SIGTERM the stopped rank cannot receive: it was killed, not waited for
+    assert freeze.detected_s < 30 and freeze.survivors == 0, (freeze.detected_s, freeze.survivors)
+    run = RunDir(run_dir_of(config))
+    summary = (run.autopsy / "summary.txt").read_text()
+    assert re.match(r"scalelm: rank 0 has waited \d+ s since step 7 ended \(limit 4 s\), and rank\(s\) 1 published no "
+                    r"progress for as long", summary), summary  # fmt: skip
+    pid = drills.pid_in(site / "paused")
+    assert re.search(rf"rank 1 stopped publishing its progress \d+ s ago, in step \d, on \S+ \(pid {pid}\)", summary)
+    assert re.search(rf"Stopped beside rank 0, killed \(SIGKILL[^)]*\): rank 1 \(pid {pid}\)\.", summary), summary
+    assert summary.count("scalelm:") == 1 and "scalelm: rank 0 has waited" in freeze.output  # told once, in the log
+    assert "in log_train" in (run.autopsy / "rank0.txt").read_text()  # where rank 0 waited
+    assert [p.name for p in complete_checkpoints(run.checkpoints)][-1] == "step_00000005"
+
+    rerun = drills.run(config)
+    assert rerun.returncode == 0 and "resumed from step 5" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr
+    steps = [r["step"] for r in read_metrics(run.path) if r["kind"] == "train"]
+    assert steps == list(range(1, 13)), steps  # the steps after the checkpoint redone, each logged once
+
+
+def test_a_rank_waiting_between_steps_for_a_silent_rank_or_store_is_overdue(tmp_path):
+    """The watchdog's decision, from the progress in the store: a rank that has ended no step for the limit while
+    another published nothing for as long stops the job (it waits for a stopped process); not while the others are
+    alive, nor for a rank whose training is over, nor before the limit. In a step, the step's limit alone. A store
+    that does not answer (held by the stopped process: rank 0's under the spawn launcher) holds no call of the
+    watchdog's longer than its timeout, and stops the job once it has not answered for the limit."""
+    from scalelm.train.watchdog import KEY, BoundedStore, Unanswered, Watchdog
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+        def get(self, key):
+            return self[key].encode()
+
+        def multi_get(self, keys):
+            return [self.get(key) for key in keys]
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    store = Store()
+    dog = Watchdog(0, tmp_path, factor=0, floor_s=10, store=store, world_size=3)  # factor 0: no thread, asked here
+    with dog.watching(1):
+        pass  # one step ended: armed, the limit is the floor
+
+    def peer(rank, age, **more):
+        progress = {"step": 1, "in_step_s": 0.0, "groups": {}, "time": time.time() - age, "host": "n", "pid": 7}
+        store.set(KEY.format(rank), json.dumps({**progress, **more}))
+
+    def overdue(waited_s):
+        dog.ended, dog.peers_read = time.monotonic() - waited_s, 0.0  # waited that long; the store not read lately
+        return dog.overdue()
+
+    peer(1, age=0)
+    peer(2, age=30)
+    assert overdue(5) is None  # rank 0 waits less than the limit
+    waited = "rank 0 has waited 30 s since step 1 ended (limit 10 s)"
+    assert overdue(30) == f"{waited}, and rank(s) 2 published no progress for as long"
+    assert dog.overdue() is None  # the store is read every limit / 4 at most, not every second
+    peer(2, age=3)
+    assert overdue(30) is None  # all alive: a long evaluation or checkpoint is not a hang
+    peer(2, age=30, closed=True)
+    assert overdue(30) is None  # rank 2's training is over
+    dog.started = time.monotonic() - 11
+    assert dog.overdue() == "step 1 has run for over 10 s"
+    dog.started = None
+
+    stopped = threading.Event()  # set at the end: the call's thread returns
+
+    class StoppedStore(Store):
+        def set(self, key, value):
+            stopped.wait()
+
+    dog.store = BoundedStore(StoppedStore(), timeout_s=0.2)
+    try:
+        asked = time.monotonic()
+        with pytest.raises(Unanswered):
+            dog.store.ask("set", "key", "value")
+        with pytest.raises(Unanswered, match="has not answered"):  # no second call while the first is unanswered
+            dog.store.ask("check", ["key"])
+        assert time.monotonic() - asked < 2  # not the store's own timeout (minutes)
+        assert overdue(30) is None  # not answered for less than the limit
+        dog.store.failing_since -= 30
+        assert overdue(30) == f"{waited}, and the job's store has not answered for 30 s"
+    finally:
+        stopped.set()
 
 
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])
@@ -156,7 +259,7 @@ def test_a_typo_never_costs_a_finished_run(run_copy, capsys):
 
     record = train_here(run_copy)  # the typo reverted
     out = capsys.readouterr().out
-    assert "is back from" in out and "resumed from step 20" in out, out[-2000:]
+    assert "is back from" in out and "finished at step 20" in out, out[-2000:]
     assert record.results.steps == 20 and record.results.test == finished["results"]["test"]
     assert not run.previous.exists()
 

@@ -442,11 +442,12 @@ def test_energy_comes_from_nvmls_counter_else_integrated_power_and_rapl_packages
             return 300_000  # mW
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlPower())
+    began = time.monotonic()
     meter = energy.EnergyMeter.open("GPU-5c0e", reads_machine=False)
     assert meter.source == "nvml power, integrated"
-    began = time.monotonic()
     time.sleep(0.25)
-    assert meter.lap() == pytest.approx(300 * (time.monotonic() - began), rel=0.2)
+    # 300 W over the meter's span, which lies within the test's: bounds a loaded machine cannot break
+    assert 300 * 0.25 <= meter.lap() <= 300 * (time.monotonic() - began)
     meter.close()
 
     slice_meter = energy.EnergyMeter.open("MIG-77aa", reads_machine=False)

@@ -103,3 +103,18 @@ def test_lightning_errors_are_clear(tiny_config, monkeypatch):
         config = load_config(None, ["train.engine=lightning", *settings])
         with pytest.raises(ConfigError, match=rf"train.engine=lightning runs DDP only, not {re.escape(name)}"):
             resolve_layout(config, world, world)  # where every layout is checked: the trainer, the workflow, the plan
+
+
+def test_lightning_never_checkpoints_non_finite_weights(tiny_config):
+    """A learning rate that diverges, a checkpoint every step, logging too rare to see the loss: the checkpoint's own
+    check (the one scalelm's engine goes through) refuses the first non-finite weights, naming the step and rank; every
+    checkpoint left is finite, so the rerun never resumes from NaN."""
+    from scalelm.train.checkpoint import complete_checkpoints
+
+    config = tiny_config("nan", train__engine="lightning", checkpoint__every=1, checkpoint__keep=2)
+    result = run_train(config, 1, "train.max_steps=5", "train.log_every=10", "optim.lr=1e37", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "non-finite loss or weights at step" in result.stderr and "on rank(s) [0]" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    for checkpoint in complete_checkpoints(run_dir_of(config) / "checkpoints"):
+        assert all(w.isfinite().all() for w in drills.checkpoint_weights(checkpoint).values()), checkpoint

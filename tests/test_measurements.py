@@ -127,21 +127,26 @@ def test_host_load_counts_other_work_on_the_host_apart_from_the_run():
     assert child > 0.1 and figures["busy_cores"] >= figures["run_cores"]
 
 
-def test_the_data_time_is_the_host_time_spent_producing_batches():
-    """What `data_share` divides: the time inside the batch iterator, not the time the caller spends between items."""
+def test_the_data_time_is_the_host_time_spent_producing_batches(monkeypatch):
+    """What `data_share` divides: the time inside the batch iterator, not the time the caller spends between items
+    (on a clock the test moves, so a loaded machine cannot change the figure)."""
+    from scalelm.measure import instruments
+
+    now = [0.0]
+    monkeypatch.setattr(instruments, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     holder = SimpleNamespace(data_seconds=0.0)
 
     def slow(n):
         for i in range(n):
-            time.sleep(0.02)
+            now[0] += 0.02
             yield i
 
     items = []
     for item in Instruments.batches(holder, slow(3)):
         items.append(item)
-        time.sleep(0.05)  # the step: not data time
+        now[0] += 0.05  # the step: not data time
     assert items == [0, 1, 2]
-    assert 0.06 <= holder.data_seconds < 0.12
+    assert holder.data_seconds == pytest.approx(0.06)
 
 
 def test_the_cpu_peak_memory_is_each_intervals_own():
@@ -188,7 +193,7 @@ def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(ti
     assert results["flops_per_token"] == per_token
     for line in (m for m in read_metrics(run_dir) if m["kind"] == "train"):
         assert line["mfu"] == pytest.approx(per_token * line["tokens_per_s"] / 1e9)
-        assert 0 < line["data_share"] < 0.5  # host time producing batches, over the interval's training time
+        assert 0 < line["data_share"] < 1  # host time producing batches, a share of the interval's training time
     assert results["mfu"] == pytest.approx(per_token * results["tokens_per_s"] / 1e9)
     assert [step for step, _ in board_scalars(run_dir, "train/mfu")] == [2, 4, 6]
     assert [step for step, _ in board_scalars(run_dir, "validation/loss")]  # evaluations too

@@ -20,6 +20,7 @@ import yaml
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
 from scalelm.parallel.dims import check_degrees, check_strategy, degrees_of
+from scalelm.settings_yaml import dump_settings, load_error, parse_settings, read_settings, shown
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
@@ -203,23 +204,23 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is Literal:
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+            raise ConfigError(f"{key}: {shown(value)} is not one of {choices}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {shown(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if annotation is Any:
         return value
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
         if dataclasses.is_dataclass(args[1]):  # named sections of one kind (the study's experiments)
             return {k: from_mapping(args[1], v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
         return {k: _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -228,21 +229,21 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {shown(value)}")
         if not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
         return value
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
         return value
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {shown(value)}")
         return value
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
@@ -251,14 +252,14 @@ def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     """An instance of the dataclass `cls` from a mapping: an unknown key is an error naming it and the closest
     known key, a value of the wrong type an error naming the key; nested dataclasses take nested mappings."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"unknown setting '{prefix}{key}'{hint}")
+            raise ConfigError(f"unknown setting {shown(f'{prefix}{key}')}{hint}")
     missing = [
         f.name
         for f in dataclasses.fields(cls)
@@ -269,51 +270,53 @@ def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = from_mapping(hint, value or {}, f"{prefix}{name}.")
+        if dataclasses.is_dataclass(hint):  # a section; null (every key commented out) is its defaults
+            kwargs[name] = from_mapping(hint, {} if value is None else value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `dotted` (a.b.c) in `tree`; a mapping merges into the section it names, key by key, as dotted sets would."""
     *parents, leaf = dotted.split(".")
     node = tree
     for part in parents:
         child = node.setdefault(part, {})
+        if child is None:  # a section given as null (every key commented out)
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"cannot set '{dotted}': '{part}' is not a section")
         node = child
-    node[leaf] = value
+    merge_setting(node, leaf, value, dotted)
+
+
+def merge_setting(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
+    """node[key] = value, but a mapping merges into the section there, and a value of another kind replaces none."""
+    current = node.get(key)
+    if isinstance(current, dict) and isinstance(value, dict):
+        for name, item in value.items():
+            merge_setting(current, name, item, f"{dotted}.{name}")
+    elif isinstance(current, dict) and current:  # a value in place of a section would drop the section's settings
+        keys = ", ".join(str(name)[:40] for name in list(current)[:8]) + (", ..." if len(current) > 8 else "")
+        raise ConfigError(
+            f"cannot set '{dotted}' to {shown(value)}: it is a section of settings ({keys}); set its "
+            f"keys ({dotted}.KEY=VALUE) or merge a mapping into it ({dotted}={{KEY: VALUE}})"
+        )
+    else:
+        node[key] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=value` -> ('a.b', value), the value read as YAML (so 1e-3, true, null, [1, 2] work)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. optim.lr=1e-3)")
+        raise ConfigError(f"override {shown(text)} is not of the form key=value (e.g. optim.lr=1e-3)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_settings(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from err
+        raise load_error(err, f"override {shown(text)}") from None
     return key.strip(), value
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
-    return data
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -323,7 +326,7 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    values = read_yaml(path) if path else {}
+    values = read_settings(path) if path else {}
     for text in overrides:
         set_dotted(values, *parse_override(text))
     return from_dict(values)
@@ -440,4 +443,4 @@ def dump_config(config: Config, path: str | Path) -> None:
 
 def write_settings(settings: dict[str, Any], path: str | Path) -> None:
     """Settings as the YAML file a training reads (`--config`), written whole or not at all."""
-    atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
+    atomic_write_text(path, dump_settings(settings))

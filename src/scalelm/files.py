@@ -1,4 +1,11 @@
-"""scalelm's files: written whole or not at all, checksummed, and read back without ever running code from them."""
+"""scalelm's files: written whole or not at all, never in place of what is not theirs, checksummed, and read back
+without ever running code from them.
+
+What is not an output's own is never replaced: a file never replaces a directory (nor a directory a file), a
+directory replaces only a directory that holds scalelm's marker for it (`check_replaceable`), and no output is, holds
+or lies inside an input of its command (`check_apart`). `<name>.partial` is scalelm's name for a file or directory
+being written: it is removed when writing starts (`check_file_output` refuses a directory there) and when
+writing fails."""
 
 from __future__ import annotations
 
@@ -28,12 +35,21 @@ def sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+class OutputError(ScaleLMError):
+    pass
+
+
 def remove(path: Path) -> None:
     """Remove a file or a directory tree, if there is one."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def is_directory(path: Path) -> bool:
+    """A directory itself: a symbolic link (even to a directory) is replaced as a link, never followed."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def partial_of(final: str | Path) -> Path:
@@ -43,38 +59,81 @@ def partial_of(final: str | Path) -> Path:
 
 
 def publish(partial: Path, final: Path) -> None:
-    """Put a completely written `partial` (file or directory) in place of `final`, replacing what was there."""
+    """Put a completely written `partial` (file or directory) in place of `final`, replacing what was there: only
+    its own kind, as a file in place of a directory (or a directory in place of a file) is someone else's."""
+    if is_directory(final) and not is_directory(partial):
+        raise OutputError(file_over_directory(final))
+    if final.exists() and is_directory(partial) and not is_directory(final):
+        raise OutputError(
+            f"{final} is a file: writing a directory in its place would delete it; choose a directory path"
+        )
     remove(final)
     partial.rename(final)
 
 
 @contextmanager
 def atomic_path(final: str | Path) -> Iterator[Path]:
-    """A fresh `<final>.partial` (file or directory) to write; it becomes `final` only if the block completes."""
+    """A fresh `<final>.partial` (file or directory) to write; it becomes `final` only if the block completes, and
+    goes if it does not (or if `final` may not be replaced by it)."""
     final = Path(final)
     partial = partial_of(final)
     remove(partial)
     try:
         yield partial
+        publish(partial, final)
     except BaseException:
         remove(partial)
         raise
-    publish(partial, final)
+
+
+def file_over_directory(path: Path) -> str:
+    return f"{path} is a directory: writing a file in its place would delete it; choose a file path"
+
+
+def check_file_output(path: str | Path) -> None:
+    """`path` is about to be written whole as a file: refuse a directory there, or at its `<path>.partial` (a file
+    writer never leaves a directory there, so that one is not scalelm's). Call it before the work, not only after."""
+    path = Path(path)
+    if is_directory(path):
+        raise OutputError(file_over_directory(path))
+    if is_directory(partial_of(path)):
+        raise OutputError(
+            f"{partial_of(path)} is a directory, not a file scalelm left: it writes {path} there first and would "
+            "delete it; move it, or choose another file path"
+        )
+
+
+def check_apart(out: str | Path, inputs: dict[str, Path]) -> None:
+    """Refuse an output that is one of the command's `inputs` (named as the user knows them: '--data'), holds one,
+    or lies inside one: writing it would replace, delete or change what the command reads."""
+    target = Path(out).resolve()
+    for name, path in inputs.items():
+        source = Path(path).resolve()
+        if target == source:
+            problem = f"is {name} {path}: writing it would replace it"
+        elif source in target.parents:
+            problem = f"lies inside {name} {path}: writing it would change it"
+        elif target in source.parents:
+            problem = f"holds {name} {path}: writing it would delete it"
+        else:
+            continue
+        raise OutputError(f"--out {out} {problem}; choose another --out")
 
 
 def check_replaceable(path: Path, marker: str, what: str) -> None:
     """`path` is about to be replaced whole: refuse unless it is absent, empty, or holds `marker` (scalelm's own)."""
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise ScaleLMError(f"{path} exists and is not a directory; choose another directory for {what}")
+        raise OutputError(f"{path} exists and is not a directory; choose another directory for {what}")
     if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
-        raise ScaleLMError(
+        raise OutputError(
             f"{path} is a directory with files and no {marker}: it does not hold {what} scalelm wrote, and writing "
             "them would delete it; empty it, or choose another directory"
         )
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    check_file_output(path)
     with atomic_path(path) as partial:
         partial.write_text(text, encoding="utf-8")
 

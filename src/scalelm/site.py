@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from scalelm.config import from_mapping, read_yaml
+from scalelm.config import from_mapping
 from scalelm.errors import ConfigError
 from scalelm.measure.baseline import OPS, SCOPES  # torch-free to import
+from scalelm.settings_yaml import read_settings, shown
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class MachineReferences:
         known = [f"{scope}_{op}" for scope in SCOPES for op in OPS]
         for key, value in self.busbw_gbps.items():
             if key not in known:
-                raise ConfigError(f"references.busbw_gbps: unknown key {key!r} (known: {', '.join(known)})")
+                raise ConfigError(f"references.busbw_gbps: unknown key {shown(key)} (known: {', '.join(known)})")
             if value <= 0:
                 raise ConfigError(f"references.busbw_gbps.{key} must be a positive GB/s, got {value}")
         if self.matmul_tflops is not None and self.matmul_tflops <= 0:
@@ -126,7 +127,8 @@ def load_site(path: str | Path | None) -> SiteConfig:
     """The site file's settings; without a file (the local default), a site of CPU nodes and Slurm's defaults."""
     if not path:
         return SiteConfig()
+    values = read_settings(path, "site file")
     try:
-        return from_mapping(SiteConfig, read_yaml(path))
+        return from_mapping(SiteConfig, values)
     except ConfigError as err:
         raise ConfigError(f"site file {path}: {err}") from None

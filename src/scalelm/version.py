@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import scalelm
+from scalelm.errors import ConfigError
+from scalelm.settings_yaml import shown
 
 
 def git_commit() -> str | None:
@@ -71,21 +73,59 @@ def lock_file() -> Path | None:
 
 def read_lock(path: Path) -> dict[str, str]:
     """name -> version of a lock export (pip's requirements format, `name==version ; marker` with --hash options),
-    for this interpreter and platform."""
-    from packaging.requirements import Requirement
+    for this interpreter and platform. A line that is not an exact pin (a range, no version, not a requirement) is
+    refused naming it: a lock that allows several versions cannot say which one a run had."""
+    from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
 
     pins = {}
-    for line in path.read_text().replace("\\\n", " ").splitlines():
-        line = line.split("--hash")[0].split("#")[0].strip()
-        if not line or line.startswith("-"):
-            continue
-        requirement = Requirement(line)
+    for number, line in lock_lines(path):
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement as err:
+            raise lock_error(path, number, line, f"is not a requirement ({err})") from None
         if requirement.marker is not None and not requirement.marker.evaluate():
             continue
-        (spec,) = requirement.specifier
-        pins[canonicalize_name(requirement.name)] = spec.version
+        specs = list(requirement.specifier)
+        if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
+            raise lock_error(path, number, line, "is not an exact pin (name==version)")
+        pins[canonicalize_name(requirement.name)] = specs[0].version
     return pins
+
+
+def lock_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, requirement) of each requirement in a lock export: its continuations joined, options (--hash,
+    -e, -r) and comments left out."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"the lock file {path} cannot be read ({err}); point SCALELM_LOCK at a lock "
+                          "export (scripts/lock.sh: requirements/*.txt) or unset it") from None  # fmt: skip
+    found, start, joined = [], 1, ""
+    for number, raw in enumerate([*text.splitlines(), ""], 1):  # "": the end of a last line continued
+        joined += raw.removesuffix("\\") + " "
+        if raw.endswith("\\"):
+            continue
+        line = joined.split("--hash")[0].split("#")[0].strip()
+        if line and not line.startswith("-"):
+            found.append((start, line))
+        start, joined = number + 1, ""
+    return found
+
+
+def lock_error(path: Path, number: int, line: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"the lock file {path}, line {number}: {shown(line)} {problem}; a lock holds exact pins, as "
+        "scripts/lock.sh exports them (requirements/*.txt): point SCALELM_LOCK at one, or unset it"
+    )
+
+
+def check_lock() -> None:
+    """Refuse a lock file run.json could not compare the environment with: called before a run's directory is
+    touched, so that the error comes first rather than after the run has started."""
+    path = lock_file()
+    if path is not None and path.is_file():
+        read_lock(path)
 
 
 def lock_facts(distributions: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -4,12 +4,17 @@ from snakemake.utils import validate
 
 from scalelm.config import write_settings
 from scalelm.errors import ScaleLMError
+from scalelm.settings_yaml import read_settings
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 
-config = apply_local_overlay(config)
-validate(config, "../schemas/config.schema.yaml")
 try:
+    # Snakemake's loader keeps the last of a duplicate key and expands aliases: each file read again by scalelm's
+    # (scalelm.settings_yaml), which refuses both
+    for path in workflow.configfiles:
+        read_settings(path)
+    config = apply_local_overlay(config)
+    validate(config, "../schemas/config.schema.yaml")
     STUDY = Study(config, on_login_node=workflow.is_main_process)
 except ScaleLMError as err:
     raise WorkflowError(f"invalid config: {err}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from scalelm.data.manifest import SPLITS
 from scalelm.errors import DataError, friendly_errors
-from scalelm.files import atomic_path, check_replaceable
+from scalelm.files import atomic_path, check_apart, check_replaceable
 
 SOURCE_FILE = "scalelm_source.json"
 
@@ -39,6 +39,7 @@ def parse_files(spec: str) -> dict[str, str]:
 def fetch(out: Path, dataset: str, name: str | None, files: dict[str, str] | None, file_format: str) -> dict[str, Any]:
     import datasets  # heavy; only this step and prepare need it
 
+    check_apart(out, {f"--files {split}": Path(path) for split, path in (files or {}).items()})
     check_replaceable(out, SOURCE_FILE, "a prefetched dataset")
     if files:
         source = {"format": file_format, "files": files}

@@ -24,7 +24,7 @@ from scalelm.data.prefetch import SOURCE_FILE
 from scalelm.data.prepared import write_prepared
 from scalelm.data.vocab import SPECIALS, UNK_ID, build_vocab, words_of
 from scalelm.errors import DataError, friendly_errors
-from scalelm.files import atomic_path, check_replaceable
+from scalelm.files import atomic_path, check_apart, check_replaceable
 
 
 def read_splits(raw: Path) -> dict[str, list[str]]:
@@ -51,6 +51,7 @@ def read_splits(raw: Path) -> dict[str, list[str]]:
 def prepare(raw: Path, out: Path, lowercase: bool, min_freq: int) -> dict[str, Any]:
     if min_freq < 1:
         raise DataError(f"--min-freq must be at least 1, got {min_freq}")
+    check_apart(out, {"--raw": raw})
     check_replaceable(out, MANIFEST, "the prepared data")
     texts = read_splits(raw)
     tokenized = {split: list(words_of(lines, lowercase)) for split, lines in texts.items()}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scalelm.data.manifest import MANIFEST
 from scalelm.data.prepared import slice_prepared
 from scalelm.errors import ConfigError, friendly_errors
+from scalelm.files import check_apart, check_replaceable
 
 
 @friendly_errors
@@ -22,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be positive, got {args.tokens}")
+    check_apart(args.out, {"--data": args.data})
+    check_replaceable(args.out, MANIFEST, "the prepared data")  # a slice is prepared data: prepare's rule
     slice_prepared(args.data, args.out, args.tokens)
     print(f"sliced {args.data} to the first {args.tokens:,} tokens of each split in {args.out}")
 

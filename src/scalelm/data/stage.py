@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.data.manifest import FILES, MANIFEST, read_manifest, recorded_checksums
-from scalelm.errors import DataError
-from scalelm.files import sha256
+from scalelm.errors import DataError, ScaleLMError
+from scalelm.files import atomic_path, check_replaceable, partial_of, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object
 
 SHM = Path("/dev/shm")
@@ -58,10 +58,16 @@ def expected_files(source: Path) -> dict[str, str | None]:
 
 
 def copy_checked(source: Path, target: Path) -> int:
-    """Copy the prepared data to `target` (replacing a copy an earlier attempt left), each file checked against the
-    manifest; the bytes copied. Refused before anything is copied where the file system lacks room."""
+    """Copy the prepared data to `target` (replacing a copy an earlier attempt left, never anything else), each file
+    checked against the manifest; the bytes copied. Refused before anything is copied where the file system lacks
+    room; a copy that fails leaves no `.partial` behind."""
     files = expected_files(source)
-    size = sum((source / name).stat().st_size for name in files)
+    size = sum(source_size(source, name) for name in files)
+    if target.parent.exists() and not target.parent.is_dir():
+        raise DataError(f"data staging: {target.parent} is not a directory; set data.stage_dir to a directory")
+    check_replaceable(target, MANIFEST, "a staged copy of the prepared data")
+    for stale in (target, partial_of(target)):  # what a killed attempt left, gone before its room is counted
+        remove(stale)
     target.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(target.parent).free
     if free < size * ROOM_MARGIN:
@@ -70,20 +76,36 @@ def copy_checked(source: Path, target: Path) -> int:
             f"{size / 2**20:,.1f} MiB (and 10% to spare); free space there, set data.stage_dir to a larger file "
             "system, or set data.stage: none"
         )
-    shutil.rmtree(target, ignore_errors=True)
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    for name, digest in files.items():
-        shutil.copyfile(source / name, partial / name)
-        if digest is not None and sha256(partial / name) != digest:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise DataError(
-                f"data staging: the copy of {source / name} in {partial} does not match the manifest's checksum "
-                f"(a full or failing {target.parent}?); set data.stage_dir elsewhere or data.stage: none"
-            )
-    partial.rename(target)
+    with atomic_path(target) as partial:
+        partial.mkdir()
+        for name, digest in files.items():  # the manifest first: a copy cut short is still recognisably scalelm's
+            shutil.copyfile(source / name, partial / name)
+            if digest is not None and sha256(partial / name) != digest:
+                raise DataError(mismatch(source, name, digest, partial))
     return size
+
+
+def source_size(source: Path, name: str) -> int:
+    try:
+        return (source / name).stat().st_size
+    except FileNotFoundError:
+        raise DataError(
+            f"prepared data at {source} is incomplete: {source / name} is missing; run the prepare step again"
+        ) from None
+
+
+def mismatch(source: Path, name: str, digest: str, partial: Path) -> str:
+    """Whose fault a copy that does not match the manifest is: the source's, if it does not match either (read a
+    second time only then), else the stage directory's."""
+    if sha256(source / name) != digest:
+        return (
+            f"{source / name} does not match the checksum in {source / MANIFEST} (truncated or changed since it was "
+            "prepared); run the prepare step again"
+        )
+    return (
+        f"data staging: the copy of {source / name} in {partial} does not match the manifest's checksum "
+        f"(a full or failing {partial.parent}?); set data.stage_dir elsewhere or data.stage: none"
+    )
 
 
 @contextlib.contextmanager
@@ -99,8 +121,8 @@ def staged(source: str | Path, mode: str, stage_dir: str | None, env: DistEnv, r
     if env.local_rank == 0:
         try:
             copied = copy_checked(source, target)
-        except (OSError, DataError) as err:
-            failure = str(err) if isinstance(err, DataError) else f"data staging to {target} failed: {err}"
+        except (OSError, ScaleLMError) as err:
+            failure = str(err) if isinstance(err, ScaleLMError) else f"data staging to {target} failed: {err}"
     outcomes = all_gather_object((failure, time.perf_counter() - began, copied))  # the node's others wait here
     try:
         failures = [f for f, _, _ in outcomes if f]
@@ -108,5 +130,5 @@ def staged(source: str | Path, mode: str, stage_dir: str | None, env: DistEnv, r
             raise DataError(failures[0])
         yield Staged(target, mode, max(s for _, s, _ in outcomes), max(b for _, _, b in outcomes))
     finally:
-        if env.local_rank == 0:  # the others may still map its files: Linux keeps them until they unmap
-            shutil.rmtree(target, ignore_errors=True)
+        if env.local_rank == 0 and failure is None:  # the copy is ours; the others may still map its files: Linux
+            shutil.rmtree(target, ignore_errors=True)  # keeps them until they unmap

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scalelm.errors import friendly_errors
-from scalelm.files import atomic_write_text
+from scalelm.files import atomic_write_text, check_file_output
 
 if TYPE_CHECKING:  # torch is imported where the measuring starts: the report and the site file read this module
     import torch
@@ -317,7 +317,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from scalelm.config import load_config
-    from scalelm.measure.hostload import machine_id
+    from scalelm.measure.hostload import HostLoad, machine_id
     from scalelm.parallel.env import all_gather_object, barrier, setup, teardown
 
     logs = args.out.parent / f"{args.out.stem}.nccl"
@@ -326,6 +326,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         for name, value in nccl_debug_env(logs).items():
             os.environ.setdefault(name, value)
     env = setup("auto", 600)
+    load = HostLoad()  # other work beside the baseline lowers its rates: the report marks it (report.disturbance)
     try:
         device = env.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -365,6 +366,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             "elementwise_gbps": bandwidth, "model_step_s": model_step, "model_step_small_s": small_step,
             "model_step_small_tokens": small, "model_step_together_s": crowded, "model_step_all_cores_s": all_cores,
             "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
+            "load": load.reading(),
         })  # fmt: skip
         barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
@@ -383,6 +385,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             "per_rank": per_rank,
             "collectives": collectives,
             "nccl_network": network,
+            "host_load": HostLoad.per_host([r["load"] for r in per_rank]),  # per host: its and other work's cores
         }
     finally:
         teardown()
@@ -437,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.iterations < 1:
         parser.error("--min-bytes must be 4 or more, --max-bytes at least --min-bytes, --iterations 1 or more")
+    check_file_output(args.out)  # before the measurements: they would be lost
     result = measure(args)
     if result is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# argparse's float() also takes inf, nan and 1e999: with them every layout fits, or every time is nan. Each flag's
+# range (positive, a share) is checked where it is used (Machine, Speeds).
+FLOAT_FLAGS = ("--gpu-memory-gb", "--headroom", "--matmul-tflops", "--elementwise-gbps", "--busbw-intra-gbps",
+               "--busbw-inter-gbps")  # fmt: skip
+
+
+def check_finite(args: argparse.Namespace) -> None:
+    for flag in FLOAT_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+
+
 def speeds_of(args: argparse.Namespace) -> Speeds | None:
     given = {"--matmul-tflops": args.matmul_tflops, "--elementwise-gbps": args.elementwise_gbps,
              "--busbw-intra-gbps": args.busbw_intra_gbps}  # fmt: skip
@@ -81,11 +95,12 @@ def speeds_of(args: argparse.Namespace) -> Speeds | None:
 
 def machine_of(args: argparse.Namespace) -> Machine:
     site = load_site(args.site)
-    gpus = args.gpus_per_node or site.gpus_per_node
-    memory = args.gpu_memory_gb or site.gpu_memory_gb
-    if not gpus:
+    # a flag given as 0 is refused (Machine), not replaced by the site's value
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else site.gpus_per_node or None
+    memory = args.gpu_memory_gb if args.gpu_memory_gb is not None else site.gpu_memory_gb
+    if gpus is None:
         raise ConfigError("the machine's GPUs per node are unknown: pass --gpus-per-node, or --site with gpus_per_node")
-    if not memory:
+    if memory is None:
         raise ConfigError(
             "the machine's memory per GPU is unknown: pass --gpu-memory-gb (e.g. 40 for an A100 40GB, 80 for an "
             "H100), or --site with gpu_memory_gb set"
@@ -172,6 +187,7 @@ def nothing_fits(work: Workload, machine: Machine, plans: list[LayoutPlan]) -> C
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_finite(args)
     config = load_config(args.config, args.set)
     machine = machine_of(args)
     work = Workload(config, vocab_size_of(args, config.data.prepared_dir), args.device, args.activation_checkpointing)

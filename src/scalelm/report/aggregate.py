@@ -1,32 +1,46 @@
 """Compare the runs of the experiment matrix: summary tables (CSV and Markdown) and plots (PNG).
 
     python -m scalelm.report.aggregate --run results/runs/ddp/seed1 [--run ...] --out-dir results \
-        [--baseline single_gpu] [--expect ddp.min_mfu=0.3 ...]
+        [--baseline single_gpu] [--expect ddp.min_mfu=0.3 ...] [--disturbed-share 0.1]
 
 Each run directory holds run.json (provenance and results, from training), metrics.jsonl, and the outputs of the
 consolidate and evaluate steps (model.pt.json, test.json). Speed is the steady state after warm-up (median step
 time, its spread, tokens/s and MFU of the median: scalelm.report.timing); speedup and scaling efficiency compare
 tokens per second with the baseline experiment, strong or weak scaling by the run's batch mode
 (scalelm.report.scaling). A run that trained while another did on one of its hosts is named in `overlapped_by`, and
-`other_cpu_cores` says how busy its hosts were with other work: no contaminated figure goes unmarked. Utilisation
+one whose hosts did other work beyond a share of the cores it was given (--disturbed-share) says why in `disturbed`
+(scalelm.report.disturbance); `other_cpu_cores` says how busy its hosts were with other work. No contaminated figure
+goes unmarked: such a run is flagged in the lead table, counted in `disturbed_seeds` per experiment, marked in the
+plots with a note under them, in its expectations and in the results history; a speedup against such a baseline
+run, or an efficiency too far above 1 to be real, in `scaling_flag`; a machine baseline measured beside other work
+in `machine_disturbed` and in the step-time errors planned from it. Utilisation
 per device (mean, and the least busy device) comes from the run's monitor files (scalelm.report.utilisation), and
 `utilisation.png` shows it over time.
 
 summary.csv has one row per run (experiment x seed), summary_by_experiment.csv one per experiment with the mean,
 standard deviation, min and max over its seeds (scalelm.report.repeats); expectations.csv says which of the
 experiments' reference values (`expect:`) were met (scalelm.report.expectations).
+
+Nothing is summarised from a run it cannot trust: a file of another shape than its writer gives it, a figure that is
+not a finite number (a broken run), or a run given twice is refused naming the file, the figure or the run; and a
+results history (--history) among the files the aggregation writes or inside a run directory is refused before
+anything is recorded (scalelm.report.history.check_location).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
 from scalelm.report import bubble, expectations, history, machine, repeats, steptime
+from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
@@ -34,31 +48,101 @@ from scalelm.report.tables import fmt, markdown_table, write_csv
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
 from scalelm.site import MachineReferences, load_site
-from scalelm.train.record import read_metrics, read_record
+from scalelm.train.record import RunRecord, read_metrics, read_record
 from scalelm.train.rundir import RunDir
 
+# what writes a file of a run directory anew, for the error that refuses it: its kind, and what to do
+AGAIN = "remove run.json and run the training again: it resumes from its last checkpoint"
+RUN_FILES = {
+    "run.json": ("a run record", AGAIN),
+    "metrics.jsonl": ("a metrics log", AGAIN),
+    "identity.json": ("a run identity", AGAIN),
+    "model.pt.json": ("a model record", "remove it and consolidate the run again"),
+    "test.json": ("a test evaluation", "remove it and evaluate the model again"),
+    "monitor": ("a monitor's readings", "remove the directory: the run's utilisation figures are then left empty"),
+}
 
-def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
+
+@contextmanager
+def shape_errors(path: Path) -> Iterator[None]:
+    """A file of a run directory of another shape than its writer gives it (damaged, cut short, edited, another
+    version's) as one error naming it and how to write it anew, never a KeyError from deep in the report."""
     try:
-        record = read_record(run.path)
-        model = json.loads(run.model_meta.read_text())
-        test = json.loads(run.test_result.read_text())
-        identity = json.loads(run.identity.read_text())
+        yield
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, ZeroDivisionError) as err:
+        what, fix = RUN_FILES[path.name]
+        raise DataError(f"{path} is not {what} this scalelm reads ({type(err).__name__}: {err}): {fix}") from None
+
+
+def read_object(path: Path, numbers: tuple[str, ...] = (), strings: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON object with these keys holding numbers and strings."""
+    with shape_errors(path):
+        found = json.loads(path.read_text())
+        if not isinstance(found, dict):
+            raise TypeError(f"a JSON object was expected, not {type(found).__name__}")
+        for key in numbers:
+            if not isinstance(found[key], (int, float)) or isinstance(found[key], bool):
+                raise TypeError(f"{key} is {found[key]!r}, not a number")
+        for key in strings:
+            if not isinstance(found[key], str):
+                raise TypeError(f"{key} is {found[key]!r}, not a string")
+        return found
+
+
+def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: float = DEFAULT_SHARE) -> RunSummary:
+    """The run's row of summary.csv and what the plots draw besides. A file of the run of another shape than its
+    writer gives it, or a figure that is not a finite number (a broken run), is refused naming the file. Other work
+    on its hosts beyond `disturbed_share` of the cores it was given marks it `disturbed`."""
+    try:
+        with shape_errors(run.record):
+            record = read_record(run.path)
+        model = read_object(run.model_meta, strings=("model", "sha256"))
+        test = read_object(run.test_result, numbers=("loss", "perplexity"))
+        identity = read_object(run.identity)
+        with shape_errors(run.metrics):
+            metrics = read_metrics(run.path)
     except FileNotFoundError as err:
         raise DataError(f"{run.path} is incomplete ({err.filename} is missing): run the workflow up to it") from None
-    metrics = read_metrics(run.path)
+    with shape_errors(run.metrics):
+        train = [m for m in metrics if m["kind"] == "train"]
+        unprofiled = [m for m in train if not m.get("profiled")] or train
+        steady = steady_state(train, warmup_steps)
+        memory = {  # the profiler's records would count (scalelm.measure.comm)
+            "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
+            "peak_reserved_mb_per_rank": max(
+                (m["peak_reserved_mb"] for m in unprofiled if m.get("peak_reserved_mb")), default=None
+            ),
+        }
+    with shape_errors(run.monitor):
+        series, monitor_cost = device_series(run.monitor)
+        utilisation = summarise(series, monitor_cost)
+    with shape_errors(run.record):
+        figures = run_figures(run, record, steady, memory, utilisation, test, model)
+        figures["disturbed"] = run_disturbance(record, disturbed_share)
+    sources = {**dict.fromkeys([*steady, *memory], run.metrics), **dict.fromkeys(utilisation, run.monitor),
+               "test_loss": run.test_result, "test_perplexity": run.test_result}  # fmt: skip
+    check_finite(figures, sources, run.record)
+    return RunSummary(figures, metrics, record, series, identity, model.get("vocab_size"))
+
+
+def run_figures(
+    run: RunDir,
+    record: RunRecord,
+    steady: dict[str, Any],
+    memory: dict[str, Any],
+    utilisation: dict[str, Any],
+    test: dict[str, Any],
+    model: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's row of summary.csv: its record's figures beside those of its other files."""
     results, config = record.results, record.config
-    train = [m for m in metrics if m["kind"] == "train"]
-    unprofiled = [m for m in train if not m.get("profiled")] or train
-    steady = steady_state(train, warmup_steps)
     state = results.state_mb_per_rank or {}
     plan = results.plan_mb_per_rank  # what scalelm.plan predicts for the layout
     peak = results.peak_flops_per_device  # None where the device's peak is unknown
     steady_mfu = None
     if peak and steady:
         steady_mfu = mfu(results.flops_per_token, steady["tokens_per_s"], record.world_size, peak)
-    series, monitor_cost = device_series(run.monitor)
-    figures = {
+    return {
         "experiment": run.experiment,
         "strategy": results.strategy,
         "layout": results.layout,
@@ -82,14 +166,11 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "state_mb_per_rank": state.get("total"),
         "planned_state_mb_per_rank": plan.get("state"),
         "planned_peak_mb_per_rank": plan.get("total"),
-        # the profiler's records would count (scalelm.measure.comm)
-        "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
-        "peak_reserved_mb_per_rank": max(
-            (m["peak_reserved_mb"] for m in unprofiled if m.get("peak_reserved_mb")), default=None
-        ),
+        **memory,
         "other_cpu_cores": max((h["other_cores"] for h in record.host_load.values()), default=None),
         "overlapped_by": "",
-        **summarise(series, monitor_cost),
+        "disturbed": "",
+        **utilisation,
         "energy_j": (results.energy or {}).get("joules"),
         "joules_per_token": (results.energy or {}).get("joules_per_token"),
         "final_train_loss": results.final_train_loss,
@@ -99,7 +180,36 @@ def read_run(run: RunDir, warmup_steps: int | None = None) -> RunSummary:
         "checkpoint": model["model"],
         "sha256": model["sha256"],
     }
-    return RunSummary(figures, metrics, record, series, identity, model.get("vocab_size"))
+
+
+def check_finite(figures: dict[str, Any], sources: dict[str, Path], record: Path) -> None:
+    """A NaN or an infinity in a run's figures is a broken run (a diverged loss, a clock that did not advance): one
+    such figure would make its experiment's mean, spread and comparisons meaningless, or fail them."""
+    for name, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(
+                f"{sources.get(name, record)} gives {name} = {value}: the run is broken and would spoil its "
+                "experiment's statistics; train it again (with other settings if its loss diverged), or aggregate "
+                "without it"
+            )
+
+
+def check_distinct(run_dirs: list[Path], runs: list[RunSummary] | None = None) -> None:
+    """Each run once: a directory given twice, or two of the same experiment and seed, would count as two seeds."""
+    given: dict[Path, Path] = {}
+    for path in run_dirs:
+        if Path(path).resolve() in given:
+            raise DataError(f"{given[Path(path).resolve()]} is given twice: each run counts once; give it once")
+        given[Path(path).resolve()] = Path(path)
+    seeds: dict[tuple[str, Any], Path] = {}
+    for path, run in zip(run_dirs, runs or []):
+        experiment, seed = run.figures["experiment"], run.figures["seed"]
+        if (experiment, seed) in seeds:
+            raise DataError(
+                f"{seeds[experiment, seed]} and {path} are both seed {seed} of {experiment}: one seed would count "
+                "twice; give one of them"
+            )
+        seeds[experiment, seed] = Path(path)
 
 
 def fmt_spread(summary: dict[str, Any], figure: str) -> str:
@@ -111,6 +221,10 @@ def fmt_spread(summary: dict[str, Any], figure: str) -> str:
     return f"{mean} ± {fmt(summary[f'{figure}_std'])} ({low}–{high})"
 
 
+# every file the aggregation writes in its out directory (workflow/rules/aggregate.smk's outputs)
+OUTPUTS = ("summary.csv", "summary_by_experiment.csv", "expectations.csv", "machine.csv", "summary.md",
+           "loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png", "pipeline.png", "trend.png")  # fmt: skip
+
 # the summary's first table: what a reader looks at first, per run (every figure: summary.csv)
 LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device", "speedup", "scaling_efficiency",
         "mfu", "comm_share", "peak_mem_mb_per_rank", "state_mb_per_rank", "test_perplexity"]  # fmt: skip
@@ -119,14 +233,19 @@ LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device",
 def flags(
     row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change], machine_checks: list[dict]
 ) -> str:
-    """What a reader must not miss about a run: shared hosts, a straggler, a machine below its reference, missed
-    expectations, regressions since last time."""
+    """What a reader must not miss about a run: shared hosts, other work on them, a disturbed or implausible
+    comparison with the baseline, a straggler, a machine below its reference or measured beside other work, missed
+    expectations (or any on disturbed runs), regressions since last time (and whether a side was disturbed)."""
     found = ["not isolated"] if row["overlapped_by"] else []
+    found += ["disturbed"] if row.get("disturbed") else []
+    found += [row["scaling_flag"]] if row.get("scaling_flag") else []
     found += [f"straggler {row['straggler']}"] if row.get("straggler") else []
     found += machine.flags(row["nodes"], machine_checks)
-    found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}" for c in checks
-              if c["experiment"] == row["experiment"] and c["status"] != "met"]  # fmt: skip
-    found += [f"{c.verdict} {c.figure}" for c in changes
+    found += ["machine baseline disturbed"] if row.get("machine_disturbed") else []
+    found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}"
+              + (" (disturbed)" if c.get("disturbed") else "") for c in checks
+              if c["experiment"] == row["experiment"] and (c["status"] != "met" or c.get("disturbed"))]  # fmt: skip
+    found += [f"{c.verdict} {c.figure}" + (" (disturbed)" if c.disturbed else "") for c in changes
               if c.experiment == row["experiment"] and c.verdict.startswith("regression")]  # fmt: skip
     return ", ".join(found)
 
@@ -139,6 +258,7 @@ def write_tables(
     since: tuple[str, list[history.Change]] | None = None,
     baselines: list[dict[str, Any]] = (),
     machine_checks: list[dict[str, Any]] = (),
+    disturbed_share: float = DEFAULT_SHARE,
 ) -> None:
     """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, and summary.md: the
     lead table, the statistics per experiment, the expectations, the changes since the previous study (`since`:
@@ -156,6 +276,7 @@ def write_tables(
     if shared:
         lines += ["", "**Not isolated**: trained while another run trained on the same host, so their speed figures "
                   "measure both: " + ", ".join(shared) + "."]  # fmt: skip
+    lines += disturbed_notes(rows, disturbed_share)
 
     base = next(s for s in summaries if s["experiment"] == s["baseline"])
     lines += ["", "## Per experiment", "",
@@ -164,18 +285,23 @@ def write_tables(
               "device(s)); strong scaling: global batch fixed, weak: batch per device fixed.", ""]  # fmt: skip
     columns = ["experiment", "scaling", "world_size", "seeds"]
     lines += markdown_table(
-        [*columns, *repeats.STATISTICS],
-        [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] for s in summaries],
-    )
+        [*columns, *repeats.STATISTICS, "flags"],
+        [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] + [experiment_flags(s)]
+         for s in summaries],
+    )  # fmt: skip
     lines += machine.markdown(baselines, machine_checks)
     lines += steptime.markdown(rows)
     if checks:
         missed = sum(c["status"] == "missed" for c in checks)
         unchecked = sum(c["status"] == "no reference" for c in checks)
+        disturbed = sum(bool(c.get("disturbed")) for c in checks)
+        on_disturbed = (f" {disturbed} on disturbed runs (`disturbed`): a miss there may be the disturbance's, a met "
+                        "speedup or efficiency a slow baseline's." if disturbed else "")  # fmt: skip
         lines += ["", "## Expectations", "",
                   f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
                   "from the results history before it holds an earlier study); each checked against the mean over "
-                  "the experiment's seeds (threshold: the limit with its relative tolerance).", ""]  # fmt: skip
+                  "the experiment's seeds (threshold: the limit with its relative tolerance)." + on_disturbed,
+                  ""]  # fmt: skip
         lines += markdown_table(
             expectations.COLUMNS,
             [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in expectations.COLUMNS] for c in checks],
@@ -187,14 +313,29 @@ def write_tables(
                   f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
                   "tolerance below, the others within it.", ""]  # fmt: skip
         lines += markdown_table(
-            ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed"],
+            ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed", "disturbed"],
             [[c.experiment, c.figure, fmt(c.before), fmt(c.after), f"{c.relative:+.1%}",
-              fmt(c.p_value) if c.p_value is not None else "one seed", c.verdict, history.describe(c.environment)]
-             for c in shown],
+              fmt(c.p_value) if c.p_value is not None else "one seed", c.verdict, history.describe(c.environment),
+              c.disturbed] for c in shown],
         )  # fmt: skip
     files = [f"- `{r['experiment']}` seed {r['seed']}: `{r['checkpoint']}` (sha256 `{r['sha256']}`)" for r in rows]
     text = "# scalelm summary\n\n" + "\n".join(lines) + "\n\n## Consolidated models\n\n" + "\n".join(files) + "\n"
     (out_dir / "summary.md").write_text(text)
+
+
+def disturbed_notes(rows: list[dict[str, Any]], share: float) -> list[str]:
+    """The notes under the lead table: the runs other work disturbed and why, the comparisons with the baseline
+    flagged."""
+    lines = []
+    disturbed = [f"`{r['experiment']}` seed {r['seed']} ({r['disturbed']})" for r in rows if r.get("disturbed")]
+    if disturbed:
+        lines += ["", f"**Disturbed**: other work on their hosts took more than {share:g} of the cores they were given "
+                  "(`disturbed_share`), so their speed figures, and every speedup against them, measure that work "
+                  "too: " + ", ".join(disturbed) + "."]  # fmt: skip
+    flagged = [f"`{r['experiment']}` seed {r['seed']} ({r['scaling_flag']})" for r in rows if r.get("scaling_flag")]
+    if flagged:
+        lines += ["", "**Speedup and efficiency flagged**: " + ", ".join(flagged) + "."]
+    return lines
 
 
 def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path, trend: dict | None = None) -> None:
@@ -225,13 +366,20 @@ def aggregate(
     history_db: Path | None = None,
     machine_files: list[Path] = (),
     references: MachineReferences | None = None,
+    disturbed_share: float = DEFAULT_SHARE,
 ) -> list[RunSummary]:
     """The summary of `run_dirs` in `out_dir`; with `history_db` the runs are appended to the results history first,
     and the summary compares them with the previous study there; with `machine_files` (scalelm.measure.baseline)
-    it shows the machine's baseline against the site's `references`."""
-    runs = [read_run(RunDir(Path(d)), warmup_steps) for d in run_dirs]
+    it shows the machine's baseline against the site's `references`. A run or baseline whose hosts did other work
+    beyond `disturbed_share` of the cores it was given is marked disturbed (scalelm.report.disturbance)."""
+    if history_db:
+        history.check_location(history_db, [out_dir / name for name in OUTPUTS], run_dirs, "--history",
+                               f"{out_dir / 'history.sqlite'}")  # fmt: skip
+    check_distinct(run_dirs)
+    runs = [read_run(RunDir(Path(d)), warmup_steps, disturbed_share) for d in run_dirs]
+    check_distinct(run_dirs, runs)
     mark_overlaps(runs)
-    baselines = machine.read_baselines(list(machine_files))
+    baselines = machine.read_baselines(list(machine_files), disturbed_share)
     steptime.add_planned(runs, baselines)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
     rows = [run.figures for run in runs]
@@ -250,7 +398,7 @@ def aggregate(
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks)
+    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks, disturbed_share)
     plot(runs, summaries, out_dir, trend)
     return runs
 
@@ -274,13 +422,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--machine", type=Path, action="append", default=[],
                         help="a machine baseline (scalelm.measure.baseline; repeatable)")  # fmt: skip
     parser.add_argument("--site", type=Path, help="the site file whose `references:` the machine is checked against")
+    parser.add_argument("--disturbed-share", type=float, default=DEFAULT_SHARE, metavar="SHARE",
+                        help="other work on a run's hosts beyond this share of the cores it was given marks it "
+                        f"disturbed (default {DEFAULT_SHARE:g}; scalelm.report.disturbance)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    if not (math.isfinite(args.disturbed_share) and args.disturbed_share > 0):
+        parser.error(f"--disturbed-share must be a positive share of the cores (0.1: a tenth), got "
+                     f"{args.disturbed_share}")  # fmt: skip
     expected = expectations.from_arguments(args.expect)
     references = load_site(args.site).references if args.site else None
     runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected, args.history, args.machine,
-                     references)  # fmt: skip
+                     references, args.disturbed_share)  # fmt: skip
     print((args.out_dir / "summary.md").read_text())
     print(f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
           "expectations.csv, machine.csv and *.png")  # fmt: skip

@@ -18,6 +18,10 @@ the median, over the last `n` earlier studies of the experiment with the same se
 (scalelm.report.history.reference), of each study's mean; its own `tolerance` wins over the experiment's. Before
 there is such a study the check has no reference: the study's runs are recorded, and the next one has one.
 
+A check of a figure of time whose mean includes a disturbed seed (other work on its hosts, another run beside it),
+or of a speedup or efficiency flagged (scalelm.report.disturbance), says so in its `disturbed` column and in its
+description: such a miss may be the disturbance's, such a met efficiency a slow baseline's.
+
 The aggregation lists every check in expectations.csv and summary.md; this module's command fails when one was
 missed or had no reference, which the workflow runs with `expect_strict: true` (rule check_expectations), so
 rerunning the matrix later detects a regression:
@@ -40,11 +44,13 @@ from typing import Any
 import yaml
 
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
+from scalelm.report.disturbance import seeds_caveat
 from scalelm.report.figures import LIMITS
 
 DEFAULT_TOLERANCE = 0.05
 HISTORY_METHODS = ("median_of_last",)
-COLUMNS = ["experiment", "expectation", "value", "limit", "reference", "tolerance", "threshold", "seeds", "status"]
+COLUMNS = ["experiment", "expectation", "value", "limit", "reference", "tolerance", "threshold", "seeds", "status",
+           "disturbed"]  # fmt: skip
 
 
 class ExpectationsMissed(ScaleLMError):
@@ -207,14 +213,19 @@ def check(expectations: list[Expectation], summaries: list[dict[str, Any]]) -> l
         checks.append({
             "experiment": e.experiment, "expectation": e.key, "value": value, "limit": e.limit,
             "reference": e.reference, "tolerance": e.tolerance, "threshold": e.threshold, "seeds": summary["seeds"],
-            "status": e.status(value),
+            "status": e.status(value), "disturbed": seeds_caveat(summary, e.figure),
         })  # fmt: skip
     return checks
 
 
 def describe(c: dict[str, Any]) -> str:
     """One check in words, e.g. `ddp: test_perplexity 212.4 (mean of 2 seeds) is above the maximum 200 (210 with
-    the 5% tolerance): missed`."""
+    the 5% tolerance): missed`, and the disturbance its runs saw, if any."""
+    disturbed = f" (on disturbed runs: {c['disturbed']})" if c.get("disturbed") else ""
+    return _describe(c) + disturbed
+
+
+def _describe(c: dict[str, Any]) -> str:
     e = Expectation(c["experiment"], c["expectation"], c["limit"], c["tolerance"])
     bound = "minimum" if e.is_minimum else "maximum"
     seeds = f"mean of {c['seeds']} seed{'s' if c['seeds'] != 1 else ''}"
@@ -242,6 +253,7 @@ def read_checks(path: Path) -> list[dict[str, Any]]:
             row[key] = float(row[key]) if row[key] else None
         row["seeds"] = int(row["seeds"])
         row.setdefault("reference", "")
+        row.setdefault("disturbed", "")
     return rows
 
 
@@ -258,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     if missed:
         first = (" This study's runs are in the results history now, so the next study has the reference it lacked; "
                  "a first study passes with expect_strict: false.") if unchecked else ""  # fmt: skip
+        if any(c.get("disturbed") for c in missed):
+            first += (" A miss on disturbed runs may be the disturbance's: train those runs again on quiet hosts "
+                      "before changing anything.")  # fmt: skip
         raise ExpectationsMissed(
             f"{len(missed)} of {len(checks)} expectations missed (expect_strict): "
             + "; ".join(describe(c) for c in missed)

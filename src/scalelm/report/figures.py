@@ -1,7 +1,8 @@
 """The summary's figures, in one place: every column of summary.csv (one row per run), whether an experiment's seeds
 share it or are summarised by it (mean, sample standard deviation, min and max in summary_by_experiment.csv), and the
-bound an `expect:` may set on its mean (a key `min_<figure>` or `max_<figure>`). A new figure is one line here and
-its value in `aggregate.read_run`; the tables, the statistics, the expectations and the workflow's schema follow
+bound an `expect:` may set on its mean (a key `min_<figure>` or `max_<figure>`), and whether it is a figure of time,
+which other work on a run's hosts disturbs (scalelm.report.disturbance). A new figure is one line here and
+its value in `aggregate.run_figures`; the tables, the statistics, the expectations and the workflow's schema follow
 (tests/test_study.py checks the schema against LIMITS)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class Figure:
     name: str
     seeds: Literal["shared", "spread"] | None = None  # in summary_by_experiment.csv: as is, or its spread
     expect: Literal["min", "max"] | None = None  # the bound an `expect:` may set on the mean
+    timed: bool = False  # measured by the clock: other work beside the run changes it
 
 
 FIGURES = (
@@ -31,34 +33,38 @@ FIGURES = (
     Figure("global_batch_tokens", "shared"),
     Figure("scaling", "shared"),  # strong: the global batch fixed; weak: the per-device batch fixed
     Figure("steps"),
-    Figure("wall_time_s"),
-    Figure("train_time_s"),
-    Figure("staging_s"),  # copying the data to memory or node-local disk first (scalelm.data.stage), not training
+    Figure("wall_time_s", timed=True),
+    Figure("train_time_s", timed=True),
+    # copying the data to memory or node-local disk first (scalelm.data.stage), not training
+    Figure("staging_s", timed=True),
     # steady state after warm-up (report.timing), against the baseline (report.scaling)
     Figure("warmup_steps"),
     Figure("steady_intervals"),
-    Figure("tokens_per_s", "spread"),
-    Figure("tokens_per_s_per_device", "spread", "min"),
-    Figure("step_time_s", "spread", "max"),
-    Figure("step_time_s_min"),
-    Figure("step_time_s_max"),
+    Figure("tokens_per_s", "spread", timed=True),
+    Figure("tokens_per_s_per_device", "spread", "min", timed=True),
+    Figure("step_time_s", "spread", "max", timed=True),
+    Figure("step_time_s_min", timed=True),
+    Figure("step_time_s_max", timed=True),
     # what the step-time model (scalelm.plan.steptime) gives the layout with the machine's baseline (report.steptime)
     Figure("planned_step_time_s", "shared"),
     Figure("planned_compute_s", "shared"),
     Figure("planned_comm_s", "shared"),
     Figure("planned_bubble_s", "shared"),
+    Figure("machine_disturbed"),  # why the machine's baseline the plan used was disturbed (report.disturbance)
     Figure("baseline", "shared"),
-    Figure("speedup", "spread"),
-    Figure("scaling_efficiency", "spread", "min"),
-    Figure("mfu", "spread", "min"),
-    Figure("comm_share", "spread"),  # the profiled steps' share with a collective running (train.comm)
+    Figure("speedup", "spread", timed=True),
+    Figure("scaling_efficiency", "spread", "min", timed=True),
+    Figure("scaling_flag"),  # a disturbed baseline run, an implausible efficiency (report.disturbance)
+    Figure("mfu", "spread", "min", timed=True),
+    Figure("comm_share", "spread", timed=True),  # the profiled steps' share with a collective running (train.comm)
     Figure("straggler"),  # the rank the others waited for, if one stands out (report.timing)
-    Figure("data_share", "spread", "max"),  # the steady intervals' host time producing batches, their median share
+    # the steady intervals' host time producing batches, their median share
+    Figure("data_share", "spread", "max", timed=True),
     # pipelines (report.bubble): schedule, micro-batches, the bubble's share of a step
     Figure("pp_schedule"),
     Figure("pp_microbatches"),
     Figure("bubble_predicted"),
-    Figure("bubble_measured"),
+    Figure("bubble_measured", timed=True),
     # memory: measured beside what scalelm.plan predicts for the layout (state exact; peak an upper estimate)
     Figure("state_mb_per_rank", "spread", "max"),
     Figure("planned_state_mb_per_rank", "shared"),
@@ -67,14 +73,15 @@ FIGURES = (
     Figure("peak_mem_mb_per_pp_rank"),
     Figure("peak_reserved_mb_per_rank"),
     # utilisation and isolation
-    Figure("util_mean_percent"),
-    Figure("util_min_percent"),
+    Figure("util_mean_percent", timed=True),
+    Figure("util_min_percent", timed=True),
     Figure("monitor_cpu_percent"),
     Figure("other_cpu_cores"),
     Figure("overlapped_by"),
+    Figure("disturbed"),  # why other work on its hosts disturbed the run's timing, or empty (report.disturbance)
     # energy in training steps, every attempt's (scalelm.measure.energy): empty where it could not be read
-    Figure("energy_j", "spread"),
-    Figure("joules_per_token", "spread", "max"),
+    Figure("energy_j", "spread", timed=True),
+    Figure("joules_per_token", "spread", "max", timed=True),
     # results
     Figure("final_train_loss"),
     Figure("validation_loss"),
@@ -87,6 +94,7 @@ FIGURES = (
 COLUMNS = [figure.name for figure in FIGURES]  # summary.csv
 SHARED = tuple(figure.name for figure in FIGURES if figure.seeds == "shared")
 STATISTICS = tuple(figure.name for figure in FIGURES if figure.seeds == "spread")
+TIMED = frozenset(figure.name for figure in FIGURES if figure.timed)
 LIMITS = tuple(f"{figure.expect}_{figure.name}" for figure in FIGURES if figure.expect)
 
 

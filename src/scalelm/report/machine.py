@@ -1,7 +1,9 @@
 """The machine's baseline in the summary (scalelm.measure.baseline writes it, one per node count of the matrix):
 every collective at every size in machine.csv, and in summary.md each node count's matrix-product rate and bus
 bandwidths at the largest message against the site's references (site.yaml `references:`, met within their
-tolerance), so that "the network delivered 22% of its reference" sits beside the experiments on those nodes."""
+tolerance), so that "the network delivered 22% of its reference" sits beside the experiments on those nodes. A
+baseline measured beside other work (its `host_load`: scalelm.report.disturbance) is marked in both, and on every run
+of its node count: its rates, and the step times planned from them, measure that work too."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from scalelm.errors import DataError
 from scalelm.measure.baseline import largest
+from scalelm.report.disturbance import DEFAULT_SHARE, baseline_disturbance
 from scalelm.report.tables import fmt, markdown_table
 from scalelm.site import MachineReferences
 
@@ -19,8 +22,8 @@ COLUMNS = ["nodes", "procs_per_node", "hosts", "device", "scope", "op", "ranks",
 CHECK_COLUMNS = ["nodes", "figure", "value", "reference", "share", "threshold", "status"]
 
 
-def read_baselines(paths: list[Path]) -> list[dict[str, Any]]:
-    """The baselines, by node count."""
+def read_baselines(paths: list[Path], share: float = DEFAULT_SHARE) -> list[dict[str, Any]]:
+    """The baselines, by node count, each with why other work disturbed it (`disturbed`; empty if nothing did)."""
     found = []
     for path in paths:
         try:
@@ -28,6 +31,7 @@ def read_baselines(paths: list[Path]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as err:
             raise DataError(f"{path} is not a machine baseline ({err}): run the workflow's machine_baseline") from None
         baseline["nodes"] = baseline["world_size"] // baseline["procs_per_node"]
+        baseline["disturbed"] = baseline_disturbance(baseline, share)
         found.append(baseline)
     return sorted(found, key=lambda b: b["nodes"])
 
@@ -66,6 +70,11 @@ def flags(nodes: int, checks: list[dict[str, Any]]) -> list[str]:
             if c["nodes"] == nodes and c["status"] == "missed"]  # fmt: skip
 
 
+def disturbed(baselines: list[dict[str, Any]], nodes: int) -> str:
+    """Why the baseline of `nodes` nodes was disturbed; empty if it was not, or there is none."""
+    return next((b.get("disturbed") or "" for b in baselines if b["nodes"] == nodes), "")
+
+
 def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> list[str]:
     """summary.md's section: per node count the products' rate and every collective at its largest message, then
     the references."""
@@ -83,6 +92,11 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
              f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
              "(`node_`).", ""]  # fmt: skip
     lines += markdown_table(["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)], table)
+    troubled = [f"on {b['nodes']} node(s) {b['disturbed']}" for b in baselines if b.get("disturbed")]
+    if troubled:
+        lines += ["", "**Disturbed baseline**: measured beside other work, so its rates, the references they are "
+                  "checked against and the step times planned from them measure that work too: "
+                  + "; ".join(troubled) + "."]  # fmt: skip
     if checks:
         lines += ["", "Against the site's references (site.yaml `references:`):", ""]
         lines += markdown_table(

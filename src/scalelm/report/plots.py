@@ -2,17 +2,57 @@
 scalelm.report.utilisation).
 
 An experiment with several seeds is drawn as their mean: loss curves with the seeds' range (min to max) as a band,
-scaling figures with their standard deviation as error bars.
+scaling figures with their standard deviation as error bars. Each experiment keeps one colour and one marker in
+every figure, none shared with another up to 20 experiments, and legends sit beside the axes, never on the data.
+
+What other work disturbed (scalelm.report.disturbance) is marked where its figures of time are drawn, and named in a
+note under the figure: a red ring around its speedup and efficiency (a disturbed seed, a disturbed baseline run, an
+implausible efficiency), a hatched throughput bar (a disturbed seed), a dashed loss curve over wall time with a ring
+at its end, a ring around a study's speed in the trend.
 """
 
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from scalelm.report.figures import RunSummary
+from scalelm.report.disturbance import contaminated, experiment_flags
+from scalelm.report.figures import TIMED, RunSummary
 from scalelm.report.history import TREND_FIGURES, TrendPoint
+
+# tab20's dark hues, then their light partners: neighbours in the matrix never differ only in shade
+TAB20_ORDER = (*range(0, 20, 2), *range(1, 20, 2))
+MARKERS = "osD^v<>PX*hpd8H"
+DISTURBED = "red"  # the ring around what other work disturbed, the hatch of its bars, its note
+
+
+def ring(ax, x, y) -> None:
+    """A red ring around a disturbed point, outside any legend."""
+    ax.plot(x, y, linestyle="", marker="o", markersize=15, markerfacecolor="none", markeredgecolor=DISTURBED,
+            markeredgewidth=1.5, zorder=5)  # fmt: skip
+
+
+def wrapped(fig, lines: list[str]) -> str:
+    """`lines` wrapped to the figure's width in 8-point text."""
+    return "\n".join(part for line in lines for part in textwrap.wrap(line, int(fig.get_figwidth() * 14)))
+
+
+def note_under(fig, lines: list[str]) -> None:
+    """A note under the figure, clear of its axes and labels (`save` grows the figure to hold it)."""
+    fig.text(0.01, 0.0, wrapped(fig, lines), ha="left", va="top", fontsize=8, color=DISTURBED)
+
+
+def experiment_styles(names: list[str]) -> dict[str, tuple[str, str]]:
+    """A colour and a marker of its own for each experiment, in the order given (20 colours, 15 markers)."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"]
+    return {
+        name: (matplotlib.colors.to_hex(tab20(TAB20_ORDER[i % 20])), MARKERS[i % len(MARKERS)])
+        for i, name in enumerate(dict.fromkeys(names))
+    }
 
 
 def loss_points(run: RunSummary, x_key: str, split: str) -> dict[int, tuple[float, float]]:
@@ -37,54 +77,92 @@ def across_seeds(runs: list[RunSummary], x_key: str, split: str) -> tuple[list[f
 
 
 def plot_losses(runs: list[RunSummary], x_key: str, x_label: str, path: Path) -> None:
+    save(loss_figure(runs, x_key, x_label), path)
+
+
+def loss_figure(runs: list[RunSummary], x_key: str, x_label: str):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     experiments: dict[str, list[RunSummary]] = {}
     for run in runs:
         experiments.setdefault(run.figures["experiment"], []).append(run)
+    styles = experiment_styles(list(experiments))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    notes = []
     for name, runs in experiments.items():
         first = runs[0].figures
         seeds = f"seed {first['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
-        label = f"{name} ({first['layout']}, {seeds})"  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
+        # over wall time, a curve with a disturbed seed runs slower than the run alone would
+        disturbed = [r.figures for r in runs if contaminated(r.figures)] if x_key == "time" else []
+        # the layout: dp_replicate x dp_shard x tp x pp (x cp where > 1)
+        label = f"{name} ({first['layout']}, {seeds}{', disturbed' if disturbed else ''})"
+        colour, marker = styles[name]
         for ax, split in zip(axes, ("train", "validation")):
             x, mean, low, high = across_seeds(runs, x_key, split)
-            (line,) = ax.plot(x, mean, marker=None if split == "train" else "o", label=label)
+            ax.plot(x, mean, color=colour, marker=None if split == "train" else marker, markersize=4, label=label,
+                    linestyle="--" if disturbed else "-")  # fmt: skip
             if len(runs) > 1:
-                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+                ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0)
+            if disturbed and x:
+                ring(ax, x[-1], mean[-1])
+        notes += [f"{name} seed {f['seed']}: {contaminated(f)}" for f in disturbed]
     axes[0].set_title("train loss")
     axes[1].set_title("validation loss")
     for ax in axes:
         ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("cross-entropy (nats/token)")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    legend_beside(fig, axes[1])
+    if notes:
+        note_under(fig, ["Disturbed (dashed, red ring at the end): its time measures other work too: "
+                         + "; ".join(notes) + "."])  # fmt: skip
+    return fig
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends beside the axes included
     plt.close(fig)
 
 
+def legend_beside(fig, ax) -> None:
+    """The legend right of the axes (one column up to 20 entries), outside the data, the figure widened for it."""
+    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+              ncol=1 if len(labels) <= 20 else 2)  # fmt: skip
+
+
 def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
+    save(scaling_figure(summaries), path)
+
+
+def scaling_figure(summaries: list[dict[str, Any]]):
     """Throughput per experiment; speedup and scaling efficiency against the number of devices, with the ideal.
 
-    summaries: one per experiment (scalelm.report.repeats.by_experiment)."""
+    summaries: one per experiment (scalelm.report.repeats.by_experiment). Weak-scaling experiments are drawn hollow;
+    an experiment with a disturbed seed has a hatched bar, and one whose speedup is flagged (a disturbed seed or
+    baseline run, an implausible efficiency) a red ring, both named in a note under the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
     baseline = next((s for s in summaries if s["experiment"] == s["baseline"]), summaries[0])
     base_devices = baseline["world_size"]
-    colours = {s["experiment"]: f"C{i % 10}" for i, s in enumerate(summaries)}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-
-    names = [s["experiment"] for s in summaries]
-    throughput = [s["tokens_per_s_mean"] or 0.0 for s in summaries]
-    errors = [s["tokens_per_s_std"] or 0.0 for s in summaries]
-    labels = [
-        f"{s['experiment']}\n{s['layout']}" for s in summaries
-    ]  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
-    axes[0].bar(labels, throughput, yerr=errors, capsize=3, color=[colours[n] for n in names])
-    axes[0].set_title("throughput (tokens/s, all devices)")
-    axes[0].tick_params(axis="x", labelsize=8, rotation=30)
+    styles = experiment_styles([s["experiment"] for s in summaries])
+    # throughput as horizontal bars: one row per experiment, so 15 names never run into each other
+    fig, axes = plt.subplots(1, 3, figsize=(18, max(4.8, 0.32 * len(summaries) + 1.8)))
+    labels = [f"{s['experiment']} ({s['layout']})" for s in summaries]  # dp_replicate x dp_shard x tp x pp (x cp)
+    bars = axes[0].barh(labels, [s["tokens_per_s_mean"] or 0.0 for s in summaries],
+                        xerr=[s["tokens_per_s_std"] or 0.0 for s in summaries], capsize=3,
+                        color=[styles[s["experiment"]][0] for s in summaries])  # fmt: skip
+    for bar, s in zip(bars, summaries):
+        if s.get("disturbed_seeds"):
+            bar.set_hatch("///")
+            bar.set_edgecolor(DISTURBED)
+    axes[0].invert_yaxis()  # the matrix's order from the top
+    axes[0].tick_params(axis="y", labelsize=8)
+    axes[0].set_title("throughput (tokens/s, all devices)", fontsize=10)
 
     # experiments on the same number of devices side by side, not on top of each other
     offsets: dict[int, int] = {}
@@ -100,10 +178,13 @@ def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
         for s in summaries:
             if s[f"{figure}_mean"] is None:
                 continue
-            marker = "s" if s["scaling"] == "weak" else "o"
             name, mean, std = s["experiment"], s[f"{figure}_mean"], s[f"{figure}_std"] or 0.0
-            label = f"{name} {s['layout']} ({s['scaling']})"
-            ax.errorbar(positions[name], mean, yerr=std, fmt=marker, capsize=3, color=colours[name], label=label)
+            colour, marker = styles[name]
+            face = "none" if s["scaling"] == "weak" else colour
+            ax.errorbar(positions[name], mean, yerr=std, fmt=marker, capsize=3, color=colour, markerfacecolor=face,
+                        label=f"{name} {s['layout']} ({s['scaling']})")  # fmt: skip
+            if experiment_flags(s):
+                ring(ax, positions[name], mean)
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set_xticks(devices, [str(d) for d in devices])
@@ -113,23 +194,34 @@ def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
     axes[1].set_yscale("log", base=2)  # log-log: ideal scaling is the diagonal
     axes[1].yaxis.set_major_formatter(ScalarFormatter())
     axes[2].axhline(1.0, color="gray", linestyle="--", linewidth=1, label="ideal")
-    axes[2].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    legend_beside(fig, axes[2])
+    notes = [f"{s['experiment']}: {experiment_flags(s)}" for s in summaries if experiment_flags(s)]
+    if notes:
+        note_under(fig, ["Flagged (red ring; hatched bar: a disturbed seed): " + "; ".join(notes) + "."])
+    return fig
 
 
 def plot_trend(points: dict[str, list[TrendPoint]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = trend_figure(points)
+    fig.savefig(path, dpi=110)  # not `save`'s tight box: it would move the legend of the environments onto the note
+    plt.close(fig)
+
+
+def trend_figure(points: dict[str, list[TrendPoint]]):
     """Per experiment (a row), tokens/s per device and test loss over the studies in the results history: one marker
-    per study (the mean over its seeds, their range as the error bar), coloured by the environment it ran in."""
+    per study (the mean over its seeds, their range as the error bar), coloured by the environment it ran in; a red
+    ring around the speed of a study with disturbed runs, named in a note."""
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
     environments = sorted({p.environment for study in points.values() for p in study})
     colours = {env: f"C{i % 10}" for i, env in enumerate(environments)}
     fig, axes = plt.subplots(len(points), 2, figsize=(12, 2.4 * len(points) + 1), squeeze=False)
+    notes = []
     for row, (experiment, study) in zip(axes, points.items()):
         for ax, figure in zip(row, TREND_FIGURES):
             for p in study:
@@ -139,12 +231,21 @@ def plot_trend(points: dict[str, list[TrendPoint]], path: Path) -> None:
                 mean = statistics.fmean(values)
                 error = [[mean - min(values)], [max(values) - mean]]
                 ax.errorbar(p.recorded, mean, yerr=error, fmt="o", capsize=3, color=colours[p.environment])
+                if p.disturbed and figure in TIMED:
+                    ring(ax, p.recorded, mean)
             ax.set_title(f"{experiment}: {figure.replace('_', ' ')}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
             ax.tick_params(axis="x", labelsize=7)
+        notes += [f"{experiment} of {p.recorded:%Y-%m-%d %H:%M} ({p.disturbed} run(s))" for p in study if p.disturbed]
+    note = wrapped(fig, ["Disturbed (red ring: their speed measures other work too, and is no reference): "
+                         + "; ".join(notes) + "."]) if notes else ""  # fmt: skip
+    # the note at the bottom, the legend of the environments above it, the axes above both
+    note_height = (note.count("\n") + 1) * 8 * 1.3 / 72 / fig.get_figheight() if note else 0.0
+    if note:
+        fig.text(0.01, 0.005, note, ha="left", va="bottom", fontsize=8, color=DISTURBED)
     handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours[env]) for env in environments]
-    fig.legend(handles, environments, loc="lower center", fontsize=7, ncol=min(len(environments), 2))
-    fig.tight_layout(rect=(0, 0.04 + 0.02 * ((len(environments) + 1) // 2), 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.legend(handles, environments, loc="lower center", bbox_to_anchor=(0.5, note_height), fontsize=7,
+               ncol=min(len(environments), 2))  # fmt: skip
+    fig.tight_layout(rect=(0, note_height + 0.04 + 0.02 * ((len(environments) + 1) // 2), 1, 1))
+    return fig

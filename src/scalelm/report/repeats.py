@@ -2,7 +2,9 @@
 
 summary.csv keeps one row per experiment x seed; summary_by_experiment.csv has one row per experiment with these
 statistics, and expectations (scalelm.report.expectations) are checked against their means. The standard deviation
-is empty for a single seed.
+is empty for a single seed. `disturbed_seeds` counts the seeds whose speed figures measure other work too, and
+`scaling_flag` gathers the seeds' flags on speedup and efficiency (scalelm.report.disturbance): a mean over disturbed
+seeds is marked as such.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from scalelm.report.disturbance import contaminated
 from scalelm.report.figures import SHARED, STATISTICS
 
 SPREAD = ("mean", "std", "min", "max")
-COLUMNS = [*SHARED, "seeds", *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]
+COLUMNS = [*SHARED, "seeds", "disturbed_seeds", "scaling_flag",
+           *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]  # fmt: skip
 
 
 def spread(values: list[float | None]) -> dict[str, float | None]:
@@ -37,10 +41,14 @@ def group_by_experiment(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, 
 
 
 def by_experiment(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One summary per experiment: the shared columns, the number of seeds, and the spread of each figure."""
+    """One summary per experiment: the shared columns, the number of seeds and of those disturbed, the seeds'
+    scaling flags, and the spread of each figure."""
     summaries = []
     for runs in group_by_experiment(rows).values():
         summary = {key: runs[0].get(key) for key in SHARED} | {"seeds": len(runs)}
+        summary["disturbed_seeds"] = sum(bool(contaminated(r)) for r in runs)
+        summary["scaling_flag"] = "; ".join(dict.fromkeys(f for r in runs for f in (r.get("scaling_flag") or "")
+                                                          .split("; ") if f))  # fmt: skip
         for figure in STATISTICS:
             for stat, value in spread([r.get(figure) for r in runs]).items():
                 summary[f"{figure}_{stat}"] = value

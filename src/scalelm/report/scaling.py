@@ -4,7 +4,8 @@ Strong scaling holds the global batch fixed (`batch.mode: global`), weak scaling
 (`batch.mode: per_device`). Both are measured in total tokens per second, where ideal scaling is linear in the
 number of devices either way: speedup = a run's tokens/s / the baseline's tokens/s (the baseline run of the same
 seed, else the mean of the baseline's seeds), scaling efficiency = speedup / (world size / the baseline's world
-size), 1 being ideal.
+size), 1 being ideal. A speedup against a baseline run that other work disturbed, and an efficiency too far above 1
+to be real, are flagged (`scaling_flag`: scalelm.report.disturbance), never printed as if they were figures.
 
 The baseline is `baseline:` in the study config; by default the experiment with the fewest devices (the
 single-device one), the first by name among several.
@@ -17,6 +18,7 @@ import statistics
 from typing import Any
 
 from scalelm.errors import ConfigError
+from scalelm.report.disturbance import scaling_flag
 
 SCALING = {"global": "strong", "per_device": "weak"}  # batch.mode -> the scaling it measures
 
@@ -36,15 +38,18 @@ def choose_baseline(world_sizes: dict[str, int], named: str | None = None) -> st
 
 
 def add_scaling(rows: list[dict[str, Any]], baseline: str) -> None:
-    """Set `baseline`, `speedup` and `scaling_efficiency` of every summary row (one per experiment x seed)."""
+    """Set `baseline`, `speedup`, `scaling_efficiency` and `scaling_flag` of every summary row (one per experiment x
+    seed)."""
     base = [r for r in rows if r["experiment"] == baseline and r.get("tokens_per_s")]
     by_seed = {r["seed"]: r for r in base}
     for row in rows:
         row["baseline"] = baseline
         row["speedup"] = row["scaling_efficiency"] = None
+        row["scaling_flag"] = ""
         if not base or not row.get("tokens_per_s"):
             continue
-        same_seed = by_seed.get(row["seed"])
-        tokens = same_seed["tokens_per_s"] if same_seed else statistics.fmean(r["tokens_per_s"] for r in base)
+        compared = [by_seed[row["seed"]]] if row["seed"] in by_seed else base
+        tokens = statistics.fmean(r["tokens_per_s"] for r in compared)
         row["speedup"] = row["tokens_per_s"] / tokens
         row["scaling_efficiency"] = row["speedup"] / (row["world_size"] / base[0]["world_size"])
+        row["scaling_flag"] = scaling_flag(row, compared)

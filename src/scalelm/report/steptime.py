@@ -1,6 +1,7 @@
 """The step-time model in the summary: each run's layout timed (scalelm.plan.steptime) with the speeds of the
 machine's baseline on the run's node count, beside the step the run took, so that a layout slower than its machine
-allows stands out from a machine slower than its references (scalelm.report.machine)."""
+allows stands out from a machine slower than its references (scalelm.report.machine). An error from a baseline or a
+run that other work disturbed (scalelm.report.disturbance) says so: it measures that work too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload
 from scalelm.plan.steptime import Speeds, StepTime, predict
+from scalelm.report.disturbance import contaminated
 from scalelm.report.figures import RunSummary
 from scalelm.report.tables import fmt, markdown_table
 
@@ -37,8 +39,9 @@ def planned_step(run: RunSummary, vocab_size: int, speeds: Speeds) -> StepTime:
 
 def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None:
     """The PLANNED columns of every run whose node count has a baseline the model can read (None for the others: a
-    baseline of an older scalelm lacks its figures, and says so without stopping the summary)."""
-    by_nodes = {}
+    baseline of an older scalelm lacks its figures, and says so without stopping the summary), and why that
+    baseline was disturbed (`machine_disturbed`)."""
+    by_nodes, disturbed = {}, {b["nodes"]: b.get("disturbed") or "" for b in baselines}
     for baseline in baselines:
         try:
             by_nodes[baseline["nodes"]] = Speeds.from_baseline(baseline)
@@ -49,12 +52,22 @@ def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None
         step = planned_step(run, run.vocab_size, speeds) if speeds and run.vocab_size else None
         values = (step.total_s, step.compute_s, sum(step.communication_s.values()), step.bubble_s) if step else ()
         run.figures.update(dict(zip(PLANNED, values or (None,) * len(PLANNED))))
+        run.figures["machine_disturbed"] = disturbed.get(run.figures["nodes"], "")
 
 
 def error(row: dict[str, Any]) -> float | None:
     """The measured step over the planned one, less 1: +0.2 took 20% longer than planned."""
     measured, planned = row.get("step_time_s"), row.get("planned_step_time_s")
     return measured / planned - 1 if measured and planned else None
+
+
+def error_cell(row: dict[str, Any]) -> str:
+    """The error as a percentage, and what disturbed it: e.g. `+242% (machine baseline disturbed)`."""
+    if error(row) is None:
+        return ""
+    disturbed = [what for what, reason in (("machine baseline", row.get("machine_disturbed")),
+                                           ("run", contaminated(row))) if reason]  # fmt: skip
+    return f"{error(row):+.0%}" + (f" ({' and '.join(disturbed)} disturbed)" if disturbed else "")
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -66,10 +79,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "## Step time: measured and planned", "",
              "The planned step of each layout on its machine (docs/plan.md's step-time model, with the speeds of the "
              "machine's baseline on the run's node count): matrix products and elementwise work (compute), the "
-             "collectives the step waits for (comm), the pipeline's bubble. Error: measured over planned, less 1.",
-             ""]  # fmt: skip
-    lines += markdown_table(
-        [*columns, "error"],
-        [[fmt(r.get(c)) for c in columns] + [f"{error(r):+.0%}" if error(r) is not None else ""] for r in timed],
-    )
+             "collectives the step waits for (comm), the pipeline's bubble. Error: measured over planned, less 1; "
+             "where other work disturbed the machine's baseline or the run, the error measures that work too, and "
+             "says so.", ""]  # fmt: skip
+    lines += markdown_table([*columns, "error"], [[fmt(r.get(c)) for c in columns] + [error_cell(r)] for r in timed])
     return lines

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from scalelm.config import from_mapping
 from scalelm.errors import ConfigError
+from scalelm.report.disturbance import DEFAULT_SHARE
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,13 @@ class StudySettings:
     site: str | None = None  # the site file (profiles/slurm/site.yaml), set by the Slurm profile
     warmup_steps: int | None = None
     baseline: str | None = None
+    # other work on a run's hosts beyond this share of the cores it was given marks it disturbed (the schema's
+    # default repeats it)
+    disturbed_share: float = DEFAULT_SHARE
     expect_strict: bool = False
-    history: str | None = None  # the results history (SQLite); None: <results>/history.sqlite
+    # the results history (SQLite); None: <results>/history.sqlite. Never among the study's outputs nor in a directory
+    # the workflow replaces (scalelm.study.workflow.Study.check_history_location)
+    history: str | None = None
     machine: MachineSettings = field(default_factory=MachineSettings)
     local: dict[str, Any] | None = None  # the embedded default's overlay, applied before (or switched off)
 
@@ -122,6 +128,11 @@ def load_study(config: dict[str, Any]) -> StudySettings:
         raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
     if not settings.experiments:
         raise ConfigError("experiments: the config defines no experiment; add one under `experiments:`")
+    if not 0 < settings.disturbed_share < float("inf"):
+        raise ConfigError(
+            f"disturbed_share must be a positive share of the cores a run was given (0.1: a tenth), got "
+            f"{settings.disturbed_share!r}"
+        )
     for name, spec in settings.experiments.items():
         for key in ("nodes", "procs_per_node"):
             if getattr(spec, key) <= 0:

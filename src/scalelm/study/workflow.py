@@ -17,8 +17,10 @@ import psutil
 from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime, is_uri
 from scalelm.launch.slurm import check_node_counts
+from scalelm.report import aggregate, history
 from scalelm.report.expectations import parse_expectations, to_arguments
 from scalelm.report.scaling import choose_baseline
+from scalelm.settings_yaml import shown
 from scalelm.site import load_site
 from scalelm.study import plan_check, preflight
 from scalelm.study.experiments import Experiment, load_matrix
@@ -60,6 +62,20 @@ class Study:
         # what the container rules need: the definition to build from (mode build), the URI to pull (an image URI)
         self.image_definition = container.definition if container.mode == "build" else None
         self.image_uri = container.image if container.mode == "image" and is_uri(container.image) else None
+        self.history = settings.history or f"{self.results}/history.sqlite"
+        self.check_history_location()
+
+    def check_history_location(self) -> None:
+        """The results history outlives every study that appends to it: refused among the files the workflow writes
+        over (the summary, the machine's baselines, the image) or in a directory it replaces whole (the data, a run
+        directory, the preflight's), where a later rule would overwrite or delete it."""
+        written = [f"{self.results}/{name}" for name in (*aggregate.OUTPUTS, "expectations.met")]
+        written += [self.baseline_file(nodes) for nodes in self.baselines]
+        written += [self.image] if self.image_definition or self.image_uri else []  # built or pulled here
+        data = self.settings.data
+        replaced = [data.raw_dir, data.prepared_dir, f"{self.results}/preflight", *(run.path for run in self.runs)]
+        default = f"{self.results}/history.sqlite (the default)"
+        history.check_location(self.history, written, replaced, "history:", default)
 
     # ---------------------------------------------------------------------------------------- the runs
     def experiment(self, wildcards) -> Experiment:
@@ -164,10 +180,10 @@ class Study:
         args += [arg for nodes in self.baselines for arg in ("--machine", self.baseline_file(nodes))]
         if self.settings.warmup_steps is not None:
             args += ["--warmup-steps", str(self.settings.warmup_steps)]
-        args += ["--baseline", self.baseline]
+        args += ["--disturbed-share", str(self.settings.disturbed_share), "--baseline", self.baseline]
         args += [arg for expect in to_arguments(self.expectations) for arg in ("--expect", expect)]
         args += ["--site", self.settings.site] if self.settings.site else []  # the machine's references
-        args += ["--history", self.settings.history or f"{self.results}/history.sqlite"]
+        args += ["--history", self.history]
         return shlex.join(args)
 
     def build_image_args(self) -> str:
@@ -221,23 +237,47 @@ class Study:
 
 
 def check_command_line_values(values: Any, prefix: str = "") -> None:
-    """Refuse any string in the config that a job's command line would hand to a shell as more than a word."""
-    if isinstance(values, dict):
-        for key, value in values.items():
-            check_command_line_values(key, prefix)
-            check_command_line_values(value, f"{prefix}{key}.")
-    elif isinstance(values, (list, tuple)):
-        for i, value in enumerate(values):
-            check_command_line_values(value, f"{prefix.rstrip('.')}[{i}].")
-    elif isinstance(values, str):
-        found = sorted({c for c in values if c in SHELL_META})
-        if found:
-            shown = " ".join(repr(c)[1:-1] for c in found)
-            raise ConfigError(
-                f"{prefix.rstrip('.') or 'config'}: {values!r} holds {shown}, which a job's command line would hand "
-                "to the shell (on a cluster, the login node's: the Slurm executor submits through `sh -c`); "
-                "use a value without shell metacharacters ($ ` ; | & quotes \\ < > { } newlines)"
-            )
+    """Refuse any string in the config that a job's command line would hand to a shell as more than a word.
+
+    Linear in the config's size: each list and mapping is checked once however often the config holds it (a YAML
+    alias that Snakemake's loader made one shared object), without recursion (a deeply nested config), and a value's
+    dotted key is only spelt out for the error."""
+    pending: list[tuple[Any, tuple | None]] = [(values, None)]  # (value, its key path: (parent path, key) or None)
+    checked: set[int] = set()
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in checked:
+                continue
+            checked.add(id(value))
+        if isinstance(value, dict):
+            pending += [(item, (path, str(key))) for key, item in value.items()]
+            pending += [(key, path) for key in value]
+        elif isinstance(value, (list, tuple)):
+            pending += [(item, (path, f"[{i}]")) for i, item in enumerate(value)]
+        elif isinstance(value, str):
+            check_command_line_word(value, prefix + dotted_key(path))
+
+
+def dotted_key(path: tuple | None, limit: int = 200) -> str:
+    """`(((None, "a"), "b"), "[2]")` -> "a.b[2]"; of a deeply nested value, its last `limit` characters."""
+    parts = []
+    while path is not None:
+        path, part = path
+        parts.append(part)
+    key = "".join(part if part.startswith("[") or i == 0 else f".{part}" for i, part in enumerate(reversed(parts)))
+    return key if len(key) <= limit else f"...{key[-limit:]}"
+
+
+def check_command_line_word(value: str, where: str) -> None:
+    found = sorted(set(value) & set(SHELL_META))
+    if found:
+        characters = " ".join(repr(c)[1:-1] for c in found)
+        raise ConfigError(
+            f"{where or 'config'}: {shown(value)} holds {characters}, which a job's command line would hand to the "
+            "shell (on a cluster, the login node's: the Slurm executor submits through `sh -c`); use a value without "
+            "shell metacharacters ($ ` ; | & quotes \\ < > { } newlines)"
+        )
 
 
 def check_local_capacity(experiments) -> None:

@@ -3,7 +3,7 @@
 Layout of one checkpoint, `<run_dir>/checkpoints/step_00000420/`:
     *.distcp + .metadata   model and optimizer state as a Distributed Checkpoint (every rank writes its shards)
     trainer.pt    the checkpoint format, step, epoch, position in the epoch, scheduler, every rank's RNG state,
-                  model shape
+                  model shape, and the run's seed and lineage (`Origin`)
     COMPLETE      sha256 of every file above, written last
 
 A checkpoint is written into `step_N.partial/` and renamed when complete, so a crash mid-write never leaves
@@ -13,6 +13,10 @@ whole (its shards with their offsets): any checkpoint loads into any layout and 
 is stored flat, its hyperparameters under each parameter's name, so that pipeline stages, which hold different
 parameters, each write and read their own (the nested form keeps one rank's list of parameter names). A checkpoint
 of another format (FORMAT, in trainer.pt) is refused by name, never skipped: a run goes on only from what it wrote.
+So is one whose contents are not what its name and its run say (`check_origin`): a directory renamed by hand, a
+checkpoint of another seed or settings, one beyond the run's steps. (Checkpoints written before trainer.pt recorded
+the seed and lineage are checked for their step only.) Nothing non-finite is ever saved: `Checkpointer.save`, which
+both engines go through, refuses non-finite weights on any rank before it writes anything.
 
 Nothing read from a checkpoint can run code: DCP unpickles `.metadata` with plain pickle and its non-tensor entries
 (the optimizer's hyperparameters) with `torch.load(weights_only=False)`; here `.metadata` goes through an allow-list
@@ -48,7 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
-from scalelm.parallel.env import DistEnv, all_gather_object, barrier, is_distributed
+from scalelm.parallel.env import DistEnv, all_gather_object, barrier, global_reduce, is_distributed
+from scalelm.parallel.runtime import Parallel
 
 # of the files below; a change in what they hold or how is a new format. 2: the feed-forward network's matrices
 # named ffn.up and ffn.down (ffn.0 and ffn.3 in 1)
@@ -59,6 +64,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 TRAINER_FILE = "trainer.pt"
+TRAINER_KEYS = ("format", "state", "scheduler", "rng")  # and, since they were recorded, "seed" and "lineage"
 METADATA_FILE = ".metadata"
 MARKER = "COMPLETE"
 PREFIX = "step_"
@@ -144,6 +150,17 @@ class TrainerState:
         return True
 
 
+@dataclass(frozen=True)
+class Origin:
+    """The run a checkpoint belongs to: its seed and lineage (scalelm.train.rundir.lineage: a digest of its identity
+    less its layout), which trainer.pt records, and its number of steps, which no checkpoint of it exceeds. None:
+    unknown, not checked."""
+
+    seed: int | None
+    lineage: str | None
+    steps: int | None = None
+
+
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -157,17 +174,28 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def ranks_where(flag: torch.Tensor, env: DistEnv) -> list[int]:
+    """The ranks on which `flag` (a 0-dim bool tensor) is true; a collective."""
+    flags = torch.zeros(env.world_size, device=env.device)
+    flags[env.rank] = flag.float()
+    return [rank for rank, value in enumerate(global_reduce(flags).tolist()) if value]
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, env: DistEnv, keep: int):
+    def __init__(self, directory: str | Path, env: DistEnv, keep: int, origin: Origin):
         self.directory = Path(directory)
         self.env = env
         self.keep = keep
+        self.origin = origin
         self.latest_path: Path | None = None  # the newest checkpoint of this run, saved or resumed from
         self.latest_step = -1
         self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState) -> Path:
+    def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState, pending_loss=None) -> Path:
+        """A checkpoint of `state.step` (a collective), refused if the weights or `pending_loss` (a loss not yet
+        logged, hence not yet checked) are not finite on some rank."""
+        self.refuse_non_finite(model, state.step, pending_loss)
         final = self.directory / f"{PREFIX}{state.step:08d}"
         partial = partial_of(final)
         if self.env.is_main:
@@ -181,7 +209,8 @@ class Checkpointer:
             no_dist=not is_distributed(),
         )
         if self.env.is_main:
-            trainer = {"format": FORMAT, "state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs}
+            trainer = {"format": FORMAT, "state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs,
+                       "seed": self.origin.seed, "lineage": self.origin.lineage}  # fmt: skip
             torch.save(trainer, partial / TRAINER_FILE)
         barrier()  # every shard is on disk before the marker says so
         if self.env.is_main:
@@ -192,6 +221,19 @@ class Checkpointer:
         barrier()
         self.latest_path, self.latest_step = final, state.step
         return final
+
+    def refuse_non_finite(self, model: nn.Module, step: int, pending_loss: torch.Tensor | None) -> None:
+        """An error naming the ranks whose weights or `pending_loss` are not finite; a collective."""
+        tensors = [] if pending_loss is None else [pending_loss.detach().reshape(1)]
+        tensors += [Parallel.local_tensor(p).detach().reshape(-1) for p in model.parameters()]
+        # one flag per tensor, on the device: with FSDP's CPU offload the parameters live on the host
+        flags = [t.isfinite().all().reshape(1).to(self.env.device) for t in tensors]
+        bad = ranks_where(~torch.cat(flags).all() if flags else torch.tensor(False), self.env)
+        if bad:
+            raise CheckpointError(
+                f"non-finite loss or weights at step {step} on rank(s) {bad}; not checkpointing, the last good "
+                f"checkpoint stays in {self.directory}. Lower optim.lr or set optim.grad_clip"
+            )
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.directory)[: -self.keep]:
@@ -213,7 +255,8 @@ class Checkpointer:
         if path is None:
             return None
         trainer = read_trainer(path)
-        state = TrainerState(**trainer["state"])
+        check_origin(path, trainer, self.origin)
+        state = trainer_state(trainer, path)
         check_shape(state.model_shape, expected_shape, path)
         load_weights(path, model, optimizer)
         scheduler.load_state_dict(trainer["scheduler"])
@@ -225,6 +268,11 @@ class Checkpointer:
         return state
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint's directory name says."""
+    return int(path.name[len(PREFIX) :])
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints (marker present) in step order. A `.partial` directory is never one, even with its
     marker: a job killed between writing the marker and the rename leaves it so."""
@@ -232,7 +280,7 @@ def complete_checkpoints(directory: Path) -> list[Path]:
         return []
     named = [p for p in directory.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()]
     found = [p for p in named if p.is_dir() and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=step_of)
 
 
 def verify(path: Path) -> str | None:
@@ -310,15 +358,68 @@ def load_weights(path: Path, model: nn.Module, optimizer=None) -> None:
 
 
 def read_trainer(path: Path) -> dict[str, Any]:
-    """trainer.pt of the checkpoint at `path`, of this scalelm's checkpoint format (refused by name otherwise)."""
-    trainer = load_tensors(Path(path) / TRAINER_FILE)
+    """trainer.pt of the checkpoint at `path`, of this scalelm's checkpoint format with every key it must have
+    (refused by name otherwise)."""
+    file = Path(path) / TRAINER_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {TRAINER_FILE}: {damaged(path)}")
+    trainer = load_tensors(file)
+    if not isinstance(trainer, dict):
+        raise CheckpointError(f"{file} holds a {type(trainer).__name__}, not a trainer state: {damaged(path)}")
     if trainer.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} is of checkpoint format {trainer.get('format')!r}; this scalelm reads format {FORMAT}: "
             "continue the run with the scalelm that wrote it, or start it afresh in another run directory"
         )
+    missing = sorted(key for key in TRAINER_KEYS if key not in trainer)
+    if missing:
+        raise CheckpointError(f"{file} lacks {', '.join(missing)}: {damaged(path)}")
+    trainer_state(trainer, path)
     return trainer
 
 
+def damaged(path: Path) -> str:
+    return f"it is damaged or was not written by scalelm; remove {path} (a training resumes from the one before)"
+
+
+def trainer_state(trainer: dict[str, Any], path: Path) -> TrainerState:
+    """The TrainerState trainer.pt holds, refused by name if it holds none."""
+    try:
+        state = TrainerState(**trainer["state"])
+    except TypeError as err:
+        raise CheckpointError(f"{Path(path) / TRAINER_FILE} holds no trainer state ({err}): {damaged(path)}") from None
+    if not isinstance(state.step, int):
+        raise CheckpointError(f"{Path(path) / TRAINER_FILE} holds step {state.step!r}, not a number: {damaged(path)}")
+    return state
+
+
 def read_trainer_state(path: Path) -> TrainerState:
-    return TrainerState(**read_trainer(path)["state"])
+    return trainer_state(read_trainer(path), path)
+
+
+def check_origin(path: Path, trainer: dict[str, Any], origin: Origin) -> None:
+    """Refuse, naming it, a checkpoint that is not what its name and its run say: its step against its directory's
+    name and the run's steps, its seed and lineage (where trainer.pt records them) against the run's."""
+    step = trainer_state(trainer, path).step
+    if step != step_of(path):
+        raise CheckpointError(
+            f"checkpoint {path} holds step {step}, not the step its name says (renamed by hand?): rename it "
+            f"{PREFIX}{step:08d} or remove it"
+        )
+    if origin.steps is not None and step > origin.steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {step}, beyond the {origin.steps} steps of this run (train.max_steps, "
+            f"train.epochs): it was written by another run; move it out of {path.parent}"
+        )
+    seed = trainer.get("seed")
+    if None not in (seed, origin.seed) and seed != origin.seed:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run of seed {seed}, not of this run's seed {origin.seed}: move it "
+            f"out of {path.parent} (to the run directory of seed {seed})"
+        )
+    written_by = trainer.get("lineage")
+    if None not in (written_by, origin.lineage) and written_by != origin.lineage:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run of other settings or data (lineage {written_by}, this run's "
+            f"{origin.lineage}): move it out of {path.parent}, or run with the settings it was written with"
+        )

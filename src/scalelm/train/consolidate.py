@@ -19,15 +19,26 @@ import torch
 
 from scalelm.config import ModelConfig, load_config
 from scalelm.errors import CheckpointError, friendly_errors
-from scalelm.files import atomic_path, atomic_write_text, load_tensors, sha256
+from scalelm.files import atomic_path, atomic_write_text, check_apart, check_file_output, load_tensors, sha256
 from scalelm.model.transformer import TransformerLM
-from scalelm.train.checkpoint import complete_checkpoints, load_weights, read_trainer_state, require_usable
-from scalelm.train.rundir import RunDir
+from scalelm.train.checkpoint import (
+    Origin,
+    TrainerState,
+    check_origin,
+    complete_checkpoints,
+    load_weights,
+    read_trainer,
+    require_usable,
+    trainer_state,
+)
+from scalelm.train.record import read_record
+from scalelm.train.rundir import RunDir, lineage, read_identity
 
 
 def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     """The newest complete checkpoint of `run` as one model file (default: the run's model.pt) and `<out>.json`."""
     out = Path(out or run.model)
+    check_out(run, out)
     found = complete_checkpoints(run.checkpoints)
     if not found:
         raise CheckpointError(f"no complete checkpoint in {run.checkpoints}: train the run first")
@@ -39,7 +50,7 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
             f"{err}; remove {run.record} and run the training again: it resumes from the last good checkpoint"
         ) from None
     config = load_config(run.config)
-    state = read_trainer_state(checkpoint)
+    state = checked_state(run, checkpoint, config.seed)
     model = TransformerLM(config.model, state.model_shape["vocab_size"])
     load_weights(checkpoint, model)
     payload = {
@@ -55,6 +66,35 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
             "vocab_size": model.vocab_size}  # fmt: skip
     atomic_write_text(f"{out}.json", json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def check_out(run: RunDir, out: Path) -> None:
+    """The model file and its `<out>.json` replace no directory and nothing of the run but an earlier model.pt."""
+    if out.resolve() in (run.path.resolve(), *run.path.resolve().parents):
+        name = "is" if out.resolve() == run.path.resolve() else "holds"
+        raise CheckpointError(f"--out {out} {name} the run directory {run.path}; choose another --out")
+    others = [p for p in (run.train_config, run.plan, *run.attempt, run.previous, run.path / ".lock")
+              if p not in (run.model, run.model_meta)]  # fmt: skip
+    for written in (out, Path(f"{out}.json")):
+        check_file_output(written)
+        check_apart(written, {f"the run's {p.name}": p for p in others})
+
+
+def checked_state(run: RunDir, checkpoint: Path, seed: int) -> TrainerState:
+    """The checkpoint's trainer state, once its contents are what its name and the run say (its step, seed and
+    lineage: scalelm.train.checkpoint.check_origin) and its step is the one run.json records."""
+    trainer = read_trainer(checkpoint)
+    run_identity = read_identity(run.identity)
+    known = isinstance(run_identity, dict) and "settings" in run_identity  # a run directory scalelm trained in
+    check_origin(checkpoint, trainer, Origin(seed=seed, lineage=lineage(run_identity) if known else None))
+    state = trainer_state(trainer, checkpoint)
+    recorded = read_record(run.path).results.steps if run.record.is_file() else state.step
+    if recorded != state.step:
+        raise CheckpointError(
+            f"{run.record} records {recorded} steps, but the newest checkpoint {checkpoint} holds step {state.step}: "
+            f"the checkpoints changed after the run finished; remove {run.record} and run the training again"
+        )
+    return state
 
 
 def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:

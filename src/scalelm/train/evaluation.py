@@ -21,7 +21,7 @@ from torch import nn
 from scalelm.data.prepared import load_prepared
 from scalelm.data.windows import EvalBatches
 from scalelm.errors import DataError, friendly_errors
-from scalelm.files import atomic_write_text
+from scalelm.files import atomic_write_text, check_apart, check_file_output
 from scalelm.model.loss import IGNORE_INDEX, lm_loss
 from scalelm.train.consolidate import load_consolidated
 from scalelm.train.metrics import perplexity
@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="at most this many tokens per batch")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
+    check_file_output(args.out)  # before the evaluation: its result must have somewhere to go
+    check_apart(
+        args.out, {"--model": args.model, "the model's record": Path(f"{args.model}.json"), "--data": args.data}
+    )
     model, meta = load_consolidated(args.model)
     data = load_prepared(args.data)
     if data.vocab_size != model.vocab_size:

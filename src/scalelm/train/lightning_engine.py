@@ -177,8 +177,10 @@ class LightningTrainer(TrainerBase):
         })  # fmt: skip
 
     def save(self):
+        """A checkpoint of this step, once: refused, as scalelm's engine's, if a weight or the loss not yet logged
+        is not finite (Checkpointer.save)."""
         if self.checkpointer.latest_step != self.state.step:
-            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
+            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, self.loss_acc)
         return self.checkpointer.latest_path
 
     def finish(self, test: dict[str, Any], checkpoint) -> RunRecord:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from scalelm.files import append_text, atomic_write_text
+from scalelm.train.record import metrics_lines
 
 PROC_STATUS, PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
@@ -47,27 +48,43 @@ class MetricsLogger:
     asked for, an offline Weights & Biases run (scalelm.train.wandb_offline)."""
 
     def __init__(
-        self, path: Path, enabled: bool, resume_step: int | None = None, board_dir: Path | None = None, wandb=None
+        self,
+        path: Path,
+        enabled: bool,
+        resume_step: int | None = None,
+        board_dir: Path | None = None,
+        wandb=None,
+        evaluations_redone: bool = False,
     ):
+        """`resume_step`: the step training goes on from (0 for a run starting afresh), whose evaluations are kept
+        unless `evaluations_redone` (a run resumed at its end evaluates it again)."""
         self.path = Path(path)
         self.enabled = enabled
         self.start = time.time()
         self.board = None
         self.wandb = wandb if enabled else None
         if enabled and resume_step is not None:
-            self._truncate_after(resume_step)
+            self._truncate_after(resume_step, evaluations_redone)
         if enabled and board_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it writes
 
             # a resumed run redoes the steps after its checkpoint: TensorBoard drops their old events
             self.board = SummaryWriter(str(board_dir), purge_step=None if resume_step is None else resume_step + 1)
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps the restored checkpoint has not seen (they will be redone)."""
+    def _truncate_after(self, step: int, evaluations_redone: bool) -> None:
+        """On resume, drop the records of what will be redone: the steps the restored checkpoint has not seen, and a
+        torn last line (a write cut short)."""
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        lines, torn = metrics_lines(self.path)
+        if torn:
+            print(f"dropped the incomplete last line of {self.path} (a write cut short, as on a full disk)", flush=True)
+
+        def redone(record: dict[str, Any]) -> bool:
+            evaluation_redone = evaluations_redone and record.get("kind") == "eval"
+            return record["step"] > step or (record["step"] == step and evaluation_redone)
+
+        atomic_write_text(self.path, "".join(line + "\n" for line, record in lines if not redone(record)))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -85,13 +85,64 @@ class RunRecord:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = RunDir(Path(run_dir)).metrics
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    """The records of a run's metrics.jsonl, less a torn last line (`metrics_lines`)."""
+    lines, _ = metrics_lines(RunDir(Path(run_dir)).metrics)
+    return [record for _, record in lines]
+
+
+def metrics_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
+    """Each line of a metrics.jsonl with its record, and whether the last line was torn: what follows the last
+    newline that is not a complete record (a write cut short, as on a full disk, or one still under way), left out.
+    A damaged line before it is an error naming the file and the line."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").split("\n")
+    parsed, torn = [], False
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record = metrics_record(line)
+        if record is None and number == len(lines):
+            torn = True
+        elif record is None:
+            raise DataError(
+                f"{path}, line {number}, is not a complete JSON record: the file is damaged; repair or delete that "
+                "line, then run again"
+            )
+        else:
+            parsed.append((line, record))
+    return parsed, torn
+
+
+def metrics_record(line: str) -> dict[str, Any] | None:
+    """The record of one metrics line; None if it is not one."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None  # a line cut short is no JSON object: its brace is gone
 
 
 def write_record(run_dir: str | Path, record: RunRecord) -> None:
-    path = RunDir(Path(run_dir)).record
-    atomic_write_text(path, json.dumps(asdict(record), indent=2) + "\n")
+    """run.json, and a copy kept with the checkpoints (RunDir.finished) from which `restore_record` rewrites it."""
+    run = RunDir(Path(run_dir))
+    text = json.dumps(asdict(record), indent=2) + "\n"
+    if run.checkpoints.is_dir():
+        atomic_write_text(run.finished, text)
+    atomic_write_text(run.record, text)
+
+
+def read_finished(run_dir: str | Path) -> RunRecord | None:
+    """The record the run kept when it finished (RunDir.finished); None without one, or with one that is damaged."""
+    path = RunDir(Path(run_dir)).finished
+    try:
+        return RunRecord.from_dict(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError, DataError, AttributeError):
+        return None
+
+
+def restore_record(run_dir: str | Path) -> None:
+    """run.json as the run wrote it when it finished, byte for byte."""
+    run = RunDir(Path(run_dir))
+    atomic_write_text(run.record, run.finished.read_text())
 
 
 def read_record(run_dir: str | Path) -> RunRecord:

@@ -8,7 +8,7 @@
       tensorboard/     the same as TensorBoard event files; node<k>/ the monitor's readings of node k
       wandb/           with train.wandb: the same as offline Weights & Biases runs, one per attempt
       monitor/         node<k>.jsonl: CPU, RSS and GPU utilisation of node k's training processes, every second
-      checkpoints/     step_<N>/ (scalelm.train.checkpoint)
+      checkpoints/     step_<N>/ (scalelm.train.checkpoint); finished.json, run.json kept beside the last one
       run.json         provenance and results, written last: its presence means the training finished
       model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.train.consolidate)
       test.json        the common test evaluation (scalelm.train.evaluation)
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -41,6 +42,8 @@ from scalelm.files import atomic_write_text, remove
 NOT_IDENTITY = (
     "run_dir",
     "data.prepared_dir",  # the data's checksums stand for it
+    "data.stage",  # a copy of the same data, elsewhere
+    "data.stage_dir",
     "train.log_every",
     "train.eval_every",
     "train.eval_batch_size",
@@ -58,16 +61,34 @@ NOT_IDENTITY = (
 )
 
 
+# What says how the ranks share the work, not what they train: a checkpoint loads into any layout and world size.
+LAYOUT = ("world_size", "settings.parallel")
+
+
 def identity(config: Config, data_checksums: dict[str, str], world_size: int) -> dict[str, Any]:
     """What determines the trained model: the settings (less NOT_IDENTITY), the data's content and the world size."""
-    settings = config.to_dict()
-    for dotted in NOT_IDENTITY:
-        *parents, leaf = dotted.split(".")
-        node = settings
-        for part in parents:
-            node = node[part]
-        del node[leaf]
+    settings = without(config.to_dict(), NOT_IDENTITY)
     return {"settings": settings, "data": data_checksums, "world_size": world_size}
+
+
+def without(tree: dict[str, Any], dotted_keys: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of `tree` without the (dotted) keys, those it has."""
+    tree = json.loads(json.dumps(tree))  # a deep copy, in the form identity.json holds it
+    for dotted in dotted_keys:
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return tree
+
+
+def lineage(run_identity: dict[str, Any]) -> str:
+    """What a checkpoint records of the run that wrote it (scalelm.train.checkpoint.Origin): a digest of the run's
+    identity less its LAYOUT, so that a checkpoint of other settings, data or seed is never resumed on its name."""
+    trained = without(run_identity, LAYOUT)
+    return hashlib.sha256(json.dumps(trained, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _entry(name: str) -> property:
@@ -90,6 +111,9 @@ class RunDir:
     monitor = _entry("monitor")
     autopsy = _entry("autopsy")  # what each rank was doing when its watchdog stopped the job (scalelm.train.watchdog)
     checkpoints = _entry("checkpoints")
+    # run.json as the training wrote it at its end, kept with the checkpoint it names: a rerun with nothing left to
+    # train restores it (Snakemake removes run.json before it reruns a job whose settings changed)
+    finished = _entry("checkpoints/finished.json")
     record = _entry("run.json")
     model = _entry("model.pt")
     model_meta = _entry("model.pt.json")
@@ -197,10 +221,14 @@ class RunDir:
 
 
 def read_identity(path: Path) -> dict[str, Any] | None:
-    """A run's identity.json; an unreadable one is an identity no run has."""
+    """A run's identity.json, less the settings an older scalelm counted in it (NOT_IDENTITY today); an unreadable
+    one is an identity no run has."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        recorded = json.loads(path.read_text())
     except (OSError, ValueError):
         return {"unreadable": str(path)}
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
+        return recorded
+    return {**recorded, "settings": without(recorded["settings"], NOT_IDENTITY)}

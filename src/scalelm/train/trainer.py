@@ -6,7 +6,8 @@
 
 Everything goes to `run_dir` (scalelm.train.rundir): the resolved config, metrics.jsonl, checkpoints/, and run.json
 (provenance and results), written last so that its presence means the run finished. Rerunning the same command
-resumes from the latest complete checkpoint.
+resumes from the latest complete checkpoint; rerunning a finished run (its settings outside its identity changed, say)
+trains and evaluates nothing and restores its run.json as it finished.
 """
 
 from __future__ import annotations
@@ -33,19 +34,29 @@ from scalelm.files import disk_errors
 from scalelm.measure.instruments import Instruments
 from scalelm.measure.monitor import Monitor
 from scalelm.model.transformer import TransformerLM
-from scalelm.parallel.env import DistEnv, barrier, global_reduce, setup, teardown
+from scalelm.parallel.env import DistEnv, all_gather_object, barrier, global_reduce, setup, teardown
 from scalelm.parallel.runtime import Parallel, pipeline_of
 from scalelm.plan.memory import Workload
 from scalelm.train import provenance
-from scalelm.train.checkpoint import Checkpointer, TrainerState
+from scalelm.train.checkpoint import (
+    Checkpointer,
+    Origin,
+    TrainerState,
+    check_origin,
+    complete_checkpoints,
+    ranks_where,
+    read_trainer,
+    verify,
+)
 from scalelm.train.evaluation import evaluate
 from scalelm.train.metrics import MetricsLogger, Stopwatch, reset_peak_memory
 from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
-from scalelm.train.record import Results, RunRecord, write_record
-from scalelm.train.rundir import RunDir, identity
+from scalelm.train.record import Results, RunRecord, read_finished, restore_record, write_record
+from scalelm.train.rundir import RunDir, identity, lineage
 from scalelm.train.wandb_offline import WandbRun
 from scalelm.train.watchdog import Watchdog, flight_recorder_env
+from scalelm.version import check_lock
 
 
 class TrainingError(ScaleLMError):
@@ -60,6 +71,17 @@ def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
 
 def due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
+
+
+def total_steps(config: Config, batches: TrainBatches) -> int:
+    """The run's optimizer steps: its epochs', or train.max_steps where fewer."""
+    total = config.train.epochs * batches.steps_per_epoch
+    return min(total, config.train.max_steps) if config.train.max_steps else total
+
+
+def origin(config: Config, run_identity: dict[str, Any], batches: TrainBatches) -> Origin:
+    """What this run's checkpoints record of it, and what it expects of those it resumes."""
+    return Origin(seed=config.seed, lineage=lineage(run_identity), steps=total_steps(config, batches))
 
 
 def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
@@ -94,8 +116,7 @@ class TrainerBase:
         self.run_dir = RunDir(Path(config.run_dir))
 
         self.tokens_per_step = self.batches.global_batch * config.data.seq_len
-        total = config.train.epochs * self.batches.steps_per_epoch
-        self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
+        self.total_steps = total_steps(config, batches)
 
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -106,7 +127,8 @@ class TrainerBase:
         self.optimizer = build_optimizer(self.model, config.optim, lr)
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep)
+        run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches)
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, run_origin)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
@@ -116,7 +138,12 @@ class TrainerBase:
             group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
             wandb = WandbRun(self.run_dir.wandb, group, config.to_dict())
         self.metrics = MetricsLogger(
-            self.run_dir.metrics, env.is_main, resumed.step if resumed else None, self.run_dir.tensorboard, wandb
+            self.run_dir.metrics,
+            env.is_main,
+            resumed.step if resumed else 0,  # afresh: an attempt before that saved no checkpoint logged in vain
+            self.run_dir.tensorboard,
+            wandb,
+            evaluations_redone=resumed is not None and resumed.step == self.total_steps,
         )
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
@@ -260,7 +287,7 @@ class Trainer(TrainerBase):
                                              steps * self.tokens_per_step)  # fmt: skip
         loss, grad_norm = values.tolist()
         if not math.isfinite(loss):
-            bad = self.ranks_where(~loss_acc.isfinite())
+            bad = ranks_where(~loss_acc.isfinite(), self.env)
             raise TrainingError(
                 f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; the last good "
                 f"checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
@@ -292,28 +319,8 @@ class Trainer(TrainerBase):
         """A checkpoint of this step, once (the last step's is asked for at the end, and maybe at its epoch's end
         or on a stop signal)."""
         if self.checkpointer.latest_step != self.state.step:
-            self.check_finite(pending_loss)
-            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
+            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, pending_loss)
         return self.checkpointer.latest_path
-
-    def ranks_where(self, flag: torch.Tensor) -> list[int]:
-        """The ranks on which `flag` (a 0-dim bool tensor) is true; a collective."""
-        flags = torch.zeros(self.env.world_size, device=self.env.device)
-        flags[self.env.rank] = flag.float()
-        return [rank for rank, value in enumerate(global_reduce(flags).tolist()) if value]
-
-    def check_finite(self, pending_loss: torch.Tensor) -> None:
-        """Never checkpoint non-finite weights, nor weights after a non-finite loss not yet logged."""
-        tensors = [pending_loss.detach().reshape(1)]
-        tensors += [self.parallel.local_tensor(p).detach().reshape(-1) for p in self.model.parameters()]
-        # one flag per tensor, on the device: with FSDP's CPU offload the parameters live on the host
-        flags = [t.isfinite().all().reshape(1).to(self.env.device) for t in tensors]
-        bad = self.ranks_where(~torch.cat(flags).all())
-        if bad:
-            raise TrainingError(
-                f"non-finite loss or weights at step {self.state.step} on rank(s) {bad}; not checkpointing, the last "
-                f"good checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
-            )
 
     def finish(self, where: dict[str, Any], clock: Stopwatch, validation, test, checkpoint: Path) -> RunRecord:
         """run.json (written by rank 0; a collective): `where` (scalelm.train.provenance) and the results."""
@@ -368,14 +375,20 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
     # Everything that can be refused is refused before the run directory is touched: the data, the layout against
     # the world and the data, the batch against both.
     make_trainer = engine(config)
+    check_lock()  # the lock SCALELM_LOCK names, read for the record at the end: refused now, not then
     data = load_prepared(staging.path)
     parallel = Parallel.start(config, env, data.vocab_size)
     batches = train_batches(config, parallel, data)
     run_dir = RunDir(Path(config.run_dir))
     with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
+        run_identity = identity(config, data.checksums(), env.world_size)
         if env.is_main:
-            run_dir.start(identity(config, data.checksums(), env.world_size))
+            run_dir.start(run_identity)
         barrier()
+        finished = finished_before(run_dir, origin(config, run_identity, batches)) if env.is_main else None
+        finished = all_gather_object(finished)[0]  # rank 0's answer, on every rank
+        if finished is not None:
+            return finished
         trainer = make_trainer(config, env, parallel, data, batches, staging)
         with Monitor(run_dir.monitor, env, config.train.monitor_interval_s, run_dir.tensorboard):
             try:
@@ -383,6 +396,27 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
             finally:
                 trainer.close()
         barrier()  # every rank done with every collective before any shuts its process groups down
+    return record
+
+
+def finished_before(run_dir: RunDir, run_origin: Origin) -> RunRecord | None:
+    """The record this attempt kept when it finished, if its latest checkpoint is still the one it finished at:
+    then run.json is restored as it was written (its provenance, its results) and nothing is trained or evaluated,
+    as when the run is rerun for settings outside its identity (staging, logging) after Snakemake removed run.json.
+    A run whose last checkpoint is damaged, or whose record was not kept, resumes as any other."""
+    record = read_finished(run_dir.path)
+    if record is None or record.results.checkpoint is None or record.results.steps != run_origin.steps:
+        return None
+    found = complete_checkpoints(run_dir.checkpoints)
+    if not found or found[-1].name != Path(record.results.checkpoint).name or verify(found[-1]) is not None:
+        return None
+    check_origin(found[-1], read_trainer(found[-1]), run_origin)
+    restore_record(run_dir.path)
+    print(
+        f"the run in {run_dir.path} finished at step {record.results.steps} (checkpoint {found[-1]}): nothing to train "
+        f"or evaluate; {run_dir.record} restored as it finished",
+        flush=True,
+    )
     return record
 
 

@@ -2,9 +2,14 @@
 letting the job hang until the collective timeout or the Slurm limit, says which rank is behind and stops the job.
 
 Every second the thread publishes this rank's progress in the job's rendezvous store (torchrun's TCPStore, which
-answers while the collectives hang): the step it is in, since when, and per process group how many collectives it
-has issued (the group's sequence number). A step is overdue after max(hang_factor x the median step so far,
-hang_floor_s) seconds. The thread then
+answers while the collectives hang; under the spawn launcher, rank 0's): the step it is in, since when, and per
+process group how many collectives it has issued (the group's sequence number). A step is overdue after
+max(hang_factor x the median step so far, hang_floor_s) seconds: the limit. So is a rank that has not ended a step
+for the limit (it waits in a collective between steps: the log's, an evaluation's, a checkpoint's) while another
+rank's progress stopped coming for as long, or the store has not answered for as long (each call is waited for
+STORE_TIMEOUT_S at most): a process that makes no progress at all, its threads included (stopped, a hung file system
+or driver, a node that stops answering), publishes nothing, and only the ranks that wait for it can tell. The thread
+then
 
 - writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and PyTorch's Flight Recorder's
   trace of its last collectives beside it (recording since the start: `flight_recorder_env`);
@@ -13,15 +18,19 @@ hang_floor_s) seconds. The thread then
   a dead node);
 - prints that, with what the ranks' Flight Recorder traces say (the collective each issued last, by name, sequence
   number and sizes), appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun
-  then stops the other ranks.
+  then stops the other ranks. A rank that is a stopped process beside this one (same launcher) is killed first:
+  torchrun's SIGTERM would reach it only once continued, and its SIGKILL comes 30 s later. The autopsy waits for no
+  other rank longer than a few seconds: one that stopped writes no dump and answers nothing.
 
 Checkpoints are written whole or not at all (scalelm.train.checkpoint): the last complete one stays and the rerun
-resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start) and
-watches steps only: a hang in an evaluation or a checkpoint ends at the collective timeout (parallel.timeout_s).
+resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start).
+Between steps it acts on a silent rank or store only: a rank alive but stuck in an evaluation or a checkpoint ends at
+the collective timeout (parallel.timeout_s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -36,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
 from scalelm.errors import EXIT_HUNG
@@ -44,6 +54,7 @@ from scalelm.files import append_text, atomic_path
 PUBLISH_EVERY_S = 1.0
 FR_PREFIX = "fr_trace_rank_"  # the Flight Recorder's dump of a rank, by rank number
 SILENT_AFTER_S = 5.0  # a rank whose progress is older than this has stopped publishing it
+STORE_TIMEOUT_S = 5.0  # a call to the store unanswered for this long: the process that holds it is stopped or gone
 KEY = "scalelm/watchdog/rank{}"
 
 
@@ -98,15 +109,22 @@ def sequence_numbers() -> dict[str, dict[str, Any]]:
     }
 
 
+def silent_ranks(progress: dict[int, dict[str, Any] | None], now: float, after_s: float = SILENT_AFTER_S) -> list[int]:
+    """The ranks whose progress is missing, or older than `after_s` seconds at `now` (time.time()); not those whose
+    watchdog was closed (their training is over: they publish no more)."""
+    return sorted(r for r, p in progress.items() if p is None or not p.get("closed") and now - p["time"] > after_s)
+
+
 def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
     """The ranks the others wait for, in words: in each process group the members that issued fewer collectives
     than the most advanced one, and the ranks whose progress is missing or stale."""
     findings = []
-    silent = sorted(r for r, p in progress.items() if p is None or now - p["time"] > SILENT_AFTER_S)
+    silent = silent_ranks(progress, now)
     for rank in silent:
         last = progress[rank]
         when = "never published its progress" if last is None else (
-            f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}")  # fmt: skip
+            f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}, "
+            f"on {last['host']} (pid {last.get('pid', '?')})")  # fmt: skip
         findings.append(f"rank {rank} {when} (a stopped or dead process, or a lost node)")
     groups: dict[str, dict[int, int]] = {}
     descs: dict[str, str] = {}
@@ -129,14 +147,85 @@ def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
     return findings
 
 
+def stopped_beside() -> list[psutil.Process]:
+    """The node's other ranks that are stopped (SIGSTOP, not a debugger's stop): the processes the same launcher
+    started as this one (its children, by the same command). torchrun would end them with SIGTERM, which waits for a
+    SIGCONT, and kill them only after its shutdown timeout (30 s)."""
+    me = psutil.Process()
+    stopped = []
+    try:
+        command, siblings = me.cmdline()[:2], me.parent().children()
+    except (psutil.Error, AttributeError):  # no parent left
+        return []
+    for process in siblings:
+        try:
+            if (process.pid != me.pid and process.status() == psutil.STATUS_STOPPED
+                    and process.cmdline()[:2] == command and process.exe() == me.exe()):  # fmt: skip
+                stopped.append(process)
+        except psutil.Error:  # gone meanwhile, or not ours to look at
+            continue
+    return stopped
+
+
+def named(processes: list[psutil.Process], progress: dict[int, dict[str, Any] | None] | None) -> str:
+    """The ranks of `processes`, by the pids their progress gave, else their pids."""
+    ranks = {p["pid"]: r for r, p in (progress or {}).items() if p and "pid" in p}
+    return ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}" for p in processes)
+
+
+class Unanswered(Exception):
+    """The job's store did not answer in time, or still has not answered an earlier call."""
+
+
+class BoundedStore:
+    """The job's store, each call waited for `timeout_s` at most, made in a thread of its own: the store may live in
+    the process that is stopped (rank 0's under the spawn launcher, torchrun's otherwise), and a call to it would
+    wait for the store's own timeout (the collectives': minutes). While a call is unanswered no other is made (one
+    connection serves its calls in turn); once it is answered, the store is back."""
+
+    def __init__(self, store: Any, timeout_s: float = STORE_TIMEOUT_S):
+        self.store, self.timeout_s = store, timeout_s
+        self.failing_since: float | None = None  # since when (monotonic) no call was answered
+        self._call: threading.Thread | None = None
+
+    def unanswered_s(self) -> float:
+        return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
+
+    def ask(self, method: str, *args: Any) -> Any:
+        if self._call is not None and self._call.is_alive():
+            raise Unanswered(f"the store has not answered for {self.unanswered_s():.0f} s")
+        outcome: dict[str, Any] = {}
+        asked = time.monotonic()
+
+        def call() -> None:
+            try:
+                outcome["value"] = getattr(self.store, method)(*args)
+                self.failing_since = None
+            except Exception as error:  # its host gone, or its own timeout
+                outcome["error"] = error
+
+        self._call = threading.Thread(target=call, name="scalelm-watchdog-store", daemon=True)
+        self._call.start()
+        self._call.join(self.timeout_s)
+        if "value" in outcome:
+            return outcome["value"]
+        self.failing_since = self.failing_since or asked
+        raise Unanswered(f"the store did not answer {method} in {self.timeout_s:g} s") from outcome.get("error")
+
+
 class Watchdog:
-    def __init__(self, rank: int, autopsy_dir: Path, factor: float, floor_s: float, store: Any = None):
+    def __init__(self, rank: int, autopsy_dir: Path, factor: float, floor_s: float, store: Any = None,
+                 world_size: int | None = None):  # fmt: skip
         self.rank, self.autopsy_dir, self.factor, self.floor_s = rank, autopsy_dir, factor, floor_s
-        self.store = store
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.store = BoundedStore(store) if store is not None else None
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = world_size
         self.durations: deque[float] = deque(maxlen=200)
         self.step = 0
         self.started: float | None = None  # the running step's start (monotonic); None between steps
+        self.ended = time.monotonic()  # the last step's end (monotonic)
+        self.peers_read = 0.0  # when _silent_peers last read the others' progress (monotonic)
         self.host = socket.gethostname()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="scalelm-watchdog", daemon=True)
@@ -160,6 +249,7 @@ class Watchdog:
             self.durations.append(time.monotonic() - self.started)
         finally:
             self.started = None  # a step that raised is no longer running: nothing to watch while the job ends
+            self.ended = time.monotonic()
 
     def threshold(self) -> float | None:
         """Seconds after which the running step is overdue; None before the first step ended."""
@@ -177,69 +267,113 @@ class Watchdog:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10 * PUBLISH_EVERY_S)  # a store that no longer answers: not forever
+            if not self._thread.is_alive():  # silent from now on, and not stopped: the others are told so
+                self._publish({**self.progress(), "closed": True})
+
+    def overdue(self) -> str | None:
+        """Why the job is to stop now, or None: this rank's step is overdue, or this rank has ended no step for the
+        limit while another rank published no progress for as long (it waits for a rank that is stopped or gone)."""
+        started, limit, now = self.started, self.threshold(), time.monotonic()
+        if limit is None:
+            return None
+        if started is not None and now - started > limit:
+            return f"step {self.step} has run for over {limit:.0f} s"
+        if started is None and now - self.ended > limit:
+            waited = f"rank {self.rank} has waited {now - self.ended:.0f} s since step {self.step} ended"
+            waited += f" (limit {limit:.0f} s)"
+            if self.store is not None and self.store.unanswered_s() > limit:
+                return f"{waited}, and the job's store has not answered for {self.store.unanswered_s():.0f} s"
+            silent = self._silent_peers(limit)
+            if silent:
+                return f"{waited}, and rank(s) {', '.join(map(str, silent))} published no progress for as long"
+        return None
+
+    def _silent_peers(self, limit: float) -> list[int]:
+        """The other ranks whose progress is older than `limit`; read every limit / 4 seconds at most (each read asks
+        the store for every rank's progress: not each second from every rank of a large job)."""
+        if self.store is None or time.monotonic() - self.peers_read < max(PUBLISH_EVERY_S, limit / 4):
+            return []
+        self.peers_read = time.monotonic()
+        progress = self._read()
+        return [r for r in silent_ranks(progress, time.time(), after_s=limit) if r != self.rank] if progress else []
 
     # ---------------------------------------------------------------------------------------- the thread
     def _watch(self) -> None:
+        self._publish(self.progress())  # at once: a rank stopped before its first second is then not "never started"
         while not self._done.wait(PUBLISH_EVERY_S):
             self._publish(self.progress())
-            started, limit = self.started, self.threshold()
-            if started is not None and limit is not None and time.monotonic() - started > limit:
-                self._autopsy(limit)
+            reason = self.overdue()
+            if reason:
+                self._autopsy(reason)
 
     def _publish(self, progress: dict[str, Any]) -> None:
         if self.store is not None:
-            try:
-                self.store.set(KEY.format(self.rank), json.dumps(progress))
-            except Exception:  # the store's host is gone: the job is ending anyway
-                pass
+            with contextlib.suppress(Unanswered):  # told by overdue() once it has lasted
+                self.store.ask("set", KEY.format(self.rank), json.dumps(progress))
 
-    def _read(self) -> dict[int, dict[str, Any] | None]:
+    def _read(self) -> dict[int, dict[str, Any] | None] | None:
+        """Every rank's last progress (None: never published); None where the store does not answer."""
         if self.store is None:
             return {self.rank: self.progress()}
-        progress: dict[int, dict[str, Any] | None] = {}
-        for rank in range(self.world_size):
-            key = KEY.format(rank)
-            try:
-                progress[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:
-                progress[rank] = None
-        return progress
+        keys = [KEY.format(rank) for rank in range(self.world_size)]
+        try:
+            published = self.store.ask("check", keys)
+            if published and hasattr(self.store.store, "multi_get"):  # every rank has: one call for all
+                values = self.store.ask("multi_get", keys)
+            else:
+                values = [self.store.ask("get", key) if published or self.store.ask("check", [key]) else None
+                          for key in keys]  # fmt: skip
+        except Unanswered:
+            return None
+        return {rank: None if value is None else json.loads(value) for rank, value in enumerate(values)}
 
-    def _autopsy(self, limit: float) -> None:
+    def _autopsy(self, reason: str) -> None:
         """Write what this rank knows, name the ranks behind, end the process."""
         self.autopsy_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.autopsy_dir / f"rank{self.rank}.txt") as partial, open(partial, "w") as stacks:
-            stacks.write(f"rank {self.rank} on {self.host}, step {self.step} overdue (> {limit:.1f} s):\n")
+            stacks.write(f"rank {self.rank} on {self.host}: {reason}:\n")
             stacks.flush()
             faulthandler.dump_traceback(stacks, all_threads=True)
         self._dump_flight_recorder()
         time.sleep(2 * PUBLISH_EVERY_S)  # the other ranks' latest progress, before reading it
-        findings = behind(self._read(), time.time()) or [
+        progress, now = self._read(), time.time()
+        silent = silent_ranks(progress, now) if progress else []
+        findings = self._unanswered() if progress is None else behind(progress, now)
+        findings = findings or [
             "every rank that answers has issued as many collectives as the others: none is behind in one (a "
             "step that is slow everywhere, or a collective the network does not complete)"
         ]
+        stopped = stopped_beside() if self.world_size > 1 else []  # one process: its launcher's children are not ranks
         message = (
-            f"scalelm: step {self.step} has run for over {limit:.0f} s (hang_factor {self.factor:g} x the median "
-            f"step, at least hang_floor_s {self.floor_s:g}); stopping the job. "
+            f"scalelm: {reason} (hang_factor {self.factor:g} x the median step, at least hang_floor_s "
+            f"{self.floor_s:g}); stopping the job. "
             + "; ".join(findings)
             + f". Stacks: {self.autopsy_dir}/rank*.txt. The last complete checkpoint is kept: rerun to resume."
         )
-        message += self._flight_recorder_findings()  # every rank waits for the dumps: none ends the job before
+        if stopped:
+            message += (f" Stopped beside rank {self.rank}, killed (SIGKILL; torchrun's SIGTERM would reach it only "
+                        f"once continued): {named(stopped, progress)}.")  # fmt: skip
+        # every rank that answers waits for the others' dumps: none ends the job before
+        message += self._flight_recorder_findings(self.world_size - max(len(silent), len(stopped)))
         if self._first_to_tell():
             append_text(self.autopsy_dir / "summary.txt", message + "\n")
             sys.stderr.write(message + "\n")
         else:
-            sys.stderr.write(f"scalelm: [rank {self.rank}] step {self.step} overdue; stacks in {self.autopsy_dir}\n")
+            sys.stderr.write(f"scalelm: [rank {self.rank}] {reason}; stacks in {self.autopsy_dir}\n")
         sys.stderr.flush()
+        for process in stopped:  # told first: the job ends as soon as its launcher sees them gone
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         os._exit(EXIT_HUNG)  # the main thread is stuck in a collective: no exception would reach it
 
-    def _flight_recorder_findings(self) -> str:
-        """The Flight Recorder's view, once every rank's dump is there (the other watchdogs fire within a second or
-        two of this one; a rank that stopped writes none)."""
+    def _flight_recorder_findings(self, dumps: int) -> str:
+        """The Flight Recorder's view, once the `dumps` expected are there (the ranks that still publish their
+        progress: their watchdogs fire within a second or two of this one; a rank that stopped writes none), or a
+        few seconds passed."""
         if not (dist.is_available() and dist.is_initialized()):
             return ""  # one process: no collective to wait in
         deadline = time.monotonic() + 3 * PUBLISH_EVERY_S
-        while len(list(self.autopsy_dir.glob(FR_PREFIX + "*"))) < self.world_size and time.monotonic() < deadline:
+        while len(list(self.autopsy_dir.glob(FR_PREFIX + "*"))) < dumps and time.monotonic() < deadline:
             time.sleep(0.2)
         findings = recorded(self.autopsy_dir)
         if not findings:
@@ -250,13 +384,18 @@ class Watchdog:
             text += f" (all of it: {analyser} {self.autopsy_dir} --prefix {FR_PREFIX})"
         return text
 
+    def _unanswered(self) -> list[str]:
+        unanswered = self.store.unanswered_s() if self.store is not None else 0.0
+        return [f"the job's store (torchrun's; rank 0's under the spawn launcher) has not answered for "
+                f"{unanswered:.0f} s: the process that holds it is stopped, or its node lost"]  # fmt: skip
+
     def _first_to_tell(self) -> bool:
         """Whether this rank is the first whose watchdog fired (the others' would only repeat its findings)."""
         if self.store is None:
             return True
         try:
-            return self.store.add(KEY.format("told"), 1) == 1
-        except Exception:
+            return self.store.ask("add", KEY.format("told"), 1) == 1
+        except Unanswered:
             return True
 
     def _dump_flight_recorder(self) -> None:

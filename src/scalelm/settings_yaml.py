@@ -1,0 +1,209 @@
+"""The one YAML reader of everything scalelm takes as settings: training configs, the site file, the workflow's config
+files and `--set KEY=VALUE` values. Stricter than yaml.safe_load where it would silently lose or blow up a setting:
+
+- a key given twice is refused (safe_load keeps the last, dropping the first without a word);
+- anchors and aliases (&name, *name) are refused: a few hundred bytes of nested aliases stand for gigabytes once
+  anything walks or prints the value, and settings never need them (a study's `training:` defaults, merged into
+  each experiment, and the `local:` overlay are the ways to share settings);
+- nesting deeper than MAX_DEPTH is refused (settings nest a few levels; a deep file exhausts Python's stack);
+- a file that cannot be read (a directory, not UTF-8, missing) is one error naming it.
+
+Every refusal is a ConfigError naming the file (or the override) and, where it has one, the line. JSON (Snakemake
+takes it for a config file) is read too. What scalelm writes as settings (dump_settings) holds no aliases, and error
+messages quote a value at most a few hundred characters long (shown)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scalelm.errors import ConfigError
+
+MAX_DEPTH = 32  # mappings and lists within each other; the deepest settings (a study's experiment's model) take 5
+
+
+class Refused(yaml.YAMLError):
+    """What SettingsLoader refuses, and where."""
+
+    def __init__(self, message: str, mark: yaml.Mark) -> None:
+        super().__init__(message)
+        self.message, self.line = message, mark.line + 1
+
+
+class SettingsLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without duplicate keys, anchors, aliases or deep nesting."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise Refused(
+                "YAML anchors and aliases (&name, *name) are not accepted in settings: write the value out",
+                event.start_mark,
+            )
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise Refused(f"nested more than {MAX_DEPTH} levels deep (settings nest a few)", event.start_mark)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first_line.get(key)
+            except TypeError:  # unhashable: the constructor's own error names it
+                break
+            if seen is not None:
+                raise Refused(
+                    f"key {shown(key)} appears twice (first on line {seen}); keep one (YAML would silently keep the "
+                    "last)",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+class SettingsDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that writes a value held twice out twice, as SettingsLoader reads it (never &id001, *id001)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_settings(settings: dict[str, Any]) -> str:
+    """Settings as the YAML text SettingsLoader reads back the same, in their order."""
+    return yaml.dump(settings, Dumper=SettingsDumper, sort_keys=False)
+
+
+def parse_settings(text: str) -> Any:
+    """`text` as YAML under SettingsLoader's rules; a yaml.YAMLError (Refused among them) when it is not.
+    JSON is YAML, but for tabs between its tokens: JSON that YAML refuses is read as JSON (Snakemake's config files
+    may be JSON), its duplicate keys refused too."""
+    try:
+        return parse_yaml(text)
+    except Refused:
+        raise
+    except yaml.YAMLError as err:
+        try:
+            return json.loads(text, object_pairs_hook=unique_keys)
+        except (ValueError, RecursionError):  # not JSON either: YAML's error says why
+            raise err from None
+
+
+def parse_yaml(text: str) -> Any:
+    loader = SettingsLoader(text)
+    try:
+        return loader.get_single_data()
+    except RecursionError:  # a safety net: MAX_DEPTH stops nesting well before Python's stack would
+        raise yaml.YAMLError(f"nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except ValueError as err:  # an integer beyond Python's 4300 digits, a date with month 13
+        raise yaml.YAMLError(f"a value cannot be read: {str(err).split(';')[0]}") from None
+    finally:
+        loader.dispose()
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's mapping; a key in it twice is refused (json keeps the last)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise yaml.YAMLError(f"key {shown(key)} appears twice in one object; keep one (JSON would silently keep "
+                                 "the last)")  # fmt: skip
+        found[key] = value
+    return found
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a directory; give the YAML file in it") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            "save it as UTF-8"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be read: {err.strerror or err}") from None
+
+
+def load_error(err: yaml.YAMLError, where: str) -> ConfigError:
+    """One line naming `where` and, where known, the line of the problem."""
+    if isinstance(err, Refused):
+        return ConfigError(f"{where}, line {err.line}: {err.message}")
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark, context = err.problem_mark, f"{err.context}, " if err.context else ""
+        return ConfigError(f"{where} is not valid YAML: line {mark.line + 1}, column {mark.column + 1}: "
+                           f"{context}{err.problem}")  # fmt: skip
+    return ConfigError(f"{where} is not valid YAML: {err}")
+
+
+def read_settings(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The mapping of settings in the YAML file `path` ({} for an empty file); `what` names it in errors."""
+    path = Path(path)
+    try:
+        data = parse_settings(read_text(path, what))
+    except yaml.YAMLError as err:
+        raise load_error(err, f"{what} {path}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping of settings, not {type(data).__name__}")
+    return data
+
+
+# ------------------------------------------------------------------------------ values quoted back in errors
+def shown(value: Any, limit: int = 200) -> str:
+    """`value`'s repr as an error message quotes it, cut after about `limit` characters: a value can be huge (a long
+    list, a long string), and a message stays one readable line. The repr is built only as far as it is shown."""
+    capped = _Capped(limit)
+    capped.write(value)
+    text = "".join(capped.parts)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+class _Capped:
+    """The repr of nested lists, tuples and mappings, written until `limit` characters are (then it stops)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.parts, self.length = limit, [], 0
+
+    def emit(self, text: str) -> bool:
+        """Append `text`; False once past the limit (the caller stops writing)."""
+        self.parts.append(text[: self.limit + 1 - self.length])
+        self.length += len(self.parts[-1])
+        return self.length <= self.limit
+
+    def write(self, value: Any) -> bool:
+        if isinstance(value, dict):
+            brackets, items = "{}", value.items()
+        elif isinstance(value, (list, tuple)):
+            brackets, items = ("[]" if isinstance(value, list) else "()"), value
+        else:  # a scalar: a long string or bytes cut before its repr is made
+            return self.emit(repr(value[: self.limit + 1] if isinstance(value, (str, bytes)) else value))
+        if not self.emit(brackets[0]):
+            return False
+        for i, item in enumerate(items):
+            if i and not self.emit(", "):
+                return False
+            if isinstance(value, dict):
+                if not (self.write(item[0]) and self.emit(": ")):
+                    return False
+                item = item[1]
+            if not self.write(item):
+                return False
+        return self.emit(brackets[1])

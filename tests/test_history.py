@@ -1,0 +1,220 @@
+"""The results history kept whole: a format version and the columns checked before anything is written, imports
+checked line by line before any is added, and the history refused where the workflow writes or replaces files.
+tests/test_aggregate.py shows the history at work (comparisons, limits, the trend, concurrent writers)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from contextlib import closing
+
+import pytest
+import yaml
+
+from conftest import REPO
+from scalelm.errors import ConfigError, DataError
+from scalelm.report import history
+from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.workflow import Study
+
+RECORDED = "2026-11-25T10:00:00.000000+00:00"
+
+
+def row(key="k1", study="A", experiment="ddp", seed=1, **changes):
+    """A run as `history export` writes it."""
+    return {
+        "key": key, "study": study, "recorded": RECORDED, "experiment": experiment, "seed": seed, "layout": "1x2x1x1",
+        "settings_hash": "s", "start_time": None, "end_time": None,
+        "figures": {"experiment": experiment, "tokens_per_s_per_device": 100.0, "test_loss": 5.0, "mfu": None},
+        "environment": {"device": "cpu", "torch": "2.13.0"}, **changes,
+    }  # fmt: skip
+
+
+def sqlite(db, *statements):
+    with closing(sqlite3.connect(db)) as connection:
+        for statement in statements:
+            connection.execute(statement)
+        connection.commit()
+
+
+def user_version(db) -> int:
+    with closing(sqlite3.connect(db)) as connection:
+        return connection.execute("PRAGMA user_version").fetchone()[0]
+
+
+# the runs table of the scalelm before the history had a format (user_version 0): its columns, in their order
+UNVERSIONED = (
+    "CREATE TABLE runs (key TEXT PRIMARY KEY, study TEXT NOT NULL, recorded TEXT NOT NULL, experiment TEXT NOT NULL, "
+    "seed INTEGER NOT NULL, layout TEXT, settings_hash TEXT NOT NULL, start_time TEXT, end_time TEXT, figures TEXT "
+    "NOT NULL, environment TEXT NOT NULL)"
+)
+
+
+def test_the_history_has_a_format_and_refuses_another_or_foreign_columns_before_writing(tmp_path):
+    db = tmp_path / "history.sqlite"
+    assert history.insert(db, [row()]) == 1 and user_version(db) == history.HISTORY_FORMAT == 1
+
+    # the history of the scalelm before formats: the same columns, adopted as format 1, its runs kept
+    old = tmp_path / "old.sqlite"
+    sqlite(old, UNVERSIONED, "INSERT INTO runs VALUES ('k0', 'A', '%s', 'ddp', 1, NULL, 's', NULL, NULL, '{}', '{}')"
+           % RECORDED)  # fmt: skip
+    assert [r["key"] for r in history.read_rows(old)] == ["k0"] and user_version(old) == 0  # a read writes nothing
+    assert history.insert(old, [row()]) == 1 and user_version(old) == 1
+    assert [r["key"] for r in history.read_rows(old)] == ["k0", "k1"]
+
+    # the same columns in another order: each value goes to the column of its name, never by position
+    reordered = tmp_path / "reordered.sqlite"
+    sqlite(reordered, "CREATE TABLE runs (environment TEXT, figures TEXT, key TEXT PRIMARY KEY, study TEXT, recorded "
+           "TEXT, experiment TEXT, seed INTEGER, layout TEXT, settings_hash TEXT, start_time TEXT, end_time TEXT)")  # fmt: skip
+    history.insert(reordered, [row()])
+    (found,) = history.read_rows(reordered)
+    assert found["figures"]["tokens_per_s_per_device"] == 100.0 and found["environment"]["torch"] == "2.13.0"
+
+    # another version's table: refused by name, with what to do, and the file left as it was
+    cases = {
+        "foreign.sqlite": (UNVERSIONED.replace("environment TEXT NOT NULL", "environment TEXT, gpu_hours REAL"),
+                           r"foreign.sqlite: its runs table has the column\(s\) gpu_hours, which this scalelm does "
+                           r"not write.*use the scalelm that wrote it, or point `history:` \(--history, --db\) at "
+                           r"another file"),
+        "missing.sqlite": (UNVERSIONED.replace(", environment TEXT NOT NULL", ""), r"lacks the column\(s\) environment"),
+        "future.sqlite": ("PRAGMA user_version = 2",
+                          r"future.sqlite is a results history of format 2; this scalelm reads format 1: use the "
+                          r"scalelm that wrote it \(a later one\), or point `history:`"),
+        "other.sqlite": ("CREATE TABLE accounts (name TEXT)",
+                         r"other.sqlite is not a scalelm results history \(it holds the table\(s\) accounts and no "
+                         r"runs\)"),
+    }  # fmt: skip
+    for name, (statement, message) in cases.items():
+        sqlite(tmp_path / name, statement)
+        before = (tmp_path / name).read_bytes()
+        for attempt in (lambda: history.insert(tmp_path / name, [row()]), lambda: history.read_rows(tmp_path / name)):
+            with pytest.raises(DataError, match=message):
+                attempt()
+        assert (tmp_path / name).read_bytes() == before, name
+
+    # sqlite3's own errors: one line naming the file and what to do
+    (tmp_path / "a_directory").mkdir()
+    with pytest.raises(DataError, match=r"a_directory: the results history could not be opened \(unable to open "):
+        history.insert(tmp_path / "a_directory", [row()])
+    damaged = tmp_path / "damaged.sqlite"
+    damaged.write_bytes(db.read_bytes()[:4096] + b"\0" * 100)
+    with pytest.raises(DataError, match=r"damaged.sqlite.*(malformed|not a database)"):
+        history.read_rows(damaged)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("[1, 2]", r"a run is a JSON object of the keys"),
+        (json.dumps(row(figures="fast")), r"figures must be a mapping of figure names to values, got 'fast'"),
+        (json.dumps(row(recorded="yesterday")), r"recorded must be an ISO 8601 time with its UTC offset .*'yesterday'"),
+        (json.dumps(row(recorded="2026-11-25T10:00:00")), r"recorded must be .* with its UTC offset"),
+        (json.dumps(row(seed="1")), r"seed must be a whole number, got '1'"),
+        (json.dumps(row(seed=True)), r"seed must be a whole number, got True"),
+        (json.dumps(row(experiment=None)), r"experiment must be a non-empty string, got None"),
+        (json.dumps(row(environment=[])), r"environment must be a mapping, got \[\]"),
+        (json.dumps(row(layout=3)), r"layout must be a string or null, got 3"),
+        (json.dumps({k: v for k, v in row().items() if k != "study"}), r"lacks study"),
+        (json.dumps(row(gpu_hours=3)), r"has gpu_hours, which a run of this format does not"),
+        (
+            json.dumps(row(figures={"tokens_per_s_per_device": "high"})),
+            r"figures.tokens_per_s_per_device must be a "
+            r"finite number or null, got 'high'",
+        ),
+        (json.dumps(row(figures={"test_loss": float("nan")})), r"figures.test_loss must be a finite number or null"),
+        (json.dumps(row(figures={"notes": [1]})), r"figures.notes must be a number, a string or null, got \[1\]"),
+    ],
+)
+def test_an_import_is_checked_before_any_line_is_added(tmp_path, line, message, capsys):
+    db = tmp_path / "history.sqlite"
+    history.insert(db, [row("k0")])
+    export = tmp_path / "runs.jsonl"
+    export.write_text(json.dumps(row("k1")) + "\n" + line + "\n" + json.dumps(row("k2")) + "\n")
+    with pytest.raises(SystemExit) as failed:
+        history.main(["--db", str(db), "import", str(export)])
+    assert failed.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {export}:2: ") and error.count("\n") == 1, error
+    assert "nothing was imported: correct or remove the line, then import again" in error
+    assert re.search(message, error), error
+    assert [r["key"] for r in history.read_rows(db)] == ["k0"]  # not even the good line before it
+    history.main(["--db", str(db), "list"])  # the history still lists
+    assert "ddp" in capsys.readouterr().out
+
+
+def test_a_damaged_row_is_refused_naming_it_and_how_to_remove_it(tmp_path, capsys):
+    db = tmp_path / "history.sqlite"
+    history.insert(db, [row("k0")])
+    with pytest.raises(DataError, match=r"the run 'k9' was not recorded in .*: figures must be a mapping"):
+        history.insert(db, [row("k9", figures="x")])  # scalelm's own writes are checked too
+    sqlite(db, f"INSERT INTO runs VALUES ('bad', 'B', '{RECORDED}', 'ddp', 1, NULL, 's', NULL, NULL, '\"x\"', '{{}}')")
+    with pytest.raises(SystemExit):
+        history.main(["--db", str(db), "list"])
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {db}: the run 'bad' (study 'B') is damaged: figures must be a mapping") and (
+        f"""sqlite3 {db} "DELETE FROM runs WHERE key = 'bad'\"""" in error
+    ), error
+
+
+def local_config(**changes) -> dict:
+    """config/config.yaml with config/local.yaml over it (results/local, data/local), `changes` in the overlay."""
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config.update(yaml.safe_load((REPO / "config/local.yaml").read_text()))
+    config["local"].update(changes)
+    return apply_local_overlay(config)
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (
+            "results/local/summary.csv",
+            r"history: results/local/summary.csv is results/local/summary.csv, which the "
+            r"study writes.*would be overwritten",
+        ),
+        ("results/local/./trend.png", r"is results/local/trend.png, which the study writes"),
+        ("results/local/machine/nodes1.json", r"which the study writes"),
+        (
+            "data/local/prepared/history.sqlite",
+            r"lies in data/local/prepared, which the workflow replaces whole.*would "
+            r"be deleted",
+        ),
+        ("data/local/raw/h.sqlite", r"lies in data/local/raw, which the workflow replaces"),
+        ("results/local/runs/ddp/seed1/history.sqlite", r"lies in results/local/runs/ddp/seed1, which the workflow"),
+        ("results/local/preflight/h.sqlite", r"lies in results/local/preflight"),
+    ],
+)
+def test_the_workflow_refuses_a_history_where_it_writes_or_replaces(path, message):
+    with pytest.raises(ConfigError, match=message + r".*choose a file apart from them, such as "
+                       r"results/local/history.sqlite \(the default\)"):  # fmt: skip
+        Study(local_config(history=path))
+    assert "--history results/local/history.sqlite" in Study(local_config()).aggregate_args()
+    fine = Study(local_config(history="results/local/runs/history.sqlite"))  # beside the run directories: kept
+    assert "--history results/local/runs/history.sqlite" in fine.aggregate_args()
+
+
+def test_a_comparison_names_the_disturbed_runs_on_either_side_and_the_study_passes_on_its_share(tmp_path, capsys):
+    """A run's figures of time that other work disturbed (its `disturbed`, from the aggregation) are named beside
+    each change they enter, never its loss; `list` marks the run. The workflow hands its `disturbed_share` on."""
+    db = tmp_path / "history.sqlite"
+    quiet, busy = {"tokens_per_s_per_device": 100.0, "test_loss": 5.0}, {"disturbed": "other work took 1.04 of ..."}
+    before = [row("a1", "A", seed=1, figures=quiet), row("a2", "A", seed=2, figures=quiet | busy | {
+        "tokens_per_s_per_device": 50.0})]  # fmt: skip
+    after = [row("b1", "B", seed=1, figures=quiet), row("b2", "B", seed=2, figures=quiet)]
+    changes = {c.figure: c for c in history.compare(before, after)}
+    assert changes["tokens_per_s_per_device"].disturbed == "before: seed 2"
+    assert changes["test_loss"].disturbed == ""  # the loss is the run's own, disturbed or not
+    assert history.compare(after, before)[0].disturbed == "after: seed 2"
+    history.insert(db, before + after)
+    history.main(["--db", str(db), "list"])
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ddp")]
+    assert [line.endswith("disturbed") for line in listed] == [False, True, False, False]
+    history.main(["--db", str(db), "compare", "--json"])
+    compared = {c["figure"]: c for c in json.loads(capsys.readouterr().out)["changes"]}
+    assert compared["tokens_per_s_per_device"]["disturbed"] == "before: seed 2"
+
+    assert "--disturbed-share 0.1" in Study(local_config()).aggregate_args()
+    assert "--disturbed-share 0.25" in Study(local_config(disturbed_share=0.25)).aggregate_args()
+    with pytest.raises(ConfigError, match=r"disturbed_share must be a positive share of the cores a run was given"):
+        Study(local_config(disturbed_share=0))
