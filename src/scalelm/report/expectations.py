@@ -35,7 +35,6 @@ import argparse
 import csv
 import difflib
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +44,7 @@ import yaml
 
 from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
 from scalelm.report.disturbance import seeds_caveat
-from scalelm.report.figures import LIMITS
+from scalelm.report.figures import LIMITS, finite_number
 
 DEFAULT_TOLERANCE = 0.05
 HISTORY_METHODS = ("median_of_last",)
@@ -55,10 +54,6 @@ COLUMNS = ["experiment", "expectation", "value", "limit", "reference", "toleranc
 
 class ExpectationsMissed(ScaleLMError):
     exit_code = 1  # a result, not a usage error (2)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -108,7 +103,7 @@ def parse_expectations(experiments: dict[str, dict[str, Any]]) -> list[Expectati
         if not isinstance(expect, dict):
             raise ConfigError(f"{where}: expected a mapping such as {{max_test_perplexity: 200}}, got {expect!r}")
         tolerance = expect.get("tolerance", DEFAULT_TOLERANCE)
-        if not _is_number(tolerance) or not 0 <= tolerance < 1:
+        if not finite_number(tolerance) or not 0 <= tolerance < 1:
             raise ConfigError(f"{where}.tolerance must be a fraction from 0 to below 1 (0.05: 5%), got {tolerance!r}")
         for key, limit in expect.items():
             if key == "tolerance":
@@ -122,7 +117,7 @@ def parse_expectations(experiments: dict[str, dict[str, Any]]) -> list[Expectati
             if isinstance(limit, dict):
                 found.append(from_history(name, key, limit, tolerance, f"{where}.{key}"))
                 continue
-            if not _is_number(limit) or limit <= 0:
+            if not finite_number(limit) or limit <= 0:
                 raise ConfigError(
                     f"{where}.{key} must be a positive number or {{history: median_of_last, n: 5}}, got {limit!r}"
                 )
@@ -141,7 +136,7 @@ def from_history(experiment: str, key: str, spec: dict[str, Any], tolerance: flo
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"{where}.n must be a whole number of earlier studies, 1 or more, got {n!r}")
     tolerance = spec.get("tolerance", tolerance)
-    if not _is_number(tolerance) or not 0 <= tolerance < 1:
+    if not finite_number(tolerance) or not 0 <= tolerance < 1:
         raise ConfigError(f"{where}.tolerance must be a fraction from 0 to below 1 (0.05: 5%), got {tolerance!r}")
     return Expectation(experiment, key, None, float(tolerance), history_n=n)
 

@@ -7,6 +7,7 @@ its value in `aggregate.run_figures`; the tables, the statistics, the expectatio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,3 +114,8 @@ class RunSummary:
     @property
     def label(self) -> str:
         return f"{self.figures['experiment']} {self.figures['layout']} (seed {self.figures['seed']})"
+
+
+def finite_number(value: Any) -> bool:
+    """A figure's value that can be compared and averaged: an int or float (not a bool), neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -55,7 +55,7 @@ from typing import Any
 
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.report.disturbance import contaminated, figure_caveat
-from scalelm.report.figures import FIGURES, RunSummary
+from scalelm.report.figures import FIGURES, RunSummary, finite_number
 from scalelm.report.tables import markdown_table
 
 DEFAULT_DB = "results/history.sqlite"
@@ -292,7 +292,7 @@ def figures_problem(figures: Any) -> str | None:
     if not isinstance(figures, dict):
         return f"figures must be a mapping of figure names to values, got {_short(figures)}"
     for name, value in figures.items():
-        finite = _number(value) or value is None
+        finite = finite_number(value) or value is None
         if (name in COMPARED and not finite) or (isinstance(value, float) and not finite):
             return f"figures.{name} must be a finite number or null, got {_short(value)}"
         if not (finite or isinstance(value, str)):
@@ -398,7 +398,7 @@ def reference(
     for r in rows:
         comparable = r["experiment"] == experiment and r["settings_hash"] in hashes
         comparable = comparable and _machine(r["environment"]) in machines
-        if comparable and (first is None or r["study"] < first) and _number(r["figures"].get(figure)):
+        if comparable and (first is None or r["study"] < first) and finite_number(r["figures"].get(figure)):
             if figure_caveat(r["figures"], figure):
                 disturbed += 1
                 continue
@@ -456,7 +456,10 @@ def trend(rows: list[dict[str, Any]], runs: list[RunSummary]) -> dict[str, list[
             TrendPoint(
                 datetime.fromisoformat(rows[0]["recorded"]),
                 " | ".join(sorted({environment_label(r["environment"]) for r in rows})),
-                {f: [float(r["figures"][f]) for r in rows if _number(r["figures"].get(f))] for f in TREND_FIGURES},
+                {
+                    f: [float(r["figures"][f]) for r in rows if finite_number(r["figures"].get(f))]
+                    for f in TREND_FIGURES
+                },
                 sum(bool(contaminated(r["figures"])) for r in rows),
             )
             for _, rows in sorted(by_study.items())
@@ -518,8 +521,8 @@ def compare(before: list[dict], after: list[dict], tolerance: float = 0.05, alph
         b = [r for r in after if r["experiment"] == experiment]
         env = environment_difference([r["environment"] for r in a], [r["environment"] for r in b])
         for figure, direction in DIRECTIONS.items():
-            x = [float(r["figures"][figure]) for r in a if _number(r["figures"].get(figure))]
-            y = [float(r["figures"][figure]) for r in b if _number(r["figures"].get(figure))]
+            x = [float(r["figures"][figure]) for r in a if finite_number(r["figures"].get(figure))]
+            y = [float(r["figures"][figure]) for r in b if finite_number(r["figures"].get(figure))]
             if not x or not y:
                 continue
             mean_x, mean_y = statistics.fmean(x), statistics.fmean(y)
@@ -550,10 +553,6 @@ def disturbed_sides(before: list[dict], after: list[dict], figure: str) -> str:
         if seeds:
             sides.append(f"{side}: seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}")
     return "; ".join(sides)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 COLUMNS = ["experiment", "figure", "before", "after", "relative", "seeds", "p_value", "low", "high", "verdict",
