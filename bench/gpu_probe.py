@@ -162,6 +162,19 @@ def facts(probe: Probe) -> str:
     return ", ".join(f"{k}={v}" for k, v in found.items())
 
 
+def cuda_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Mean seconds of fn() on the current CUDA stream, by CUDA events, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def ceilings(probe: Probe) -> str:
     """The two ceilings a kernel's time is judged against: a bf16 matmul's rate and a device-to-device copy."""
     probe.need_cuda()
@@ -170,19 +183,8 @@ def ceilings(probe: Probe) -> str:
     src = torch.randn(2**30 // 4, device=probe.device)  # 1 GiB
     dst = torch.empty_like(src)
 
-    def timed(fn, reps: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-
-    tflops = 2 * n**3 / timed(lambda: a @ b, 20) / 1e12
-    tbps = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 20) / 1e12
+    tflops = 2 * n**3 / cuda_seconds(lambda: a @ b, 20) / 1e12
+    tbps = 2 * src.numel() * 4 / cuda_seconds(lambda: dst.copy_(src), 20) / 1e12
     return f"bf16 matmul {n}^3: {tflops:.0f} TFLOP/s; device copy: {tbps:.2f} TB/s (read + written)"
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalelm.errors import ConfigError
 from scalelm.parallel.context import (
@@ -60,7 +62,7 @@ def _run_case(case, group) -> dict[str, torch.Tensor]:
     assert n == cp
     q, k, v, w = _inputs(dtype)
     parts = [shard_sequence(t, 2, r, n, balanced).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*parts, chunk_positions(S, r, n, balanced), group, dropout_p=p, seed=seed)
+    out = ring_attention(*parts, group, dropout_p=p, seed=seed, load_balance=balanced)
     (out * shard_sequence(w, 2, r, n, balanced)).sum().backward()
     result = [out.detach(), *(t.grad for t in parts)]
     result = dict(zip(("out", "dq", "dk", "dv"), (gather_sequence(t, 2, group, balanced) for t in result)))
@@ -163,12 +165,12 @@ def test_chunk_positions_cover_the_sequence_once_and_balance_the_causal_work():
 def test_the_balanced_split_gives_every_rank_the_same_attention_work():
     """The (query, key) products each rank computes over the ring: blocks in its queries' future are skipped, and
     only the rows and columns of a block that the mask leaves anything in are computed."""
-    from scalelm.parallel.context import _Block
+    from scalelm.parallel.ring_blocks import _Block
 
     def work(balanced: bool) -> list[int]:
         parts = [chunk_positions(32, r, 4, balanced) for r in range(4)]
-        blocks = [[_Block(q, k) for k in parts] for q in parts]
-        return [sum(0 if b.empty else b.q_pos.numel() * b.k_pos.numel() for b in row) for row in blocks]
+        blocks = [[_Block(q.tolist(), k.tolist()) for k in parts] for q in parts]
+        return [sum(0 if b.empty else len(b.q_pos) * len(b.k_pos) for b in row) for row in blocks]
 
     assert work(False) == [64, 128, 192, 256]  # rank r: r + 1 whole 8 x 8 blocks
     assert work(True) == [160] * 4  # its own 8 x 8 block (masked) and three unmasked halves, 8 x 4 or 4 x 8
@@ -191,12 +193,14 @@ def test_one_rank_ring_is_plain_causal_attention_forward_and_backward():
     for p, seed in ((0.0, None), (0.1, 5)):
         q, k, v, w = _inputs(torch.float64)
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = ring_attention(q, k, v, torch.arange(S), None, dropout_p=p, seed=seed)
+        out = ring_attention(q, k, v, None, dropout_p=p, seed=seed)
         (out * w).sum().backward()
         got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
         _assert_matches(got, _reference(torch.float64, p, seed, sdpa=not p), F64)
-    with pytest.raises(ValueError, match="positions must be 16 ascending integers"):
-        ring_attention(q, k, v, torch.arange(S).flip(0), None)
+    with pytest.raises(TypeError, match="ring_attention takes no positions"):
+        ring_attention(q, k, v, torch.arange(S), None)
+    with pytest.raises(ValueError, match="attention dropout needs a seed"):
+        ring_attention(q, k, v, None, dropout_p=0.1)
 
 
 def test_reference_attention_is_sdpa_without_dropout_and_its_masks_follow_the_seed():
@@ -224,11 +228,305 @@ def test_dropout_masks_do_not_depend_on_the_batch_or_head_split():
     whole = reference_attention(q, k, v, dropout_p=0.2, seed=11)
     part = reference_attention(q[1:, 2:], k[1:, 2:], v[1:, 2:], dropout_p=0.2, seed=11, batch_offset=1, head_offset=2)
     torch.testing.assert_close(part, whole[1:, 2:], rtol=0, atol=0)
-    ring = ring_attention(
-        q[1:, 2:], k[1:, 2:], v[1:, 2:], torch.arange(S), None, 0.2, 11, batch_offset=1, head_offset=2
-    )
+    ring = ring_attention(q[1:, 2:], k[1:, 2:], v[1:, 2:], None, 0.2, 11, batch_offset=1, head_offset=2)
     torch.testing.assert_close(ring, whole[1:, 2:], **F64)
     # and each batch row and head has masks of its own: the same inputs everywhere give different outputs
     same = [t[:1, :1].expand(B, H, S, D) for t in (q, k, v)]
     out = reference_attention(*same, dropout_p=0.2, seed=11).flatten(0, 1)
     assert all(not torch.allclose(out[i], out[j]) for i in range(B * H) for j in range(i))
+
+
+# --- kernels, host syncs, checkpointing, compile, the plan (one process) -------------------------------------------
+
+
+def _whole(dtype: torch.dtype, length: int, batch: int = 1, heads: int = 2, dim: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(batch, heads, length, dim, generator=g).to(dtype) for _ in range(4)]
+
+
+class _CudaStandIns:
+    """The CUDA kernels' ops with their signatures and their log-sum-exp's shape, computed by the CPU flash kernel:
+    CudaFlash's and CudnnAttention's bookkeeping runs on a CPU. Records what each call got."""
+
+    def __init__(self, cudnn_lse_4d: bool = True):
+        self.calls, self.lse_4d = [], cudnn_lse_4d
+
+    def flash_forward(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
+        self.calls.append(("flash", {t.dtype for t in (q, k, v)}, q.shape[-2], k.shape[-2]))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        rng = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
+        return out, lse.float(), None, None, q.shape[-2], k.shape[-2], *rng, torch.empty(0)
+
+    def flash_backward(self, d_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, p, is_causal, seed, off, *, scale):
+        assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert (max_q, max_k, cum_q, cum_k, p) == (q.shape[-2], k.shape[-2], None, None, 0.0)
+        self.calls.append(("flash_backward", {t.dtype for t in (d_out, q, k, v, out)}, max_q, max_k))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+
+    def cudnn_forward(self, q, k, v, bias, compute_lse, dropout_p, is_causal, debug, *, scale):
+        assert all(t.is_contiguous() for t in (q, k, v)) and bias is None and compute_lse
+        self.calls.append(("cudnn", {t.dtype for t in (q, k, v)}, q.shape[-2], k.shape[-2]))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        seed = torch.zeros((), dtype=torch.int64)
+        return out, lse.unsqueeze(-1) if self.lse_4d else lse, None, None, q.shape[-2], k.shape[-2], seed, seed, None
+
+    def cudnn_backward(
+        self, d_out, q, k, v, out, lse, seed, off, bias, cum_q, cum_k, max_q, max_k, p, causal, *, scale
+    ):
+        assert lse.shape == (*q.shape[:3], 1) if self.lse_4d else lse.shape == q.shape[:3]
+        assert all(t.is_contiguous() for t in (d_out, q, k, v, out, lse)) and lse.dtype == torch.float32
+        self.calls.append(("cudnn_backward", {t.dtype for t in (d_out, q, k, v, out)}, max_q, max_k))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse.flatten(2), 0.0, causal, scale=scale
+        )
+
+    def kernels(self):
+        from scalelm.parallel.ring_blocks import CudaFlash, CudnnAttention
+
+        flash = CudaFlash(self.flash_forward, self.flash_backward)
+        return flash, CudnnAttention(flash, self.cudnn_forward, self.cudnn_backward)
+
+
+def test_the_cuda_kernels_take_bf16_blocks_and_their_log_sum_exp_merges_in_fp32(monkeypatch):
+    """Finding 1: on CUDA each block goes through flash or cuDNN in bf16 with its log-sum-exp; here their stand-ins
+    (same signatures and shapes, the CPU kernel inside) under the whole-sequence causal attention, for every split
+    of a simulated cp 2 and cp 4 ring (half blocks under load balancing) and a real one of one rank."""
+    from scalelm.parallel import context, ring_blocks
+
+    q, k, v, w = _whole(torch.bfloat16, 256)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    want_out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    (want_out * w.float()).sum().backward()
+    want = [want_out.detach()] + [t.grad for t in leaves]
+    for lse_4d in (True, False):
+        stand_ins = _CudaStandIns(lse_4d)
+        flash, cudnn = stand_ins.kernels()
+        for kernel in (flash, cudnn):
+            monkeypatch.setitem(ring_blocks.KERNELS, "cpu", lambda q, kernel=kernel: kernel)
+            for cp, balanced in ((1, False), (2, True), (2, False), (4, True)):
+                parts = [t.clone().requires_grad_() for t in (q, k, v)]
+                if cp == 1:
+                    out = ring_attention(*parts)
+                else:
+                    out = context.simulated_ring_attention(*parts, cp=cp, load_balance=balanced)
+                (out * w).sum().backward()
+                got = [out.detach()] + [t.grad for t in parts]
+                assert all(g.dtype == torch.bfloat16 for g in got)
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=f"{kernel.name} {cp} {name}")
+        names = {call[0] for call in stand_ins.calls}
+        assert names == {"flash", "flash_backward", "cudnn", "cudnn_backward"}
+        assert all(call[1] == {torch.bfloat16} for call in stand_ins.calls)  # q, k, v, out, d_out: bf16 blocks
+        # cp 2 balanced: 128 x 64 and 64 x 128 half blocks (cuDNN's); cp 4 balanced: 32-long halves go to flash
+        assert ("cudnn", {torch.bfloat16}, 64, 128) in stand_ins.calls
+        assert ("flash", {torch.bfloat16}, 32, 64) in stand_ins.calls
+
+
+def test_the_simulated_ring_is_the_real_one_in_float64_with_and_without_dropout():
+    """simulated_ring_attention (every rank's blocks on one device, for single-GPU checks) against the reference,
+    through the CPU kernel and through the products (dropout): the masks do not depend on the split."""
+    from scalelm.parallel.context import simulated_ring_attention
+
+    q, k, v, w = _inputs(torch.float64)
+    for p, seed in ((0.0, None), (0.1, 1234)):
+        want = _reference(torch.float64, p, seed, sdpa=False)
+        for cp, balanced in ((2, False), (4, True)):
+            parts = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = simulated_ring_attention(*parts, cp, balanced, p, seed)
+            (out * w).sum().backward()
+            _assert_matches({"out": out.detach(), "dq": parts[0].grad, "dk": parts[1].grad, "dv": parts[2].grad},
+                            want, F64)  # fmt: skip
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts what reads a number back to the host or copies between devices."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default):
+            self.ops.append(str(func))
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            target = kwargs.get("device") if func is torch.ops.aten._to_copy.default else args[0].device
+            if target is not None and torch.device(target) != source.device:
+                self.ops.append(f"{func} {source.device} -> {target}")
+        return func(*args, **kwargs)
+
+
+def test_the_ring_reads_nothing_back_and_copies_nothing_to_the_device(monkeypatch):
+    """Finding 2: a second call's forward and backward, with and without dropout, neither syncs with the host nor
+    copies between devices: on the CPU, and on fake CUDA tensors through the real CUDA kernels' meta functions
+    (which also checks their arguments and the log-sum-exp shapes), for one rank and a simulated cp 2 ring."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scalelm.parallel import context, ring_blocks
+
+    def step(q, k, v, g, p, cp=1):
+        parts = [t.detach().requires_grad_() for t in (q, k, v)]
+        seed = torch.zeros((), dtype=torch.int64) if p else None
+        if cp == 1:
+            out = ring_attention(*parts, None, p, seed, load_balance=True)
+        else:
+            out = context.simulated_ring_attention(*parts, cp, True, p, seed)
+        out.backward(g)
+        return parts[0].grad
+
+    q, k, v, g = _whole(torch.float32, 32)
+    for p in (0.0, 0.1):
+        step(q, k, v, g, p)
+        with _HostSyncs() as syncs:
+            step(q, k, v, g, p)
+        assert syncs.ops == [], (p, syncs.ops)
+
+    context._plan.cache_clear()
+    ring_blocks._arange.cache_clear()
+    try:  # autograd needs a CUDA runtime for CUDA tensors, fake ones too: the operator's halves, called directly
+        with FakeTensorMode():
+            q, k, v, g = (torch.empty(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            for kernel in (ring_blocks.CudaFlash(), ring_blocks.CudnnAttention()):
+                monkeypatch.setitem(ring_blocks.KERNELS, "cuda", lambda q, kernel=kernel: kernel)
+                for p in (0.0, 0.1):
+                    seed = torch.zeros((), dtype=torch.int64)
+                    options = (seed, None, True, p, 0, 0)
+                    simulation = context._Simulation(q, k, v, 2, True, p, seed)
+                    with _HostSyncs() as syncs:
+                        out, lse = context._ring_forward(q, k, v, *options)
+                        grads = context._ring_backward(g, q, k, v, out, lse, *options)
+                        outs, lses = simulation.forward()
+                        grads += tuple(simulation.backward(g, outs, lses))
+                    assert syncs.ops == [], (kernel.name, p, syncs.ops)
+                    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+                    assert all(t.shape == q.shape and t.device.type == "cuda" for t in grads)
+    finally:  # the caches hold fake tensors now
+        context._plan.cache_clear()
+        ring_blocks._arange.cache_clear()
+
+
+def _ring_block(dropout: float, length: int = 64):
+    """A transformer block whose attention is the ring over no group (cp of one rank)."""
+    from scalelm.config import ModelConfig
+    from scalelm.model.transformer import TransformerLM
+    from scalelm.parallel.context import SequenceSplit, apply_cp
+
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=dropout, max_seq_len=length)
+    model = TransformerLM(config, 64)
+    apply_cp(model, SequenceSplit(None, load_balance=False), 0, 1)
+    return model
+
+
+def _tensors_in(cached):
+    """The tensors in selective checkpointing's cache (nested dicts, lists and version wrappers, by torch release)."""
+    if isinstance(cached, torch.Tensor):
+        yield cached
+    elif isinstance(cached, dict):
+        for value in cached.values():
+            yield from _tensors_in(value)
+    elif isinstance(cached, (list, tuple)):
+        for value in cached:
+            yield from _tensors_in(value)
+    elif hasattr(cached, "val"):
+        yield from _tensors_in(cached.val)
+
+
+def test_selective_checkpointing_keeps_the_rings_output_not_its_score_blocks(monkeypatch):
+    """Finding 3: the ring is one operator (scalelm::ring_attention) to the checkpoint policy, which keeps its output
+    and log-sum-exp; before, it kept every block's products, B x H x L x L scores in fp32. With dropout, the
+    products' path; what the block keeps is what selective checkpointing caches plus what autograd saves."""
+    from scalelm.parallel import activation_checkpoint
+    from scalelm.parallel.context import RING_OP
+
+    assert RING_OP in activation_checkpoint.KEPT_OPS
+    batch, heads, length = 2, 2, 64
+    caches = []
+
+    def recording(policy):
+        contexts = create_selective_checkpoint_contexts(policy)
+        caches.append(contexts[0].storage)
+        return contexts
+
+    monkeypatch.setattr(activation_checkpoint, "create_selective_checkpoint_contexts", recording)
+    for mode in ("selective", "none"):
+        model = _ring_block(0.1, length)
+        activation_checkpoint.apply_activation_checkpointing(model, mode)
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        tokens = torch.randint(0, 64, (batch, length + 1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        cached = caches.pop() if mode == "selective" else {}
+        kept = saved + list(_tensors_in(cached))
+        assert max(t.numel() for t in kept) < batch * heads * length * length, (mode, sorted(t.shape for t in kept))
+        ring = [
+            t.shape for op, value in cached.items() if "scalelm.ring_attention" in str(op) for t in _tensors_in(value)
+        ]
+        assert ring == ([(batch, heads, length, 8), (batch, heads, length)] if cached else [])  # output, log-sum-exp
+        loss.backward()  # the recomputation finds the ring's results in the cache
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_ring_compiles_without_a_graph_break_with_and_without_checkpointing():
+    """Finding 4 for cp: dynamo traces the ring operator (over no group and over a group of one rank) as one node,
+    in a block under every checkpointing mode, and the ring with dropout (its seed a traced draw)."""
+    import torch._dynamo
+
+    from scalelm.parallel import activation_checkpoint
+    from scalelm.parallel.context import RingCore, SequenceSplit
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        one = dist.new_group([0])
+        for group, mode in ((None, "none"), (None, "selective"), (None, "full"), (one, "selective")):
+            model = _ring_block(0.0, 32)
+            for block in model.blocks.values():
+                block.attn.core = RingCore(SequenceSplit(group, load_balance=False), 0)
+            activation_checkpoint.apply_activation_checkpointing(model, mode)
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(model.blocks["0"])(torch.randn(2, 32, 16))
+            assert explained.graph_break_count == 0 and explained.graph_count == 1, (mode, explained.break_reasons)
+        core = RingCore(SequenceSplit(one, load_balance=True), 0)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda q: core(q, q, q, 0.1))(torch.randn(1, 2, 32, 8))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def test_the_plan_counts_the_rings_working_memory():
+    """Finding 1's plan: the block at work holds (4 + 8e) bytes per token and d/t through a fused kernel, and a
+    score block of the local length through the products (dropout, or fp32 on GPUs), 8 or 20 bytes a score."""
+    from dataclasses import replace
+
+    from scalelm.config import load_config
+    from scalelm.parallel.dims import ParallelDims
+    from scalelm.plan.memory import Workload, plan_memory, ring_fused, ring_transient_bytes
+
+    overrides = ["model.d_model=768", "model.n_heads=12", "data.seq_len=8192", "model.max_seq_len=8192"]
+    config = load_config(None, overrides + ["model.dropout=0.0", "train.precision=bf16"])
+    work, dims, tokens = Workload(config, 33280, device="cuda"), ParallelDims(cp=4), 2 * 2048
+    assert ring_fused(work) and ring_transient_bytes(work, dims, tokens) == tokens * 768 * (4 + 8 * 2)
+    assert ring_transient_bytes(work, ParallelDims(cp=4, tp=2), tokens) == tokens * 384 * (4 + 8 * 2)
+    dropout = replace(work, config=load_config(None, overrides + ["model.dropout=0.1", "train.precision=bf16"]))
+    assert not ring_fused(dropout)
+    assert ring_transient_bytes(dropout, dims, tokens) == tokens * 2048 * 12 * 20  # 2 x 12 x 2048^2 fp32 scores
+    fp32 = replace(work, config=load_config(None, overrides + ["model.dropout=0.0", "train.precision=fp32"]))
+    assert not ring_fused(fp32) and ring_transient_bytes(fp32, dims, tokens) == tokens * 2048 * 12 * 8
+    assert ring_fused(replace(fp32, device="cpu"))
+    # the plan's buffers carry it: the products' block is the larger by far at cp_long's shapes
+    assert plan_memory(dropout, dims).bytes["buffers"] - plan_memory(work, dims).bytes["buffers"] == pytest.approx(
+        ring_transient_bytes(dropout, dims, plan_memory(work, dims).micro_batch_tokens)
+        - ring_transient_bytes(work, dims, plan_memory(work, dims).micro_batch_tokens),
+        rel=1e-9,
+    )

@@ -101,7 +101,7 @@ def test_the_backend_string_follows_the_device_and_cpu_offload():
 def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch):
     """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
     reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9). So does NCCL's Flight
-    Recorder, on before the process group starts, dumping into the run's autopsy directory (scalelm.train.watchdog)."""
+    Recorder, on before the process group starts, dumping into the run's autopsy directory (scalelm.train.flight_recorder)."""
     recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
     for name in recorder:
@@ -321,19 +321,23 @@ def test_with_cpu_offload_parameters_are_materialised_on_the_host_and_buffers_on
 
 
 def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable(tmp_path):
-    """bench/gpu_probe.py and bench/gpu_smoke.sh in --cpu mode, as CI runs them so the kit cannot rot: every check
-    that a CPU can run passes, every CUDA-only one says N/A (never PASS)."""
+    """bench/gpu_probe.py, bench/gpu_smoke.sh and bench/gpu_paths.py in --cpu mode, as CI runs them so the kit
+    cannot rot (side by side: each is mostly one core's work): every check that a CPU can run passes, every
+    CUDA-only one says N/A (never PASS); gpu_paths.py runs each of its checks in its own process on tiny shapes and
+    paths.json holds one result per check with its figures."""
     env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    probe = subprocess.run(
-        [sys.executable, "bench/gpu_probe.py", "--cpu", "--out", str(tmp_path / "probe")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    smoke = subprocess.run(
-        ["bash", "bench/gpu_smoke.sh", str(tmp_path / "smoke"), "--cpu"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
-    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    commands = {
+        "probe": [sys.executable, "bench/gpu_probe.py", "--cpu", "--out", str(tmp_path / "probe")],
+        "smoke": ["bash", "bench/gpu_smoke.sh", str(tmp_path / "smoke"), "--cpu"],
+        "paths": [sys.executable, "bench/gpu_paths.py", "--cpu", "--out", str(tmp_path / "paths")],
+    }
+    running = {
+        name: subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, command in commands.items()
+    }
+    outputs = {name: process.communicate(timeout=900) for name, process in running.items()}
+    for name, process in running.items():
+        assert process.returncode == 0, (name, outputs[name][0][-3000:] + outputs[name][1][-3000:])
     probed = {r["check"]: r["status"] for r in json.loads((tmp_path / "probe/probe.json").read_text())}
     cuda_only = {"a.ceilings", "d.sync_audit", "f.deterministic", "i.memory", "j.nvml", "l.step_profile"}
     assert {name for name, status in probed.items() if status == "N/A"} == cuda_only
@@ -343,12 +347,24 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
         "course": "PASS", "fp32": "N/A", "course_compiled": "N/A", "stop_resume": "PASS", "evaluate_on_cpu": "PASS", "gpt2": "N/A",
         "gpt2_recompute": "N/A", "plan_vs_peak": "N/A", "monitor_vs_smi": "N/A", "compiled_cpu": "PASS",
     }  # fmt: skip
-    for output in (probe.stdout, smoke.stdout):  # one line per check, its status first
+    for name in ("probe", "smoke"):  # one line per check, its status first
         assert all(
             line.split()[0] in ("PASS", "N/A")
-            for line in output.splitlines()
+            for line in outputs[name][0].splitlines()
             if line.startswith(("PASS", "N/A", "FAIL"))
         )
+    results = {r["check"]: r for r in json.loads((tmp_path / "paths/paths.json").read_text())}
+    assert set(results) == {"A.versions", "B.nccl", "C.ring", "D.stack", "E.levers", "F.lightning", "G.world8",
+                            "H.baseline"}  # fmt: skip
+    assert {r["status"] for r in results.values()} == {"PASS"}, {n: r["status"] for n, r in results.items()}
+    ring = results["C.ring"]["figures"]
+    assert ring["gpt2"]["ring_host_syncs"] == ring["cp_long"]["ring_dropout_host_syncs"] == 0
+    assert not any(ring["graph_breaks"].values()) and ring["gpt2"]["ring_cp4_error"] <= 1e-5
+    assert results["B.nccl"]["figures"]["hang"]["exit"] == 76
+    assert results["D.stack"]["figures"]["worst_relative"] <= 1e-4
+    assert {"fsdp8_compile_selective", "cp4_long", "pp2_stage0"} == set(results["G.world8"]["figures"])
+    products = results["H.baseline"]["figures"]["output_products"]["products"]
+    assert (products["output_unpadded"]["shape"][2], products["output_padded"]["shape"][2]) == (33_278, 33_280)
 
 
 def test_the_output_projection_pads_its_rows_on_cuda_and_computes_the_same(monkeypatch):

@@ -1,14 +1,17 @@
-"""train.engine: lightning (scalelm.train.lightning_engine): Lightning's DDP trains like scalelm's, resumes after a
-stop signal, and the run it leaves reads like any other; clear errors without the extra or with another layout."""
+"""train.engine: lightning (scalelm.train.lightning_engine): Lightning's DDP trains like scalelm's, with scalelm's DDP
+options, checkpointing, compilation, watchdog and measurements; it resumes after a stop signal, and the run it leaves
+reads like any other; clear errors without the extra or with another layout."""
 
 import builtins
+import functools
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import drills
-from conftest import run_dir_of, run_train, train_command, train_losses
+from conftest import run_dir_of, run_train, train_command, train_here, train_losses
 from scalelm.config import load_config
 from scalelm.errors import ConfigError
 from scalelm.parallel.layout import resolve_layout
@@ -52,6 +55,7 @@ def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_c
     record = read_record(run_dir_of(lightning))
     assert record.world_size == 2 and record.results.steps == 20 and record.results.layout == "2x1x1x1"
     assert record.parallel["engine"].startswith("lightning ")
+    assert record.results.mfu > 0 and record.results.comm["steps"] == [19, 20]  # profiled around Lightning's steps
     assert record.results.test["tokens"] == read_record(run_dir_of(ddp)).results.test["tokens"]
 
     run = RunDir(run_dir_of(lightning))
@@ -118,3 +122,101 @@ def test_lightning_never_checkpoints_non_finite_weights(tiny_config):
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     for checkpoint in complete_checkpoints(run_dir_of(config) / "checkpoints"):
         assert all(w.isfinite().all() for w in drills.checkpoint_weights(checkpoint).values()), checkpoint
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A process group of one rank (gloo) in this process, with torchrun's environment as Lightning reads it."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lightning_ddp_has_scalelms_ddp_options(one_rank_group):
+    """Review 2, finding 8: the DDP Lightning wraps the model in is the one scalelm.parallel.data.apply_ddp builds: no
+    buffer broadcast before each forward, gradients as views into the buckets, the same buckets and graph options."""
+    import lightning as L
+    from lightning.pytorch.plugins.environments import TorchElasticEnvironment
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from scalelm.parallel.data import apply_ddp
+    from scalelm.train.lightning_engine import ddp_strategy
+
+    wrappers = []
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.register_buffer("table", torch.ones(4))
+
+        def training_step(self, batch, batch_idx):
+            wrappers.append(self.trainer.strategy.model)  # Lightning unwraps the model when the fit ends
+            return self.layer(batch * self.table).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ddp_strategy(torch.device("cpu")), max_steps=1,
+                        plugins=[TorchElasticEnvironment()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Tiny(), train_dataloaders=iter([torch.ones(2, 4)]))
+    (theirs,) = wrappers
+    ours = apply_ddp(
+        torch.nn.Linear(4, 1), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_replicate",)), torch.device("cpu")
+    )
+    assert isinstance(theirs, DistributedDataParallel)
+    assert theirs.broadcast_buffers is False and theirs.gradient_as_bucket_view is True
+    options = ("broadcast_buffers", "gradient_as_bucket_view", "bucket_bytes_cap", "find_unused_parameters",
+               "static_graph", "mixed_precision")  # fmt: skip
+    assert {o: getattr(theirs, o) for o in options} == {o: getattr(ours, o) for o in options}
+
+
+def test_lightning_trains_scalelms_model_watched_and_measured(tiny_config, monkeypatch):
+    """Review 2, finding 9: Lightning trains the model scalelm's trainer would: activation checkpointing wraps every
+    block (the loss unchanged) and compile reaches apply_compile after it (recorded, not compiled: CPU compiles
+    are slow); every optimizer step runs under the hang watchdog; the metrics and run.json have MFU and energy."""
+    from scalelm.parallel import activation_checkpoint, runtime
+    from scalelm.train.watchdog import Watchdog
+
+    compiled, checkpoints, watched = [], [], []
+    monkeypatch.setattr(runtime, "apply_compile", lambda model, device, mode="default": compiled.append(model))
+    real_checkpoint, real_watching = activation_checkpoint.checkpoint, Watchdog.watching
+
+    def counted_checkpoint(*args, **kwargs):
+        checkpoints.append(1)
+        return real_checkpoint(*args, **kwargs)
+
+    def recorded_watching(self, step):
+        watched.append(step)
+        return real_watching(self, step)
+
+    monkeypatch.setattr(activation_checkpoint, "checkpoint", counted_checkpoint)
+    monkeypatch.setattr(Watchdog, "watching", recorded_watching)
+    short = {"train__engine": "lightning", "train__max_steps": 4, "batch__micro_size": 8}  # 2 micro-batches a step
+    plain = tiny_config("plain", **short)
+    wrapped = tiny_config("wrapped", **short, train__activation_checkpointing="full", train__compile=True)
+    train_here(plain)
+    assert (compiled, checkpoints, watched) == ([], [], [1, 2, 3, 4])
+    watched.clear()
+    record = train_here(wrapped)
+
+    (model,) = compiled
+    blocks = list(model.blocks.values())
+    assert blocks and all(isinstance(b.forward, functools.partial) for b in blocks)
+    assert all(b.forward.func is activation_checkpoint._checkpointed for b in blocks)
+    assert len(checkpoints) >= 4 * 2 * len(blocks)  # every block of every micro-batch went through checkpoint
+    assert watched == [1, 2, 3, 4]
+    assert train_losses(run_dir_of(wrapped)) == train_losses(run_dir_of(plain))
+    train = [r for r in read_metrics(run_dir_of(wrapped)) if r["kind"] == "train"]
+    assert len(train) == 4 and all(r["mfu"] > 0 and "energy_j" in r and r["data_share"] >= 0 for r in train)
+    results = record.results
+    assert results.mfu > 0 and results.peak_flops_per_device > 0 and results.flops_per_token > 0
+    assert results.energy is not None and {"joules", "source", "unknown"} <= results.energy.keys()
+    assert results.state_mb_per_rank["total"] > 0 and results.plan_mb_per_rank and record.host_load

@@ -96,7 +96,11 @@ class TrainConfig:
     eval_batch_size: int = 256  # sequences per evaluation batch, at most eval_batch_tokens tokens
     # an evaluation batch's logits are tokens x vocabulary: long sequences take fewer sequences per batch
     eval_batch_tokens: int = 16384
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU. bf16 on one GPU is autocast: its matrix products in bf16, the residual stream
+    # and norms in fp32. bf16_params (CUDA): the parameters cast to bf16 for the forward by FSDP's policy (on one GPU
+    # a mesh of one rank), so every activation is bf16, over fp32 master weights, gradients and AdamW state (what
+    # FSDP layouts do with bf16 anyway); less element-wise traffic (docs/benchmarks.md)
+    precision: Literal["auto", "fp32", "bf16", "bf16_params"] = "auto"
     # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.measure.peak)
     peak_tflops: float | None = None
     # seconds between samples of CPU, RSS and GPU utilisation (scalelm.measure.sampler, one sampler per node); 0: none
@@ -111,6 +115,15 @@ class TrainConfig:
     # torch.compile each block (and on CUDA the head with its loss): fewer kernel launches, fused element-wise work;
     # the first steps pay the compilation (scalelm.parallel.compile)
     compile: bool = False
+    # torch.compile's mode: default, or max-autotune-no-cudagraphs (at the first step, benchmarks matrix-product kernels
+    # and tunes the fused ones by coordinate descent: minutes of compiling, whose results the persistent Inductor cache,
+    # site.yaml's inductor_cache_dir, keeps for later runs). No CUDA graphs: the GPU is already busy through the step
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    # AdamW's step under torch.compile: its element-wise passes fused into a few kernels (scalelm.train.optim)
+    compile_optimizer: bool = False
+    # scaled-dot-product attention's kernels: default, torch's own order; auto, cuDNN's first where it is the faster
+    # one (Hopper, compute capability 9.0: torch does not prefer it by itself), torch's order elsewhere
+    attention_kernels: Literal["default", "auto"] = "default"
     # a step running longer than max(hang_factor x the median step, hang_floor_s) stops the job with an autopsy of
     # its ranks (scalelm.train.watchdog) instead of hanging; hang_factor 0: no watchdog
     hang_factor: float = 20.0
@@ -403,16 +416,48 @@ def validate(config: Config) -> None:
         )
     check_strategy(config.parallel.strategy)
     check_degrees(degrees_of(config))
+    check_speed_settings(config.train)
+
+
+# what Lightning's loop (train.engine: lightning) does not run through scalelm's step: its own optimizer step, its
+# precision plugin, its forward
+NOT_UNDER_LIGHTNING = {
+    "compile_optimizer": (True, "Lightning calls the optimizer's step itself"),
+    "precision": ("bf16_params", "Lightning's bf16 is its autocast plugin"),
+    "attention_kernels": ("auto", "Lightning runs the forward outside scalelm's step"),
+}
+
+
+def check_speed_settings(train: TrainConfig) -> None:
+    """The levers of a compiled, single-GPU step (docs/benchmarks.md): each acts, or is refused here by name."""
+    if train.compile_mode != "default" and not train.compile:
+        raise ConfigError(
+            f"train.compile_mode={train.compile_mode} tunes what torch.compile builds, and train.compile is off: "
+            "set train.compile=true, or leave train.compile_mode at default"
+        )
+    if train.engine == "lightning":
+        for key, (value, why) in NOT_UNDER_LIGHTNING.items():
+            if getattr(train, key) == value:
+                raise ConfigError(
+                    f"train.{key}={as_yaml(value)} is scalelm's engine only ({why}); set train.engine=scalelm, or "
+                    f"leave train.{key} at {as_yaml(getattr(TrainConfig, key))}"
+                )
+
+
+def as_yaml(value: Any) -> str:
+    """A setting's value as one writes it in YAML or --set (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
-    """train.precision on a device, "bf16" or "fp32": auto is bf16 on CUDA and fp32 elsewhere; bf16 on a CPU is
-    refused (its matmuls are emulated there, far slower than fp32)."""
+    """train.precision on a device, its compute precision "bf16" or "fp32": auto is bf16 on CUDA and fp32 elsewhere,
+    bf16_params computes in bf16 (how its parameters get there is the layout's: scalelm.parallel.runtime); bf16 on
+    a CPU is refused (its matmuls are emulated there, far slower than fp32)."""
     if precision == "auto":
         return "bf16" if device_type == "cuda" else "fp32"
-    if precision == "bf16" and device_type != "cuda":
-        raise ConfigError("train.precision=bf16 is for CUDA devices; use fp32 (or auto) on CPU")
-    return precision
+    if precision in ("bf16", "bf16_params") and device_type != "cuda":
+        raise ConfigError(f"train.precision={precision} is for CUDA devices; use fp32 (or auto) on CPU")
+    return "bf16" if precision == "bf16_params" else precision
 
 
 def check_optim(optim: OptimConfig) -> None:

@@ -63,6 +63,10 @@ class SiteConfig:
     # shm (/dev/shm, in memory), local (stage_dir, else the job's $TMPDIR: node-local disk), none
     stage: Literal["none", "shm", "local"] | None = None
     stage_dir: str | None = None
+    # Inductor's cache for training jobs (TORCHINDUCTOR_CACHE_DIR): compiled graphs and what train.compile_mode's
+    # max-autotune found, reused by every later run that reads it; on a shared file system, by every node's. None:
+    # the node-local default (scalelm.launch.container), which a job's /tmp may not outlive; an absolute path
+    inductor_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
@@ -71,6 +75,11 @@ class SiteConfig:
             raise ConfigError(f"gpu_memory_gb must be one GPU's memory in GB or null, got {self.gpu_memory_gb}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"peak_tflops must be one GPU's positive dense TFLOP/s or null, got {self.peak_tflops}")
+        if self.inductor_cache_dir is not None and not Path(self.inductor_cache_dir).is_absolute():
+            raise ConfigError(
+                f"inductor_cache_dir must be an absolute path (each job's shell does not expand ~ or variables in "
+                f"it), got {shown(self.inductor_cache_dir)}"
+            )
         low, high = self.port_range
         if not 1024 <= low <= high <= 65535:
             raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")
@@ -108,13 +117,16 @@ class SiteConfig:
             )
 
     def prelude(self) -> str:
-        """Shell run before a training job: the site's modules and the network interface for NCCL and gloo."""
+        """Shell run before a training job: the site's modules, the network interface for NCCL and gloo, and the
+        persistent Inductor cache."""
         parts = []
         if self.modules:
             parts.append(shlex.join(["module", "load", *self.modules]))
         if self.network_interface:
             nic = shlex.quote(self.network_interface)
             parts.append(f"export NCCL_SOCKET_IFNAME={nic} GLOO_SOCKET_IFNAME={nic}")
+        if self.inductor_cache_dir:
+            parts.append(f"export TORCHINDUCTOR_CACHE_DIR={shlex.quote(self.inductor_cache_dir)}")
         return "".join(f"{part} && " for part in parts)
 
     def launch_flags(self) -> list[str]:

@@ -6,6 +6,11 @@
 
 Builds go through spython, which calls an executable named `singularity`; on systems that only have `apptainer`
 a private `singularity` link to it is put first on PATH for the call.
+
+The prefix (`exec_prefix`) runs with `--cleanenv` and passes in what the training needs from the launcher's
+environment (`passed_environment`); in a Slurm step (`step_prefix`), launched from the batch node, what Slurm sets
+for each node (its GPUs, its ranks) comes from that node instead, and Triton's and Inductor's caches default to the
+node's /tmp.
 """
 
 from __future__ import annotations
@@ -33,18 +38,52 @@ class ContainerError(ScaleLMError):
 
 
 RUNTIMES = ("apptainer", "singularity")
-# apptainer --cleanenv drops the host environment; these are what torchrun, NCCL, gloo and CUDA need from it: the
-# named variables, and every one with a prefix (NCCL_IB_TIMEOUT, TORCH_NCCL_*, CUDA_VISIBLE_DEVICES, UCX_*, ...)
+# apptainer --cleanenv drops the host environment; these are what torchrun, NCCL, gloo, CUDA and the compiler
+# (Inductor, Triton) need from it: the named variables, and every one with a prefix (NCCL_IB_TIMEOUT, TORCH_NCCL_*,
+# CUDA_VISIBLE_DEVICES, UCX_*, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, ...)
 PASSED_ENV = (
     "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "SLURM_JOB_ID",
     "GLIBC_TUNABLES",
 )  # fmt: skip
-PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_")
+PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_", "TORCHINDUCTOR_", "TRITON_")
+# What Slurm sets for each node (or task) of a step: the batch node's values would be wrong on the others, so on
+# Slurm each node passes its own into its container (`node_forwarder`) instead of the launcher passing its own
+NODE_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_STEP_GPUS",
+    "SLURM_JOB_GPUS", "SLURM_LOCALID", "SLURM_PROCID", "SLURM_NODEID", "SLURMD_NODENAME", "SLURM_TOPOLOGY_ADDR",
+)  # fmt: skip
 
 
-def passed_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of `environ` that go into the container (secrets never match: see docs/faults.md)."""
-    return {name: environ[name] for name in sorted(environ) if name in PASSED_ENV or name.startswith(PASSED_PREFIXES)}
+def passed_environment(environ: Mapping[str, str], slurm_step: bool = False) -> dict[str, str]:
+    """The variables of `environ` that go into the container (secrets never match: see docs/faults.md). For a
+    Slurm step (`slurm_step`, run on every node from the batch node's environment): without NODE_VARIABLES, and
+    with node-local compile caches where `environ` names none (`node_local_caches`)."""
+    passed = {name: environ[name] for name in environ if name in PASSED_ENV or name.startswith(PASSED_PREFIXES)}
+    if slurm_step:
+        passed = node_local_caches(environ) | {n: v for n, v in passed.items() if n not in NODE_VARIABLES}
+    return dict(sorted(passed.items()))
+
+
+def node_local_caches(environ: Mapping[str, str]) -> dict[str, str]:
+    """Triton's and Inductor's caches under /tmp/$USER: Triton's own default is under $HOME, on a cluster one
+    file system for every node (slow to fill, its locks contended), while /tmp is each node's and Apptainer binds
+    it into the container by default. Not $TMPDIR: the batch node's may not exist on the other nodes, nor be
+    bound into the container."""
+    user = environ.get("USER") or f"uid{os.getuid()}"
+    return {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/{user}/torchinductor", "TRITON_CACHE_DIR": f"/tmp/{user}/triton"}
+
+
+def node_forwarder(runtime: str) -> list[str]:
+    """`/bin/sh -c SCRIPT NAME` that runs the rest of its command line (the container's) after exporting, for each
+    of NODE_VARIABLES this node has, <RUNTIME>ENV_<name>=<value>: what `--cleanenv` lets into the container."""
+    into = "SINGULARITYENV_" if Path(runtime).name == "singularity" else "APPTAINERENV_"
+    script = (
+        f"for name in {' '.join(NODE_VARIABLES)}; do "
+        'eval "known=\\${$name+x} value=\\${$name-}"; '
+        f'if [ -n "$known" ]; then export "{into}$name=$value"; fi; '
+        'done; exec "$@"'
+    )
+    return ["/bin/sh", "-c", script, "scalelm-node-environment"]
 
 
 def exec_prefix(
@@ -55,6 +94,13 @@ def exec_prefix(
     prefix += [arg for bind in binds for arg in ("--bind", bind)]
     prefix += [arg for name, value in (env or {}).items() for arg in ("--env", f"{name}={value}")]
     return [*prefix, image]
+
+
+def step_prefix(runtime: str, image: str, binds: Sequence[str], gpu: bool, environ: Mapping[str, str]) -> list[str]:
+    """What runs a command in the image on every node of a Slurm step launched from `environ` (the batch node's):
+    each node's own NODE_VARIABLES, the rest of `environ` as the launcher passes it (`passed_environment`)."""
+    env = passed_environment(environ, slurm_step=True)
+    return [*node_forwarder(runtime), *exec_prefix(runtime, image, binds, gpu, env)]
 
 
 def find_runtime() -> str:

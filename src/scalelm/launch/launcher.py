@@ -12,7 +12,9 @@
   <suffix>:<port> --rdzv-id=$SLURM_JOB_ID`, the port derived from the job id so that two jobs sharing a node do not
   collide).
 
-With --container, each torchrun runs inside the image (`apptainer exec --cleanenv [--nv] --bind ...`).
+With --container, each torchrun runs inside the image (`apptainer exec --cleanenv [--nv] --bind ...`); in a Slurm
+step each node's container gets what Slurm set for that node (its CUDA_VISIBLE_DEVICES, ...), and the compile
+caches are node-local (scalelm.launch.container).
 The launcher prints the command it runs and exits with the status of the first failing process, or 75 after a stop
 signal once the workers have checkpointed (scalelm.launch.supervise).
 """
@@ -26,7 +28,7 @@ import sys
 
 from scalelm.errors import ConfigError, friendly_errors
 from scalelm.launch import slurm
-from scalelm.launch.container import check_architecture, exec_prefix, passed_environment
+from scalelm.launch.container import check_architecture, exec_prefix, passed_environment, step_prefix
 from scalelm.launch.supervise import supervise
 from scalelm.parallel.hostmemory import with_huge_pages
 
@@ -79,10 +81,13 @@ def limit_threads(threads: int) -> None:
             os.environ[name] = str(threads)
 
 
-def in_image(args: argparse.Namespace) -> list[str]:
-    """The container prefix of each torchrun (empty without --container), set after OMP_NUM_THREADS."""
+def in_image(args: argparse.Namespace, slurm_step: bool = False) -> list[str]:
+    """The container prefix of each torchrun (empty without --container), set after OMP_NUM_THREADS; in a Slurm
+    step each node's container gets that node's GPUs and ranks, not the batch node's (container.step_prefix)."""
     if not args.container:
         return []
+    if slurm_step:
+        return step_prefix(args.container_runtime, args.container, args.bind, args.gpu, os.environ)
     return exec_prefix(args.container_runtime, args.container, args.bind, args.gpu, passed_environment(os.environ))
 
 
@@ -120,7 +125,7 @@ def slurm_command(args: argparse.Namespace, train_args: list[str], job_id: str) 
         port = slurm.job_port(job_id, args.port_range, probe=on_rendezvous_host)
         endpoint = f"{allocation.hosts[0]}{args.host_suffix}:{port}"
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}"]
-    inside = in_image(args)
+    inside = in_image(args, slurm_step=True)
     python = "python" if inside else sys.executable  # the image's own Python, or this one
     supervisor = [python, "-m", "scalelm.launch.supervise", "--"]
     step = slurm.srun_step(job_id, args.nodes, allocation.cpus_per_node, args.procs_per_node if args.gpu else 0)

@@ -6,10 +6,12 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
 
 - matrix products: the model's own (one micro-batch's tokens times the weights of the attention's projections, the
   feed-forward block and the output layer; `--config` names the training settings, default the course's), in the
-  training dtype (bf16 on CUDA, fp32 on CPU), one rank at a time so that no two share a device or a core; TFLOP/s per
+  training dtype (bf16 on CUDA, fp32 on CPU) and the training shapes (the output layer's rows padded as
+  scalelm.model.gpu_ops pads them on CUDA), one rank at a time so that no two share a device or a core; TFLOP/s per
   product and over all of them (their FLOPs over their time), per rank;
 - the model's own training step, alone on one device for one micro-batch (forward with the loss, backward, AdamW),
-  against which the step-time model measures how much of a step its FLOPs and bytes explain;
+  compiled where the settings compile (`train.compile`) and eager otherwise, as training runs it (the record says
+  which), against which the step-time model measures how much of a step its FLOPs and bytes explain;
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
@@ -18,9 +20,12 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   rank's median time and the bus bandwidth in nccl-tests' convention (algorithm bandwidth, the message over the
   time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter, x 1 for send/recv; the message is
   the whole buffer: all_gather's output, reduce_scatter's input), so its figures compare with nccl-tests';
-- on GPUs: each GPU's health from NVML (uncorrected ECC errors, SM clock against its maximum, the reasons it is held
-  back) and the network NCCL chose (NCCL_DEBUG=INFO's "Using network ..."), with a warning when `--interconnect
-  infiniband` says the site has InfiniBand and NCCL fell back to sockets (about a fifth of the bandwidth).
+- on GPUs: each GPU's health from NVML, sampled on a thread while its products and steps run (an idle GPU is not
+  throttled): the worst seen of uncorrected ECC errors, SM clock against its maximum, temperature, and the reasons
+  the clock is held back; and the network NCCL chose (NCCL_DEBUG=INFO's "Using network ..."; the baseline forces
+  NCCL's INFO logging over the site's setting for its own run and restores it after), with a warning when
+  `--interconnect infiniband` says the site has InfiniBand and NCCL fell back to sockets (about a fifth of the
+  bandwidth).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import os
 import re
 import socket
 import statistics
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,13 +83,34 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ matrix products
-def gemm_shapes(config) -> dict[str, tuple[int, int, int]]:
-    """(M, K, N) of the model's training matrix products for one micro-batch of tokens."""
-    m = config.data.seq_len * (config.batch.micro_size or config.batch.size)  # one device's, without data parallelism
-    d, ff = config.model.d_model, config.model.d_ff
-    vocab = vocabulary_size(config)
+def gemm_shapes(config, device_type: str) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of the model's training matrix products on `device_type` for one micro-batch of tokens: the output
+    layer's N is its rows as training computes them (padded where scalelm.model.gpu_ops pads them)."""
+    m, d, vocab = output_shape(config)
+    ff = config.model.d_ff
     return {"qkv": (m, d, 3 * d), "attention_out": (m, d, d), "ffn_up": (m, d, ff), "ffn_down": (m, ff, d),
-            "output": (m, d, vocab)}  # fmt: skip
+            "output": (m, d, padded_rows(vocab, device_type))}  # fmt: skip
+
+
+def output_shape(config) -> tuple[int, int, int]:
+    """(M, K, N) of the output layer's product as the model defines it: one micro-batch's tokens (one device's,
+    without data parallelism), the model's width, the vocabulary."""
+    m = config.data.seq_len * (config.batch.micro_size or config.batch.size)
+    return m, config.model.d_model, vocabulary_size(config)
+
+
+def output_shapes(config) -> dict[str, tuple[int, int, int]]:
+    """The output layer's product unpadded and as training pads it on CUDA, for `matmul_rates` to set side by
+    side (the padding is there because the unpadded shape gets slower kernels)."""
+    m, d, vocab = output_shape(config)
+    return {"output_unpadded": (m, d, vocab), "output_padded": (m, d, padded_rows(vocab, "cuda"))}
+
+
+def padded_rows(rows: int, device_type: str) -> int:
+    """`rows` of a weight as scalelm.model.gpu_ops.aligned_linear multiplies it on `device_type`."""
+    from scalelm.model.gpu_ops import PADDED_DEVICES, ROW_MULTIPLE  # imports torch: not at the module's import
+
+    return rows + (-rows % ROW_MULTIPLE if device_type in PADDED_DEVICES else 0)
 
 
 def vocabulary_size(config) -> int:
@@ -119,17 +147,22 @@ def elementwise_gbps(elements: int, device: torch.device) -> float:
     return 3 * elements * 4 / median_seconds(lambda: torch.add(a, b, out=out), device) / 1e9
 
 
-def model_step_seconds(config, vocab: int, tokens: int, device: torch.device) -> float:
+def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, compiled: bool = False) -> float:
     """Seconds of one training step of the model alone on this device (forward with the loss, backward, AdamW) for
-    `tokens` tokens: what the step-time model's matrix products and elementwise bytes leave out (dispatch, cold
+    `tokens` tokens, its blocks (and on CUDA its head) compiled as training compiles them (train.compile_mode)
+    where `compiled`: what the step-time model's matrix products and elementwise bytes leave out (dispatch, cold
     caches, the softmax's transcendental work) shows as its efficiency (scalelm.plan.steptime)."""
     import torch
 
     from scalelm.model.transformer import TransformerLM
+    from scalelm.parallel import compile as compiling
     from scalelm.train.optim import build_optimizer
 
     torch.manual_seed(0)
     model = TransformerLM(config.model, vocab).to(device)
+    if compiled:
+        torch._dynamo.reset()  # a training compiles one shape: a second one here would be compiled shape-generic
+        compiling.apply_compile(model, device, config.train.compile_mode)
     optimizer = build_optimizer(model, config.optim, config.optim.lr)
     shape = (max(1, tokens // config.data.seq_len), config.data.seq_len)
     inputs, targets = (torch.randint(0, vocab, shape, device=device) for _ in range(2))
@@ -141,7 +174,8 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return median_seconds(step, device, sample_s=0.05)
+    # compiling happens in the first calls (forward and backward, then the optimizer's first step): untimed
+    return median_seconds(step, device, sample_s=0.05, warmup=COMPILED_WARMUP if compiled else 0)
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,9 +200,17 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
     return figures
 
 
-def median_seconds(call: Callable[[], Any], device: torch.device, sample_s: float = 0.01, samples: int = 5) -> float:
-    """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after a warm-up
-    (a single sub-millisecond kernel is at the mercy of one preemption)."""
+COMPILED_WARMUP = 3  # untimed calls of a compiled step before its timing
+
+
+def median_seconds(
+    call: Callable[[], Any], device: torch.device, sample_s: float = 0.01, samples: int = 5, warmup: int = 0
+) -> float:
+    """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after
+    `warmup` untimed calls and a timed one that sizes the runs (a single sub-millisecond kernel is at the mercy of
+    one preemption)."""
+    for _ in range(warmup):
+        call()
 
     def run(calls: int) -> float:
         synchronize(device)
@@ -261,38 +303,124 @@ def node_group(procs_per_node: int, world_size: int) -> dist.ProcessGroup | None
 
 
 # ----------------------------------------------------------------------------------------------------- GPUs
-def gpu_health(device: torch.device) -> dict[str, Any] | None:
-    """NVML's view of this rank's GPU: uncorrected ECC errors since the driver loaded, SM clock and its maximum,
-    and the reasons the clock is held back. None off CUDA or without NVML."""
+HEALTH_SAMPLE_S = 0.05  # how often the health thread reads NVML while the products and steps run
+IDLE_REASON = 0x1  # THROTTLE_REASONS' "gpu idle": a clock lowered for want of work, not held back
+
+
+def open_health_reader(device: torch.device) -> Callable[[], dict[str, Any]] | None:
+    """A function reading one sample of the health of this rank's GPU from NVML (the clock's reasons as NVML's bit
+    mask, each figure None where NVML does not answer it); None off CUDA. Raises where NVML cannot be opened."""
     if device.type != "cuda":
         return None
-    try:
-        import pynvml
+    import pynvml
 
-        from scalelm.measure.monitor import device_uuid
+    from scalelm.measure.monitor import device_uuid
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid(device))
-    except Exception as err:  # no NVML: a missing fact, not a failed baseline
-        return {"error": str(err)}
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid(device))
 
     def read(query: Callable[[], Any]) -> Any:
         try:
             return query()
-        except Exception:  # NVMLError_NotSupported and the like
+        except Exception:  # NVMLError_NotSupported, a binding without the query, and the like
             return None
 
-    reasons = read(lambda: pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
-    named = [name for bit, name in THROTTLE_REASONS.items() if reasons is not None and reasons & bit]
-    ecc = read(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
-        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC))  # fmt: skip
-    return {
+    def reasons() -> int:  # "clocks event reasons" in newer bindings, "throttle reasons" in older ones
+        query = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        return (query or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)(handle)
+
+    def sample() -> dict[str, Any]:
+        return {
+            "ecc_uncorrected": read(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)),
+            "sm_clock_mhz": read(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "sm_clock_max_mhz": read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "reasons": read(reasons),
+            "temperature_c": read(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+        }  # fmt: skip
+
+    return sample
+
+
+def worst_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worst of `samples` (open_health_reader's): the most uncorrected ECC errors since the driver loaded, the
+    lowest SM clock among the samples of a busy GPU (an idle one lowers its clock by design) against its maximum,
+    every reason the clock was held back, and the highest temperature (absent where NVML reports none)."""
+
+    def known(key: str, among: list[dict[str, Any]] = samples) -> list[Any]:
+        return [sample[key] for sample in among if sample[key] is not None]
+
+    busy = [sample for sample in samples if not (sample["reasons"] or 0) & IDLE_REASON] or samples
+    reasons = 0
+    for sample in samples:
+        reasons |= sample["reasons"] or 0
+    named = [name for bit, name in THROTTLE_REASONS.items() if reasons & bit]
+    ecc = max(known("ecc_uncorrected"), default=None)
+    health = {
         "ecc_uncorrected": ecc,
-        "sm_clock_mhz": read(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-        "sm_clock_max_mhz": read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        "sm_clock_mhz": min(known("sm_clock_mhz", busy), default=None),
+        "sm_clock_max_mhz": max(known("sm_clock_max_mhz"), default=None),
         "held_back_by": named,
         "healthy": not ecc and not set(named) - HARMLESS_REASONS,
     }
+    if known("temperature_c"):
+        health["temperature_c_max"] = max(known("temperature_c"))
+    return health
+
+
+def gpu_health(device: torch.device) -> dict[str, Any] | None:
+    """NVML's view of this rank's GPU now, in one sample (`worst_health`'s fields); None off CUDA. The baseline
+    samples while it works instead (`health_sampler`): after the work the GPU is idle and no longer throttled."""
+    try:
+        reader = open_health_reader(device)
+    except Exception as err:  # no NVML: a missing fact, not a failed baseline
+        return {"error": str(err)}
+    return None if reader is None else worst_health([reader()])
+
+
+class HealthSampler:
+    """Samples a GPU's health (`reader`) on a thread while the code inside `with` runs: at its start, then every
+    `interval` seconds (default HEALTH_SAMPLE_S). `result()` is the worst seen (`worst_health`) with the number of samples; None without a
+    reader (off CUDA); the reason where none could be read."""
+
+    def __init__(self, reader: Callable[[], dict[str, Any]] | None, interval: float | None = None,
+                 error: str | None = None):  # fmt: skip
+        self.reader, self.interval, self.error = reader, interval or HEALTH_SAMPLE_S, error
+        self.samples: list[dict[str, Any]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="scalelm-gpu-health", daemon=True)
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.samples.append(self.reader())
+            except Exception as err:  # a GPU that stops answering: the samples so far stand
+                self.error = f"{type(err).__name__}: {err}"
+            if self.stopped.wait(self.interval):
+                return
+
+    def __enter__(self) -> HealthSampler:
+        if self.reader is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.reader is not None:
+            self.stopped.set()
+            self.thread.join()
+
+    def result(self) -> dict[str, Any] | None:
+        if self.samples:
+            return worst_health(self.samples) | {"samples": len(self.samples)}
+        return None if self.error is None else {"error": self.error}
+
+
+def health_sampler(device: torch.device) -> HealthSampler:
+    """The sampler of this rank's GPU (one that reads nothing off CUDA or without NVML, saying why)."""
+    try:
+        return HealthSampler(open_health_reader(device))
+    except Exception as err:  # no NVML: a missing fact, not a failed baseline
+        return HealthSampler(None, error=str(err))
 
 
 NETWORK = re.compile(r"Using network (\w+)")
@@ -311,8 +439,65 @@ def nccl_debug_env(directory: Path) -> dict[str, str]:
             "NCCL_DEBUG_FILE": str(directory / "nccl.%h.%p.log")}  # fmt: skip
 
 
+@contextmanager
+def forced_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in os.environ over what is there, and what was there (or nothing) back afterwards."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # ---------------------------------------------------------------------------------------------------- the run
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The baseline of this job (None on every rank but the first). On CUDA NCCL logs at INFO whatever the site
+    set (its WARN would hide the network it chose), for this run only, the site's setting restored afterwards. NCCL
+    reads it once per process, when first used: in a process that used NCCL before, the network stays unknown."""
+    import torch
+
+    logs = args.out.parent / f"{args.out.stem}.nccl"
+    detection: dict[str, str] = {}
+    if torch.cuda.is_available():
+        logs.mkdir(parents=True, exist_ok=True)
+        detection = nccl_debug_env(logs)
+    with forced_environment(detection):
+        return measure_job(args, logs)
+
+
+def measure_alone(config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device,
+                  all_cores: bool) -> dict[str, Any]:  # fmt: skip
+    """This rank's products, elementwise bandwidth and model steps, alone on its device, with its GPU's health
+    sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compiled = bool(config.train.compile)
+    m = shapes["output"][0]
+    small = max(config.data.seq_len, m // 4)  # a quarter of the tokens: what a step costs regardless
+    figures: dict[str, Any] = {"model_step_all_cores_s": None}
+    with health_sampler(device) as health:
+        figures |= {
+            "matmul": matmul_rates(shapes, device, dtype),
+            "elementwise_gbps": elementwise_gbps(m * vocab, device),
+            "model_step_s": model_step_seconds(config, vocab, m, device, compiled),
+            "model_step_small_s": model_step_seconds(config, vocab, small, device, compiled),
+            "model_step_small_tokens": small,
+        }
+        if all_cores:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            figures["model_step_all_cores_s"] = model_step_seconds(config, vocab, m, device, compiled)
+            torch.set_num_threads(threads)
+    return figures | {"model_step_compiled": compiled, "gpu": health.result()}
+
+
+def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -320,40 +505,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     from scalelm.measure.hostload import HostLoad, machine_id
     from scalelm.parallel.env import all_gather_object, barrier, setup, teardown
 
-    logs = args.out.parent / f"{args.out.stem}.nccl"
-    if torch.cuda.is_available():
-        logs.mkdir(parents=True, exist_ok=True)
-        for name, value in nccl_debug_env(logs).items():
-            os.environ.setdefault(name, value)
     env = setup("auto", 600)
     load = HostLoad()  # other work beside the baseline lowers its rates: the report marks it (report.disturbance)
     try:
         device = env.device
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = load_config(args.config)
-        shapes = gemm_shapes(config)
-        m, _, vocab = shapes["output"]
-        rates: dict[str, Any] | None = None
-        bandwidth = model_step = small_step = 0.0
-        small, all_cores = m, None
+        shapes = gemm_shapes(config, device.type)
+        m, _, vocab = output_shape(config)
+        alone: dict[str, Any] = {}
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
-            if rank == env.rank:
-                rates = matmul_rates(shapes, device, dtype)
-                bandwidth = elementwise_gbps(m * vocab, device)
-                model_step = model_step_seconds(config, vocab, m, device)
-                small = max(config.data.seq_len, m // 4)  # a quarter of the tokens: what a step costs regardless
-                small_step = model_step_seconds(config, vocab, small, device)
-                if device.type == "cpu" and rank == 0:  # one process with every core as a thread (a single run)
-                    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
-                    torch.set_num_threads(cores)
-                    all_cores = model_step_seconds(config, vocab, m, device)
-                    torch.set_num_threads(threads)
+            if rank == env.rank:  # on CPU rank 0 also runs one process with every core as a thread
+                alone = measure_alone(config, shapes, vocab, device, device.type == "cpu" and rank == 0)
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
             dist.barrier()
-            crowded = model_step_seconds(config, vocab, m, device)
+            crowded = model_step_seconds(config, vocab, m, device, alone["model_step_compiled"])
         collectives = []
         if env.world_size > 1:
             sizes = message_sizes(args.min_bytes, args.max_bytes)
@@ -362,11 +530,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
         per_rank = all_gather_object({
-            "rank": env.rank, "host": socket.gethostname(), "machine": machine_id(), "matmul": rates,
-            "elementwise_gbps": bandwidth, "model_step_s": model_step, "model_step_small_s": small_step,
-            "model_step_small_tokens": small, "model_step_together_s": crowded, "model_step_all_cores_s": all_cores,
-            "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "gpu": gpu_health(device),
-            "load": load.reading(),
+            "rank": env.rank, "host": socket.gethostname(), "machine": machine_id(), **alone,
+            "model_step_together_s": crowded, "threads": torch.get_num_threads(),
+            "cpus": len(os.sched_getaffinity(0)), "load": load.reading(),
         })  # fmt: skip
         barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
@@ -381,7 +547,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             "torch": torch.__version__,
             "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
             "elementwise_gbps_min": min(r["elementwise_gbps"] for r in per_rank),
-            "model_step": model_step_figures(m, per_rank),
+            "model_step": model_step_figures(m, per_rank) | {"compiled": alone["model_step_compiled"]},
             "per_rank": per_rank,
             "collectives": collectives,
             "nccl_network": network,
@@ -406,7 +572,8 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     lines = [f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
              f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
              f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
-             f"for {result['model_step']['tokens']:,} tokens (the slowest rank)"]  # fmt: skip
+             f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
+             f"{', compiled' if result['model_step'].get('compiled') else ''})"]  # fmt: skip
     if result["model_step"].get("host_speedup"):
         lines.append(f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
                      f"{result['model_step']['host_speedup']:.2f} x one rank's alone")  # fmt: skip

@@ -8,7 +8,13 @@ run inside `paused()` (evaluation, checkpoints), so joules per token are those o
 
 What each counts: NVML the whole board (a MIG slice's reading is its GPU's, so slices of one GPU would count it
 more than once: the meter refuses them); RAPL the packages (cores, caches, memory controller; not the DRAM zone
-some CPUs add, nor the rest of the node), whatever else runs on them."""
+some CPUs add, nor the rest of the node), whatever else runs on them.
+
+How far a lap can be trusted: NVML's power sensor samples only part of the runtime on recent GPUs (Yang et al.,
+SC24), and its power reading is an average over the last second on Ampere and later; its energy counter, preferred
+wherever the GPU has one, moves in steps. A run's total is sound, but a lap shorter than its counter's
+`shortest_reliable_s` is noise: `lap_reading` says so (`EnergyLap.reliable`). RAPL's counters update often enough
+for any lap."""
 
 from __future__ import annotations
 
@@ -16,15 +22,18 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 POWERCAP = Path("/sys/class/powercap")
 POWER_SAMPLE_S = 0.1  # where NVML has power but no energy counter
+NVML_RELIABLE_S = 1.0  # NVML's power is a one-second average (Ampere on), its sensor sampled part of the time
 
 
 class Counter(Protocol):
     source: str
+    shortest_reliable_s: float  # laps shorter than this are noise
 
     def joules(self) -> float:
         """Energy since some fixed origin (only differences mean anything)."""
@@ -34,6 +43,7 @@ class NvmlEnergy:
     """NVML's energy counter of one GPU (Volta and later): millijoules since the driver loaded."""
 
     source = "nvml energy counter"
+    shortest_reliable_s = NVML_RELIABLE_S
 
     def __init__(self, nvml, handle):
         self.nvml, self.handle = nvml, handle
@@ -48,6 +58,7 @@ class NvmlPower:
     NVML answers power but not energy."""
 
     source = "nvml power, integrated"
+    shortest_reliable_s = NVML_RELIABLE_S
 
     def __init__(self, nvml, handle, interval: float = POWER_SAMPLE_S):
         self.nvml, self.handle, self.interval = nvml, handle, interval
@@ -84,6 +95,7 @@ class Rapl:
     """The processor packages' energy counters (microjoules, each wrapping at its `max_energy_range_uj`)."""
 
     source = "rapl packages"
+    shortest_reliable_s = 0.0
 
     def __init__(self, root: Path = POWERCAP):
         self.zones = sorted(p for p in root.glob("*-rapl:*") if p.name.count(":") == 1)  # packages, not subzones
@@ -125,6 +137,16 @@ def gpu_counter(uuid: str) -> Counter:
         return NvmlPower(pynvml, handle)
 
 
+@dataclass(frozen=True)
+class EnergyLap:
+    """One lap: its joules (None once the energy is unknown), the seconds they were measured over (the lap's, less
+    the paused spans), and whether those were long enough for the counter (`Counter.shortest_reliable_s`)."""
+
+    joules: float | None
+    seconds: float
+    reliable: bool
+
+
 class EnergyMeter:
     """Joules of training between laps, without the `paused()` spans; `counter` None means this rank reads
     nothing (0 J: another rank of its machine reads the packages) and `unknown` says why none could be read."""
@@ -133,7 +155,8 @@ class EnergyMeter:
         self.counter, self.unknown = counter, unknown
         self.source = counter.source if counter else None
         self.start = self.read()
-        self.paused_j = 0.0
+        self.started = time.monotonic()
+        self.paused_j = self.paused_s = 0.0
 
     @classmethod
     def open(cls, device_uuid: str | None, reads_machine: bool) -> EnergyMeter:
@@ -156,18 +179,26 @@ class EnergyMeter:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        start = self.read()
+        start, started = self.read(), time.monotonic()
         try:
             yield
         finally:
             self.paused_j += self.read() - start
+            self.paused_s += time.monotonic() - started
 
     def lap(self) -> float | None:
         """Joules since the last lap, outside the paused spans; None once the energy is unknown."""
-        now = self.read()
-        joules = now - self.start - self.paused_j
-        self.start, self.paused_j = now, 0.0
-        return None if self.unknown is not None else joules
+        return self.lap_reading().joules
+
+    def lap_reading(self) -> EnergyLap:
+        """The lap since the last one (`lap`'s joules), with its span and whether it is long enough to trust."""
+        now, ended = self.read(), time.monotonic()
+        joules, seconds = now - self.start - self.paused_j, ended - self.started - self.paused_s
+        self.start, self.started, self.paused_j, self.paused_s = now, ended, 0.0, 0.0
+        if self.unknown is not None:
+            return EnergyLap(None, seconds, False)
+        shortest = self.counter.shortest_reliable_s if self.counter else 0.0  # no counter: an exact 0 J
+        return EnergyLap(joules, seconds, seconds >= shortest)
 
     def close(self) -> None:
         if hasattr(self.counter, "close"):

@@ -94,17 +94,19 @@ class Instruments:
     def interval(self, first_step: int, last_step: int, seconds: float, tokens: int) -> dict[str, Any]:
         """At a log line (a collective), the interval's figures of the metrics line: the largest rank's peak
         memory and reserved memory (MiB; None on CPU), its largest share of the `seconds` spent producing batches,
-        the job's energy in its steps and per token of its `tokens` (None where a rank could not measure it), and
-        whether the profiler ran in it (its time is then no steady-state figure)."""
+        the job's energy in its steps and per token of its `tokens` (None where a rank could not measure it; not
+        `energy_reliable` where a rank's interval was shorter than its counter resolves), and whether the profiler ran in it (its time is then no steady-state figure)."""
         peak, reserved = peak_memory_mb(self.env.device)
         profiled = any(self.comm.covers(step) for step in range(first_step, last_step + 1))
         if not profiled:
             self.steady_peak_mb = peak  # before the profiler's records and the final evaluation
-        mine = [peak, reserved if reserved is not None else -1.0, self.data_seconds / seconds if seconds else 0.0]
+        lap = self.energy.lap_reading()
+        mine = [peak, reserved if reserved is not None else -1.0, self.data_seconds / seconds if seconds else 0.0,
+                0.0 if lap.reliable else 1.0]  # fmt: skip
         self.data_seconds = 0.0
         largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX)
-        peak, reserved, data_share = largest.tolist()
-        joules = self.energy.lap()
+        peak, reserved, data_share, unreliable = largest.tolist()
+        joules = lap.joules
         joules = global_reduce(torch.tensor(math.nan if joules is None else joules, device=self.env.device)).item()
         joules = None if math.isnan(joules) else joules
         return {
@@ -113,6 +115,8 @@ class Instruments:
             "data_share": data_share,
             "energy_j": joules,
             "joules_per_token": joules / tokens if joules is not None and tokens else None,
+            # an NVML interval under its sensor's averaging window is noise; run totals are not (docs/gpu.md, 12)
+            "energy_reliable": joules is not None and not unreliable,
             "profiled": profiled,
         }
 

@@ -3,16 +3,26 @@
 On CPU in fp32 a training step of a small language model is dominated by the output projection with its
 cross-entropy and by dropout's random masks; GPUs, autocast and evaluation take the plain torch operations.
 Measurements behind each choice: docs/benchmarks.md.
+
+Also here: the dropout streams of tensor parallelism (`own_random_stream`). Masks drawn apart from torch's own
+sampler (numpy's, a stream's) take a seed drawn from torch's default CPU generator. Under torch.compile they are
+drawn by two dynamo-opaque custom ops (scalelm::dropout_mask, scalelm::stream_attention) that take that seed as a
+tensor: reading it as a number, numpy and the stream's fork_rng/manual_seed would each break the graph, and a break
+inside a checkpointed block runs the whole block eagerly. The ops are functions of their inputs, so a checkpoint may
+recompute them; eager runs call the same functions directly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from scalelm.model.gpu_ops import aligned_linear
@@ -37,32 +47,130 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and 0.0 < self.p < 1.0):
             return x
-        if not (x.device.type == "cpu" and x.dtype == torch.float32):
-            if not self.stream:  # torch's own dropout, which torch.compile traces into its graph
-                return super().forward(x)
+        numpy_masks = x.device.type == "cpu" and x.dtype == torch.float32
+        if not (numpy_masks or self.stream):  # torch's own dropout, which torch.compile traces into its graph
+            return super().forward(x)
+        if not (numpy_masks or torch.compiler.is_compiling()):
             with own_random_stream(self.stream, x.device):
                 return super().forward(x)
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        values = np.random.Generator(np.random.PCG64([seed, self.stream])).random(x.numel(), dtype=np.float32)
-        keep = values >= np.float32(self.p)
-        np.multiply(keep, np.float32(1.0) / np.float32(1.0 - self.p), out=values)  # F.dropout's 1/(1-p), in fp32
-        mask = torch.from_numpy(values).view(x.shape)
+        draw = dropout_mask_op if torch.compiler.is_compiling() else dropout_mask
+        mask = draw(list(x.shape), x.dtype, x.device, draw_seed(), self.stream, self.p)
         return x.mul_(mask) if self.inplace else x * mask
+
+
+def draw_seed() -> torch.Tensor:
+    """One draw of the default CPU generator (which thus advances alike on every rank): the seed of masks drawn apart
+    from torch's own sampler. A tensor, which torch.compile traces; reading it as a number would break the graph."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
 @contextlib.contextmanager
 def own_random_stream(stream: int, device: torch.device) -> Iterator[None]:
     """Random numbers drawn inside come from a stream of their own when `stream` is nonzero: seeded from one draw of
-    the default CPU generator (which thus advances alike on every rank) and the stream number. The draw is on the
-    CPU whatever the device: reading a CUDA draw would stop the host until the GPU caught up, twice per block."""
+    the default CPU generator and the stream number. The draw is on the CPU whatever the device: reading a CUDA draw
+    would stop the host until the GPU caught up, twice per block."""
     if not stream:
         yield
         return
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    with seeded_stream(int(draw_seed()), stream, device):
+        yield
+
+
+@contextlib.contextmanager
+def seeded_stream(seed: int, stream: int, device: torch.device) -> Iterator[None]:
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         torch.manual_seed(hash((seed, stream)) & (2**63 - 1))
         yield
+
+
+def dropout_mask(
+    shape: list[int], dtype: torch.dtype, device: torch.device, seed: torch.Tensor, stream: int, p: float
+) -> torch.Tensor:
+    """Dropout's factor, 0 or 1 / (1 - p), for a tensor of `shape`: drawn by numpy's PCG64 from (seed, stream) for
+    fp32 on the CPU (Dropout's fast path), by torch's sampler in stream `stream` of `seed` elsewhere."""
+    if device.type == "cpu" and dtype == torch.float32:
+        numel = math.prod(shape)
+        values = np.random.Generator(np.random.PCG64([int(seed), stream])).random(numel, dtype=np.float32)
+        keep = values >= np.float32(p)
+        np.multiply(keep, np.float32(1.0) / np.float32(1.0 - p), out=values)  # F.dropout's 1/(1-p), in fp32
+        return torch.from_numpy(values).view(shape)
+    with seeded_stream(int(seed), stream, device):
+        return F.dropout(torch.ones(shape, dtype=dtype, device=device), p)
+
+
+# what torch.compile calls: the same function, opaque to dynamo (eager runs skip the custom op's dispatch overhead)
+dropout_mask_op = torch.library.custom_op("scalelm::dropout_mask", dropout_mask, mutates_args=())
+
+
+@dropout_mask_op.register_fake
+def _(shape, dtype, device, seed, stream, p):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, stream: int) -> torch.Tensor:
+    """Causal scaled_dot_product_attention with dropout `p` drawn in stream `stream` (a tensor-parallel rank's own
+    heads). Under torch.compile one opaque op whose backward runs the attention again under the same seed (the
+    kernels' own saved state differs by backend): one more attention forward, instead of a block run eagerly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.scalelm.stream_attention(q, k, v, draw_seed(), stream, p).transpose(1, 2)
+    with own_random_stream(stream, q.device):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) -> (batch, seq, heads, head_dim): the layout the heads are merged from."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2)
+
+
+# The ops' outputs are contiguous whatever the attention kernel's layout, as their fake kernels say (the compiled
+# graph checks the strides). Both run SDPA with gradients tracked, as the eager path does: its choice of kernel, and so
+# of masks, depends on that. (An op's kernel runs with autograd's dispatch keys excluded: the forward records no
+# graph, and the backward takes its gradients with torch.func.)
+@torch.library.custom_op("scalelm::stream_attention", mutates_args=())
+def _stream_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, stream: int, p: float
+) -> torch.Tensor:
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad(), seeded_stream(int(seed), stream, q.device):
+        return _causal_attention(*inputs, p).detach().contiguous()
+
+
+@_stream_attention.register_fake
+def _(q, k, v, seed, stream, p):
+    batch, heads, seq, _ = q.shape
+    return q.new_empty(batch, seq, heads, v.shape[-1])
+
+
+@torch.library.custom_op("scalelm::stream_attention_backward", mutates_args=())
+def _stream_attention_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, stream: int, p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with seeded_stream(int(seed), stream, q.device):
+        _, pullback = torch.func.vjp(partial(_causal_attention, p=p), q, k, v)
+    dq, dk, dv = (g.contiguous() for g in pullback(grad))
+    return dq, dk, dv
+
+
+@_stream_attention_backward.register_fake
+def _(grad, q, k, v, seed, stream, p):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+def _save_attention_inputs(ctx, inputs, output):
+    q, k, v, seed, stream, p = inputs
+    ctx.save_for_backward(q, k, v, seed)
+    ctx.stream, ctx.p = stream, p
+
+
+def _attention_backward(ctx, grad):
+    q, k, v, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.scalelm.stream_attention_backward(grad, q, k, v, seed, ctx.stream, ctx.p)
+    return dq, dk, dv, None, None, None
+
+
+_stream_attention.register_autograd(_attention_backward, setup_context=_save_attention_inputs)
+STREAM_ATTENTION_OP = torch.ops.scalelm.stream_attention.default  # what selective checkpointing keeps
 
 
 def linear_cross_entropy(

@@ -1,7 +1,8 @@
 """The language-modelling loss, in one place: the cross-entropy of next-token logits, computed in fp32 whatever the
 logits' precision, positions whose target is IGNORE_INDEX (an evaluation's padding rows) left out. The model's head
-(fused with the output projection on CPU: cpu_ops.linear_cross_entropy, which computes the same), the pipeline's last
-stage and evaluation all call `lm_loss`; under torch's loss_parallel() it takes vocabulary-split logits too."""
+(fused with the output projection on CPU: cpu_ops.linear_cross_entropy, which computes the same; a pipeline's last
+stage goes through it too, TransformerLM.head_loss) and evaluation call `lm_loss`; under torch's loss_parallel() it
+takes vocabulary-split logits too."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelm.config import ModelConfig
-from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, own_random_stream
+from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, stream_attention
 from scalelm.model.gpu_ops import aligned_linear
 from scalelm.model.loss import lm_loss
 
@@ -55,9 +55,8 @@ class CausalSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.core is not None:
             y = self.core(q, k, v, p)
-        elif p and self.dropout_stream:
-            with own_random_stream(self.dropout_stream, x.device):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        elif p and self.dropout_stream:  # this rank's heads' own masks (tensor parallelism)
+            y = stream_attention(q, k, v, p, self.dropout_stream)
         else:  # no context manager on the common path: nothing for torch.compile to trace through
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
@@ -116,6 +115,10 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(config.d_model)
         self.head = OutputHead(config.d_model, vocab_size)
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
+        # set on the last stage of a pipeline (scalelm.parallel.pipeline.Pipeline): its forward ends with the final
+        # norm, and the schedule's loss function runs `head_loss`, so the head and its loss stay the whole model's
+        # one fused (on CUDA compiled) path
+        self.head_in_loss = False
         # set by context parallelism: this rank holds part of every sequence (parallel.context.SequenceSplit)
         self.sequence_split = None
         self.init_buffers()
@@ -153,7 +156,8 @@ class TransformerLM(nn.Module):
         IGNORE_INDEX left out): `lm_loss(logits, targets)`, fused with the output projection on CPU.
 
         A pipeline stage (scalelm.parallel.pipeline) lacks the parts of other stages: without the embedding it takes
-        the previous stage's hidden states instead of tokens, without the head it returns its own. Under context
+        the previous stage's hidden states instead of tokens, without the head it returns its own; the last stage
+        returns them after the final norm (`head_in_loss`), for its loss function's `head_loss`. Under context
         parallelism the tokens are this rank's part of each sequence (`sequence_split`), read at their global
         positions.
         """
@@ -172,11 +176,22 @@ class TransformerLM(nn.Module):
         if self.head is None:
             return x
         x = self.norm(x)
-        if self.loss_parallel:  # logits split by vocabulary; the caller runs this under torch's loss_parallel()
-            logits = self.head(x)
-            if targets is None:
-                return logits
-            return lm_loss(logits, targets)
+        if targets is not None:
+            return self.head_loss(x, targets)
+        return x if self.head_in_loss else self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's logits of `x` (after the final norm), split by vocabulary under loss_parallel."""
+        # (no targets, but an argument for them: under sequence parallelism the head's input hook takes two)
+        return self.head(x) if self.loss_parallel else self.head(x, None)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the head's logits of `x` (after the final norm) against `targets`: the head's
+        own fused path (scalelm.model.cpu_ops on CPU; the head compiled with its loss on CUDA). Under tensor
+        parallelism's loss_parallel the logits are split by vocabulary, and the caller runs this under torch's
+        loss_parallel()."""
+        if self.loss_parallel:
+            return lm_loss(self.head(x), targets)
         return self.head(x, targets)
 
 

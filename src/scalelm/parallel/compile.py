@@ -3,6 +3,11 @@ torchtitan uses), so that FSDP's hooks stay outside the compiled code and every 
 
 Modules are compiled in place (`nn.Module.compile`): parameter names, and so checkpoints, are those of the eager
 model, and a compiled run resumes an eager one's checkpoint and the other way round.
+
+`train.compile_mode` is passed on as torch.compile's mode. max-autotune-no-cudagraphs benchmarks kernels at the first
+step (minutes); what it found is worth keeping, so Inductor's persistent caches stay on (FX graphs and autotuning
+results, under TORCHINDUCTOR_CACHE_DIR: site.yaml's inductor_cache_dir, else Inductor's default), never a per-run
+directory.
 """
 
 from __future__ import annotations
@@ -28,14 +33,26 @@ def check_c_compiler() -> None:
         )
 
 
-def apply_compile(model: nn.Module, device: torch.device) -> None:
+def keep_tuning_results() -> None:
+    """Inductor's FX graph and autotuning caches on (torch's defaults, unless the environment turned them off), so
+    that a tuned compilation is paid once per cache directory, not per run."""
+    import torch._inductor.config as inductor
+
+    for name, setting in (("FX_GRAPH_CACHE", "fx_graph_cache"), ("AUTOTUNE_LOCAL_CACHE", "autotune_local_cache")):
+        if f"TORCHINDUCTOR_{name}" not in os.environ:
+            setattr(inductor, setting, True)
+
+
+def apply_compile(model: nn.Module, device: torch.device, mode: str = "default") -> None:
     """Compile the blocks of `model` (a whole model or a pipeline stage, on any device, meta included) and, on CUDA,
     the output head with its loss: logits, their fp32 cast and the cross-entropy fused instead of a vocabulary-wide
-    tensor each. On CPU the head keeps its hand-fused loss (scalelm.model.cpu_ops); inductor's C++ kernels need the
-    compiler there too, which torch checks itself."""
+    tensor each, all in torch.compile's `mode` (train.compile_mode). On CPU the head keeps its hand-fused loss
+    (scalelm.model.cpu_ops); inductor's C++ kernels need the compiler there too, which torch checks itself."""
     if device.type == "cuda":
         check_c_compiler()
+    if mode != "default":
+        keep_tuning_results()
     for block in model.blocks.values():
-        block.compile()
+        block.compile(mode=mode)
     if device.type == "cuda" and model.head is not None:
-        model.head.compile()
+        model.head.compile(mode=mode)

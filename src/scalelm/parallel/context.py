@@ -1,48 +1,75 @@
 """Context parallelism's core: causal ring attention over a group of ranks that each hold part of every sequence.
 
-torch's own context_parallel needs CUDA kernels and NCCL; this one is written with plain tensor operations and
-point-to-point messages, so it runs on CPUs and gloo as well (and on GPUs, without flash kernels).
-
 Each rank keeps its queries and passes its key/value block around the ring (to rank + 1, from rank - 1); after
-cp - 1 hops every query has met every key. A block's partial attention is merged into the running result through its
-log-sum-exp (fp32), and blocks wholly in a query block's future are skipped. Backward recomputes the probabilities
-block by block from the saved log-sum-exp; dq stays home, while the dk/dv accumulator of a block travels with it and
-takes one last hop after the final step, which brings it back to its owner. On the CPU without dropout each block goes
-through torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its backward), which never holds a
-block's whole score matrix; elsewhere, and for dropout, through plain matrix products.
+cp - 1 hops every query has met every key. A block's partial attention (scalelm.parallel.ring_blocks: its kernels,
+products, dropout masks and log-sum-exp merge) is merged into the running result, and blocks wholly in a query
+block's future are skipped. Backward recomputes the probabilities block by block from the saved log-sum-exp; dq stays
+home, while the dk/dv accumulator of a block travels with it and takes one last hop after the final step, which
+brings it back to its owner.
+
+The ring is one operator, `scalelm::ring_attention` (torch.library.custom_op, with `scalelm::ring_attention_backward`):
+dynamo traces it as one node, without a graph break, and selective activation checkpointing keeps its output and
+log-sum-exp instead of each block's products. An operator takes no process group: the group travels by its name.
+
+Nothing is read back to the host in a call: every rank's positions follow from (sequence length, cp, load
+balancing), so the block bounds are Python ints, computed once per shape (`_plan`), and the positions that dropout
+masks need are made on the device once and kept.
 
 Communication per attention call on a rank, with a local block of B x H x L x D elements of e bytes (q's dtype):
-forward cp - 1 messages of 2 B H L D e bytes (k and v together) and one all-gather of the positions (cp L int64);
-backward cp - 1 such key/value messages plus cp messages of 2 B H L D x 4 bytes (the fp32 dk/dv accumulators).
+forward cp - 1 messages of 2 B H L D e bytes (k and v together); backward cp - 1 such key/value messages plus cp
+messages of 2 B H L D x 4 bytes (the fp32 dk/dv accumulators).
 
 The split of the sequence (chunk_positions): contiguous, or load-balanced as in torchtitan, where rank r holds chunks
 r and 2 cp - 1 - r of 2 cp, so that every rank gets the same share of the causal mask's work.
 
-Attention dropout draws its masks from a counter-based hash of (seed, batch, head, query position, key position),
-so they do not depend on cp or on the split: a run with cp = 2 drops the same probabilities as one without.
+`simulated_ring_attention` runs every rank's blocks of a cp-way split on one device, without messages: the blocks'
+shapes and kernels of a real ring, for checks on a single GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from scalelm.parallel.layout import sequence_chunk
+from scalelm.parallel.ring_blocks import (
+    _acc,
+    _acc_dtype,
+    _Block,
+    _block_forward,
+    _cols,
+    _contiguous,
+    _Dropout,
+    _merge,
+    _product_backward,
+    _rows,
+    _scores,
+    fused_kernel,
+)
+
+Tensor = torch.Tensor
 
 
-def chunk_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
-    """The global positions (int64, ascending) of the tokens of a sequence that rank `cp_rank` of `cp_size` holds."""
+def _chunk_ranges(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -> list[range]:
     chunk = sequence_chunk(seq_len, cp_size, load_balance)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp_size - 1}")
-    if not load_balance:
-        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=torch.int64)
-    tail = 2 * cp_size - 1 - cp_rank
-    return torch.cat(
-        [torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)]
-    ).to(torch.int64)
+    chunks = [cp_rank] if not load_balance else [cp_rank, 2 * cp_size - 1 - cp_rank]
+    return [range(c * chunk, (c + 1) * chunk) for c in chunks]
+
+
+def chunk_positions(
+    seq_len: int, cp_rank: int, cp_size: int, load_balance: bool, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The global positions (int64, ascending) of the tokens of a sequence that rank `cp_rank` of `cp_size` holds,
+    made on `device` (no copy)."""
+    parts = [torch.arange(r.start, r.stop, dtype=torch.int64, device=device)
+             for r in _chunk_ranges(seq_len, cp_rank, cp_size, load_balance)]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_balance: bool) -> torch.Tensor:
@@ -63,6 +90,26 @@ def _size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _group_named(name: str | None):
+    """The process group an operator got by name (operators take no process groups)."""
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _unsplit(parts: list[torch.Tensor], dim: int, load_balance: bool) -> torch.Tensor:
+    """The whole sequence along `dim` from every rank's part, in rank order."""
+    n = len(parts)
+    if n == 1:
+        return parts[0]
+    seq_len = parts[0].size(dim) * n
+    device = parts[0].device
+    order = torch.cat([chunk_positions(seq_len, r, n, load_balance, device) for r in range(n)])
+    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
+
+
 def gather_sequence(part: torch.Tensor, dim: int, group, load_balance: bool) -> torch.Tensor:
     """The whole sequence along `dim` from every rank's part (shard_sequence's inverse; not differentiable)."""
     n, _ = _size_rank(group)
@@ -70,223 +117,43 @@ def gather_sequence(part: torch.Tensor, dim: int, group, load_balance: bool) -> 
         return part
     parts = [torch.empty_like(part, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(parts, part.contiguous(), group=group)
-    seq_len = part.size(dim) * n
-    order = torch.cat([chunk_positions(seq_len, r, n, load_balance) for r in range(n)]).to(part.device)
-    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
+    return _unsplit(parts, dim, load_balance)
 
 
-# --- dropout masks ---------------------------------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
+# --- the ring's schedule ---------------------------------------------------------------------------------------------
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (Chris Wellons' integer hash) on values in [0, 2^32) held in int64: its multipliers are below 2^31,
-    so no product leaves int64's range and the result is the same on every device and build."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
+class _Plan:
+    """The blocks rank `rank` of `n` computes, by ring step (step s: its queries, rank (rank - s) % n's keys), and
+    their positions and masks on a device, made there once."""
+
+    def __init__(self, length: int, n: int, rank: int, load_balance: bool):
+        self.length, self.n, self.rank, self.load_balance = length, n, rank, load_balance
+        positions = [[i for part in _chunk_ranges(length * n, r, n, load_balance) for i in part] for r in range(n)]
+        self.blocks = [_Block(positions[rank], positions[(rank - step) % n]) for step in range(n)]
+        self.general_masks = any(block.masked and not block.causal for block in self.blocks)
+        self._on: dict[tuple[int, torch.device], tuple] = {}
+
+    def on(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Block `step`'s query and key positions on `device`, and where its mask hides a key from a query there
+        (None: unmasked)."""
+        key = (step, device)
+        if key not in self._on:
+            block, whole = self.blocks[step], self.length * self.n
+            q_pos = _rows(chunk_positions(whole, self.rank, self.n, self.load_balance, device), block, 0)
+            k_pos = chunk_positions(whole, (self.rank - step) % self.n, self.n, self.load_balance, device)
+            k_pos = k_pos.narrow(0, 0, block.cols)
+            hidden = q_pos.view(-1, 1) < k_pos.view(1, -1) if block.masked else None
+            self._on[key] = (q_pos, k_pos, hidden)
+        return self._on[key]
 
 
-def _keep_scale(
-    seed: int,
-    dropout_p: float,
-    batch: torch.Tensor,
-    heads: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The dropout factor, 0 or 1 / (1 - p), of every (batch, head, query, key): shape (B, H, Lq, Lk).
-
-    Each coordinate is folded into the hash in turn (xor, then mix), the cheap ones on small tensors first."""
-    h = _mix32(torch.tensor([(seed & _M32) ^ 0x9E3779B9], dtype=torch.int64, device=q_pos.device))
-    h = _mix32(h ^ ((seed >> 32) & _M32))
-    h = _mix32(h ^ batch.view(-1, 1, 1, 1))
-    h = _mix32(h ^ heads.view(1, -1, 1, 1))
-    h = _mix32(h ^ q_pos.view(1, 1, -1, 1))
-    h = _mix32(h ^ k_pos.view(1, 1, 1, -1))
-    keep = h.to(torch.float64) * 2.0**-32 >= dropout_p  # a uniform in [0, 1), exact in float64
-    return keep.to(dtype) * (1.0 / (1.0 - dropout_p))
+@functools.lru_cache(maxsize=64)
+def _plan(length: int, n: int, rank: int, load_balance: bool) -> _Plan:
+    return _Plan(length, n, rank, load_balance)
 
 
-class _Dropout:
-    """What a block needs to regenerate its masks (scale() is None where dropout_p is 0: no masks computed)."""
-
-    def __init__(self, dropout_p: float, seed: int | None, batch: int, heads: int, batch_offset: int, head_offset: int):
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        if dropout_p and seed is None:
-            raise ValueError("attention dropout needs a seed: its masks are a function of it, the same on every rank")
-        self.p, self.seed = dropout_p, seed
-        self.batch = torch.arange(batch_offset, batch_offset + batch, dtype=torch.int64)
-        self.heads = torch.arange(head_offset, head_offset + heads, dtype=torch.int64)
-
-    def scale(self, q_pos: torch.Tensor, k_pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-        """The factors for a block of scores `like`, computed on its device in its dtype."""
-        if not self.p:
-            return None
-        on = like.device
-        batch, heads, q_pos, k_pos = (t.to(on) for t in (self.batch, self.heads, q_pos, k_pos))
-        return _keep_scale(self.seed, self.p, batch, heads, q_pos, k_pos, like.dtype)
-
-
-# --- one block -------------------------------------------------------------------------------------------------------
-
-
-class _Block:
-    """The part of a (query block, key block) pair that the causal mask leaves anything in: the queries from `rows`
-    on (the earlier ones see none of the keys) and the keys before `cols` (no query sees the later ones).
-
-    Positions ascend, so both are ranges. Under the load-balanced split this halves every block but a rank's own,
-    and leaves the half unmasked: that, not the skipped blocks, is what evens the ranks' work out. What is left is
-    unmasked, or (a rank's own block: the same positions) causal, or, for positions no split makes, a general mask."""
-
-    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        self.rows = int((q_pos < k_pos[0]).sum())
-        self.cols = int((k_pos <= q_pos[-1]).sum())
-        self.empty = self.rows == q_pos.numel() or self.cols == 0
-        self.q_pos, self.k_pos = q_pos[self.rows :], k_pos[: self.cols]
-        # None: every query of the part sees every key of it
-        self.mask = (
-            None if self.empty or self.k_pos[-1] <= self.q_pos[0] else self.q_pos.view(-1, 1) >= self.k_pos.view(1, -1)
-        )
-        self.causal = self.mask is not None and torch.equal(self.q_pos, self.k_pos)
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """`t` in the accumulation dtype: fp32 for fp32 and narrower, float64 kept (the exact tests)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    s = torch.matmul(_acc(q), _acc(k).transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
-
-
-def _fused(q: torch.Tensor, block: _Block, drop: _Dropout) -> bool:
-    """Whether a block goes through torch's CPU flash kernel, which never holds its whole score matrix: on the CPU,
-    without dropout (the kernel's masks would not be the split-independent ones), unmasked or causal."""
-    return q.device.type == "cpu" and not drop.p and (block.mask is None or block.causal)
-
-
-def _block_forward(q, k, v, block: _Block, scale: float, drop: _Dropout) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's attention output, normalised over its own keys, and its log-sum-exp (both in the accumulation
-    dtype): what the ring merges."""
-    if _fused(q, block, drop):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, block.causal, scale=scale)
-        return _acc(out), _acc(lse)
-    s = _scores(q, k, scale, block.mask)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    z = drop.scale(block.q_pos, block.k_pos, s)
-    return torch.matmul(p if z is None else p * z, _acc(v)), lse
-
-
-def _block_backward(d_out, q, k, v, out, lse, delta, block: _Block, scale: float, drop: _Dropout):
-    """A block's dq, dk, dv (accumulation dtype), from the whole attention's output and log-sum-exp: the
-    probabilities are recomputed against the final normalisation, so the blocks' gradients add up."""
-    if _fused(q, block, drop):
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out.to(q.dtype), q, k, v, out, lse, 0.0, block.causal, scale=scale
-        )
-        return tuple(_acc(g) for g in grads)
-    d_out, q, k, v = _acc(d_out), _acc(q), _acc(k), _acc(v)
-    s = _scores(q, k, scale, block.mask)
-    p = torch.exp(s - lse.unsqueeze(-1))  # the undropped probabilities; masked entries are exp(-inf) = 0
-    z = drop.scale(block.q_pos, block.k_pos, s)
-    dp = torch.matmul(d_out, v.transpose(-2, -1))
-    if z is not None:
-        dp = dp * z
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
-    dv = torch.matmul((p if z is None else p * z).transpose(-2, -1), d_out)
-    return dq, dk, dv
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, positions, group, dropout_p, seed, batch_offset, head_offset):
-        n, rank = _size_rank(group)
-        batch, heads, length, dim = q.shape
-        scale = 1.0 / math.sqrt(dim)
-        drop = _Dropout(dropout_p, seed, batch, heads, batch_offset, head_offset)
-        # the positions stay on the CPU: the block bounds are Python ints, which would otherwise sync with a GPU
-        q_pos = positions.to(device="cpu", dtype=torch.int64)
-        if q_pos.shape != (length,) or not bool(torch.all(q_pos[1:] > q_pos[:-1])):
-            raise ValueError(f"positions must be {length} ascending integers (chunk_positions), got {positions}")
-        all_pos = _all_positions(q_pos, group, n, q.device)
-        ring = _Ring(group, n, rank)
-
-        like = {"device": q.device, "dtype": _acc(q).dtype}
-        out = torch.zeros((batch, heads, length, dim), **like)  # normalised over the keys seen so far
-        lse = torch.full((batch, heads, length), float("-inf"), **like)  # their log-sum-exp
-        kv = torch.stack([k, v])
-        for step in range(n):
-            nxt = ring.pass_on(kv, tag=0) if step < n - 1 else None  # the next block travels while this one computes
-            block = _Block(q_pos, all_pos[(rank - step) % n])
-            if not block.empty:
-                rows, cols = slice(block.rows, None), slice(None, block.cols)
-                out_b, lse_b = _block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale,
-                                              drop)  # fmt: skip
-                merged = torch.logaddexp(lse[..., rows], lse_b)  # every row of a block sees a key: lse_b is finite
-                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
-                                     + out_b * torch.exp(lse_b - merged).unsqueeze(-1))  # fmt: skip
-                lse[..., rows] = merged
-            if nxt is not None:
-                kv = nxt.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos)
-        ctx.group, ctx.drop, ctx.scale = group, drop, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse, q_pos, all_pos = ctx.saved_tensors
-        n, rank = _size_rank(ctx.group)
-        ring = _Ring(ctx.group, n, rank)
-        delta = (_acc(d_out) * _acc(out)).sum(-1, keepdim=True)  # D = rowsum(dO * O): the softmax's backward term
-
-        dq = torch.zeros_like(_acc(q))
-        dkv = torch.zeros((2, *k.shape), device=k.device, dtype=dq.dtype)  # the dk/dv accumulator of the block in hand
-        kv = torch.stack([k, v])
-        incoming = None
-        for step in range(n):
-            nxt = ring.pass_on(kv, tag=0) if step < n - 1 else None
-            if incoming is not None:
-                dkv = incoming.wait()  # the accumulator of the block that has just arrived, from the rank before
-            block = _Block(q_pos, all_pos[(rank - step) % n])
-            if not block.empty:
-                rows, cols = slice(block.rows, None), slice(None, block.cols)
-                dq_b, dk_b, dv_b = _block_backward(
-                    d_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], out[..., rows, :],
-                    lse[..., rows], delta[..., rows, :], block, ctx.scale, ctx.drop,
-                )  # fmt: skip
-                dq[..., rows, :] += dq_b
-                dkv[0][..., cols, :] += dk_b
-                dkv[1][..., cols, :] += dv_b
-            if n > 1:
-                incoming = ring.pass_on(dkv, tag=1)  # after the last step this hop brings each block home
-            if nxt is not None:
-                kv = nxt.wait()
-        if incoming is not None:
-            dkv = incoming.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
-
-
-def _all_positions(q_pos: torch.Tensor, group, n: int, device: torch.device) -> torch.Tensor:
-    """Every rank's positions, (n, L) on the CPU: one small all-gather (on the tensors' device, which NCCL needs),
-    so the ring's messages carry only keys and values."""
-    if n == 1:
-        return q_pos.unsqueeze(0)
-    # the list form: all_gather_into_tensor is deprecated in torch 2.13, and its successor absent from torch 2.6
-    mine = q_pos.to(device)
-    out = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(out, mine, group=group)
-    return torch.stack(out).cpu()
+# --- the ring --------------------------------------------------------------------------------------------------------
 
 
 class _Transfer:
@@ -299,16 +166,18 @@ class _Transfer:
         return self.buffer
 
 
-class _Ring:
-    """Sends to the next rank of the group and receives from the one before, by global rank as P2POp wants."""
+class _MessageRing:
+    """Where a rank's blocks come from in a real ring: sends to the next rank of the group and receives from the one
+    before (by global rank, as P2POp wants), the next block in flight while this one computes."""
 
-    def __init__(self, group, n: int, rank: int):
-        self.group = group
+    def __init__(self, group, n: int, rank: int, kv: torch.Tensor):
+        self.group, self.n = group, n
         if n > 1:
             self.to = dist.get_global_rank(group, (rank + 1) % n)
             self.frm = dist.get_global_rank(group, (rank - 1) % n)
+        self._kv, self._next, self._incoming, self._dkv = kv, None, None, None
 
-    def pass_on(self, tensor: torch.Tensor, tag: int) -> _Transfer:
+    def _pass_on(self, tensor: torch.Tensor, tag: int) -> _Transfer:
         """Start sending `tensor` on and receiving its successor; the tag keeps the key/value stream apart from the
         accumulators' when both are in flight between the same two ranks (gloo matches by peer and tag)."""
         buffer = torch.empty_like(tensor)
@@ -318,26 +187,275 @@ class _Ring:
         ]
         return _Transfer(dist.batch_isend_irecv(ops), buffer)
 
+    def kv(self, step: int) -> torch.Tensor:
+        """The keys and values (stacked) of step `step`'s block."""
+        if step:
+            self._kv = self._next.wait()
+        self._next = self._pass_on(self._kv, tag=0) if step < self.n - 1 else None
+        return self._kv
+
+    def dkv(self, step: int) -> torch.Tensor:
+        """The dk/dv accumulator of step `step`'s block, which arrived with it from the rank before."""
+        if step:
+            self._dkv = self._incoming.wait()
+        elif self._dkv is None:
+            self._dkv = torch.zeros(self._kv.shape, device=self._kv.device, dtype=_acc_dtype(self._kv.dtype))
+        return self._dkv
+
+    def done(self, step: int) -> None:
+        """Step `step`'s block is done: its accumulator travels on (after the last step: home)."""
+        if self.n > 1:
+            self._incoming = self._pass_on(self._dkv, tag=1)
+
+    def own_dkv(self) -> torch.Tensor:
+        return self._incoming.wait() if self._incoming is not None else self._dkv
+
+
+class _LocalRing:
+    """Every rank's blocks on one device (simulated_ring_attention): rank `rank`'s view of shared lists."""
+
+    def __init__(self, kvs: list[torch.Tensor], dkvs: list[torch.Tensor] | None, rank: int):
+        self.kvs, self.dkvs, self.rank, self.n = kvs, dkvs, rank, len(kvs)
+
+    def kv(self, step: int) -> torch.Tensor:
+        return self.kvs[(self.rank - step) % self.n]
+
+    def dkv(self, step: int) -> torch.Tensor:
+        return self.dkvs[(self.rank - step) % self.n]
+
+    def done(self, step: int) -> None:
+        pass
+
+
+def _rank_forward(q, ring, plan: _Plan, drop: _Dropout, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's output (q's dtype) and log-sum-exp (accumulation dtype) over all the ring's blocks."""
+    batch, heads, length, dim = q.shape
+    scale = 1.0 / math.sqrt(dim)
+    acc = {"device": q.device, "dtype": _acc_dtype(q.dtype)}
+    out = torch.zeros((batch, heads, length, dim), **acc)  # normalised over the keys seen so far
+    lse = torch.full((batch, heads, length), float("-inf"), **acc)  # their log-sum-exp
+    for step, block in enumerate(plan.blocks):
+        k, v = ring.kv(step).unbind(0)
+        if block.empty:
+            continue
+        where = plan.on(step, q.device)
+        out_b, lse_b = _block_forward(_rows(q, block), _cols(k, block), _cols(v, block), where, block, scale, drop,
+                                      kernel)  # fmt: skip
+        lse = _merge(out, lse, block, out_b, lse_b)
+    return out.to(q.dtype), lse
+
+
+def _rank_backward(d_out, q, out, lse, ring, plan: _Plan, drop: _Dropout, kernel) -> torch.Tensor:
+    """One rank's dq (accumulation dtype); each block's dk/dv go into the accumulator the ring hands out."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    fused = kernel is not None and not drop.p
+    products = not fused or plan.general_masks
+    delta = (_acc(d_out) * _acc(out)).sum(-1, keepdim=True) if products else None  # rowsum(dO * O), the softmax's
+    dq = torch.zeros(q.shape, device=q.device, dtype=_acc_dtype(q.dtype))
+    for step, block in enumerate(plan.blocks):
+        k, v = ring.kv(step).unbind(0)
+        dk, dv = ring.dkv(step).unbind(0)
+        if not block.empty:
+            args = _rows(d_out, block), _rows(q, block), _cols(k, block), _cols(v, block)
+            if fused and (not block.masked or block.causal):
+                lse_rows = _contiguous(_rows(lse, block, -1))  # torch's context_parallel: a strided one reads wrong
+                grads = kernel.backward(*args, _rows(out, block), lse_rows, block.causal, scale)
+            else:
+                where = plan.on(step, q.device)
+                grads = _product_backward(*args, _rows(lse, block, -1), _rows(delta, block), where, scale, drop)
+            _rows(dq, block).add_(grads[0])
+            _cols(dk, block).add_(grads[1])
+            _cols(dv, block).add_(grads[2])
+        ring.done(step)
+    return dq
+
+
+# --- the operator ----------------------------------------------------------------------------------------------------
+
+
+def _setup(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
+    """The ring's messages, its rank's blocks, the dropout masks' maker and the kernel of one call."""
+    group = _group_named(group_name)
+    n, rank = _size_rank(group)
+    batch, heads, length, _ = q.shape
+    ring = _MessageRing(group, n, rank, torch.stack([k, v]))
+    drop = _Dropout(dropout_p, seed, batch, heads, (batch_offset, head_offset), q.device)
+    return ring, _plan(length, n, rank, load_balance), drop, None if dropout_p else fused_kernel(q)
+
+
+def _ring_forward(q, k, v, *options) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operator's forward: this rank's output (q's dtype) and log-sum-exp (accumulation dtype)."""
+    return _rank_forward(q, *_setup(q, k, v, *options))
+
+
+def _ring_backward(d_out, q, k, v, out, lse, *options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operator's backward: dq, dk, dv in the inputs' dtypes."""
+    ring, plan, drop, kernel = _setup(q, k, v, *options)
+    dq = _rank_backward(d_out.to(q.dtype), q, out, lse, ring, plan, drop, kernel)
+    dk, dv = ring.own_dkv().unbind(0)
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype)  # copy: an operator's outputs may not alias
+
+
+@torch.library.custom_op("scalelm::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seed: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
+    group_name: Optional[str],  # noqa: UP045
+    load_balance: bool,
+    dropout_p: float,
+    batch_offset: int,
+    head_offset: int,
+) -> tuple[Tensor, Tensor]:
+    return _ring_forward(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("scalelm::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    d_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    seed: Optional[Tensor],  # noqa: UP045
+    group_name: Optional[str],  # noqa: UP045
+    load_balance: bool,
+    dropout_p: float,
+    batch_offset: int,
+    head_offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    options = (seed, group_name, load_balance, dropout_p, batch_offset, head_offset)
+    return _ring_backward(d_out, q, k, v, out, lse, *options)
+
+
+@_ring_attention_backward_op.register_fake
+def _(d_out, q, k, v, out, lse, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, seed, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = _ring_attention_backward_op(d_out, q, k, v, out, lse, seed, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
+RING_OP = torch.ops.scalelm.ring_attention.default  # what checkpoint policies see
+
+
+def _seed_tensor(seed) -> torch.Tensor | None:
+    if seed is None or isinstance(seed, torch.Tensor):
+        return seed
+    return torch.tensor(seed, dtype=torch.int64)
+
 
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
     group=None,
     dropout_p: float = 0.0,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     *,
+    load_balance: bool = False,
     batch_offset: int = 0,
     head_offset: int = 0,
+    group_name: str | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, whose parts the ranks of `group` hold.
 
-    q, k, v: (batch, heads, local_seq, head_dim), the tokens at global `positions` (every rank's positions have the
-    same length). group None or of one rank: plain masked attention, through the same code. batch_offset and
-    head_offset place this rank's batch and heads among the global ones (data or tensor parallelism), so that the
-    dropout masks are those of the whole batch and all heads, whatever the split."""
-    return _RingAttention.apply(q, k, v, positions, group, dropout_p, seed, batch_offset, head_offset)
+    q, k, v: (batch, heads, local_seq, head_dim), this rank's part of every sequence as chunk_positions splits it
+    (`load_balance`). group None or of one rank: plain causal attention, through the same code. seed (an int, or an
+    int64 tensor, which keeps the call free of Python numbers under torch.compile): the dropout masks'; batch_offset
+    and head_offset place this rank's batch and heads among the global ones (data or tensor parallelism), so that
+    the dropout masks are those of the whole batch and all heads, whatever the split. group_name in place of group:
+    what a compiled caller passes (dynamo does not read process groups' attributes)."""
+    if isinstance(group, torch.Tensor):
+        raise TypeError(
+            "ring_attention takes no positions: they follow from the split, so pass load_balance= (and group=) instead"
+        )
+    if group is not None:
+        group_name = group.group_name
+    out, _ = _ring_attention_op(q, k, v, _seed_tensor(seed), group_name, load_balance, float(dropout_p),
+                                batch_offset, head_offset)  # fmt: skip
+    return out
+
+
+# --- one device: every rank's blocks ---------------------------------------------------------------------------------
+
+
+class _Simulation:
+    """Every rank's blocks of a cp-way split of whole sequences on one device, with _LocalRing in place of messages."""
+
+    def __init__(self, q, k, v, cp: int, load_balance: bool, dropout_p: float, seed):
+        self.cp, self.load_balance = cp, load_balance
+        self.qs, ks, vs = ([shard_sequence(t, 2, r, cp, load_balance) for r in range(cp)] for t in (q, k, v))
+        self.kvs = [torch.stack([k_r, v_r]) for k_r, v_r in zip(ks, vs)]
+        self.plans = [_plan(self.qs[0].shape[2], cp, r, load_balance) for r in range(cp)]
+        self.drop = _Dropout(dropout_p, seed, q.shape[0], q.shape[1], (0, 0), q.device)
+        self.kernel = None if dropout_p else fused_kernel(q)
+
+    def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every rank's output and log-sum-exp."""
+        ranks = [_rank_forward(self.qs[r], _LocalRing(self.kvs, None, r), self.plans[r], self.drop, self.kernel)
+                 for r in range(self.cp)]  # fmt: skip
+        return [out for out, _ in ranks], [lse for _, lse in ranks]
+
+    def backward(self, d_out, outs, lses) -> list[torch.Tensor]:
+        """dq, dk, dv of the whole sequences (accumulation dtype) from the whole output's gradient."""
+        d_outs = [shard_sequence(d_out, 2, r, self.cp, self.load_balance) for r in range(self.cp)]
+        dkvs = [torch.zeros(kv.shape, device=kv.device, dtype=_acc_dtype(kv.dtype)) for kv in self.kvs]
+        dqs = [_rank_backward(d_outs[r], self.qs[r], outs[r], lses[r], _LocalRing(self.kvs, dkvs, r), self.plans[r],
+                              self.drop, self.kernel) for r in range(self.cp)]  # fmt: skip
+        dks, dvs = zip(*(dkv.unbind(0) for dkv in dkvs))
+        return [_unsplit(list(g), 2, self.load_balance) for g in (dqs, dks, dvs)]
+
+
+class _SimulatedRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, load_balance, dropout_p, seed):
+        simulation = _Simulation(q, k, v, cp, load_balance, dropout_p, seed)
+        outs, lses = simulation.forward()
+        ctx.save_for_backward(q, k, v, *outs, *lses)
+        ctx.options = (cp, load_balance, dropout_p, seed)
+        return _unsplit(outs, 2, load_balance)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, *rest = ctx.saved_tensors
+        cp = ctx.options[0]
+        grads = _Simulation(q, k, v, *ctx.options).backward(d_out.to(q.dtype), rest[:cp], rest[cp:])
+        return *(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), None, None, None, None
+
+
+def simulated_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: int = 1,
+    load_balance: bool = False,
+    dropout_p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ring_attention's result for a `cp`-way split, every rank's blocks computed in turn on q's device, without a
+    process group: q, k, v (batch, heads, seq, head_dim) hold whole sequences. Differentiable. The blocks' shapes,
+    kernels and merges are a real ring's (half blocks under load balancing), so a single GPU checks them."""
+    return _SimulatedRing.apply(q, k, v, cp, load_balance, float(dropout_p), _seed_tensor(seed))
 
 
 def reference_attention(
@@ -345,7 +463,7 @@ def reference_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     dropout_p: float = 0.0,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     *,
     batch_offset: int = 0,
     head_offset: int = 0,
@@ -353,13 +471,13 @@ def reference_attention(
     """ring_attention's result on one process with the whole sequence (positions 0..S-1), by plain autograd
     operations on the full score matrix, with the same dropout masks."""
     batch, heads, length, dim = q.shape
-    drop = _Dropout(dropout_p, seed, batch, heads, batch_offset, head_offset)
+    drop = _Dropout(dropout_p, _seed_tensor(seed), batch, heads, (batch_offset, head_offset), q.device)
     pos = torch.arange(length, device=q.device)
-    s = _scores(q, k, 1.0 / math.sqrt(dim), pos.view(-1, 1) >= pos.view(1, -1))
+    s = _scores(q, k, 1.0 / math.sqrt(dim), pos.view(-1, 1) < pos.view(1, -1))
     p = torch.softmax(s, dim=-1)
-    z = drop.scale(pos, pos, s)
-    if z is not None:
-        p = p * z
+    dropped = drop.dropped(pos, pos)
+    if dropped is not None:
+        p = p.masked_fill(dropped, 0.0) * drop.factor
     return torch.matmul(p, _acc(v)).to(q.dtype)
 
 
@@ -373,35 +491,36 @@ class SequenceSplit:
     def __init__(self, group, load_balance: bool):
         self.group, self.load_balance = group, load_balance
         self.size, self.rank = _size_rank(group)
+        self.group_name = None if group is None else group.group_name  # what the ring operator takes
         self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return shard_sequence(x, dim, self.rank, self.size, self.load_balance)
 
     def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The global positions of this rank's `local_len` tokens of each sequence (kept per device: no copy a step)."""
+        """The global positions of this rank's `local_len` tokens of each sequence, made on `device` once."""
         key = (local_len, torch.device(device))
         if key not in self._positions:
             whole = local_len * self.size
-            self._positions[key] = chunk_positions(whole, self.rank, self.size, self.load_balance).to(key[1])
+            self._positions[key] = chunk_positions(whole, self.rank, self.size, self.load_balance, key[1])
         return self._positions[key]
 
 
 class RingCore:
     """Causal attention of a block's heads over the whole sequence (the model's attention calls it in place of
     scaled_dot_product_attention). The dropout masks' seed is one draw of the default CPU generator, which the ranks of
-    a context-parallel group share (their RNG states are equal), so they drop the same probabilities; `tp_rank` places
-    this rank's heads among all of them."""
+    a context-parallel group share (their RNG states are equal), so they drop the same probabilities; it stays a
+    tensor, so that dynamo traces the draw. `tp_rank` places this rank's heads among all of them."""
 
     def __init__(self, split: SequenceSplit, tp_rank: int):
         self.split, self.tp_rank = split, tp_rank
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        seed = int(torch.randint(2**62, ())) if dropout_p else None
-        positions = self.split.positions(q.shape[2])
+        seed = torch.randint(2**62, (), dtype=torch.int64) if dropout_p else None
         return ring_attention(
-            q, k, v, positions, self.split.group, dropout_p, seed, head_offset=self.tp_rank * q.shape[1]
-        )
+            q, k, v, None, dropout_p, seed, load_balance=self.split.load_balance,
+            head_offset=self.tp_rank * q.shape[1], group_name=self.split.group_name,
+        )  # fmt: skip
 
 
 def apply_cp(model, split: SequenceSplit, tp_rank: int, tp_size: int) -> None:

@@ -3,7 +3,8 @@
 FSDP2 (`fully_shard`) on the embedding, every Transformer block and the output head, then on the root (final norm):
 sharding each part, not only the root as the course did, lets FSDP free one part's gathered weights and gradients
 before the next needs memory (the embedding and head hold most of a small model's parameters). On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node, replicas across nodes.
-Precision is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), so no autocast on top of it.
+Precision is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), so no autocast on top of it; one
+process with train.precision=bf16_params shards over a mesh of one rank for that policy alone (parallel.runtime).
 
 DDP (a full replica per rank, gradients all-reduced during backward) serves replication alone; beside tensor
 parallelism, replication goes through FSDP's HSDP path with shards of one rank, which composes with DTensor weights.
@@ -55,16 +56,14 @@ def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> No
                 setattr(module, name, buffer.to(device))
 
 
+# DDP's options wherever scalelm wraps a model in DDP (here, and Lightning's DDP strategy). Gradients are views into
+# DDP's all-reduce buckets instead of copies beside them: one model's worth of memory less per rank. The only buffer,
+# the positional table, is the same computed constant on every rank: no broadcast before each forward (the
+# communication profile showed one in every step).
+DDP_OPTIONS = {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
-    # DDP broadcasts rank 0's weights at construction: every rank already holds them. Gradients are views into
-    # DDP's all-reduce buckets instead of copies beside them: one model's worth of memory less per rank. The only
-    # buffer, the positional table, is the same computed constant on every rank: no broadcast before each forward
-    # (the communication profile showed one in every step).
-    return DistributedDataParallel(
-        model,
-        device_ids=device_ids,
-        process_group=dp_mesh.get_group(),
-        gradient_as_bucket_view=True,
-        broadcast_buffers=False,
-    )
+    # DDP broadcasts rank 0's weights at construction: every rank already holds them
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group(), **DDP_OPTIONS)

@@ -65,6 +65,7 @@ def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) 
     check_pipeline(dims.pp, options, config.model)
     check_cp(dims, options, config.data.seq_len)
     check_engine(config.train.engine, dims)
+    check_bf16_params(config.train.precision, dims)
     _, per_replica = config.batch.sizes(dims.dp_size)
     if dims.pp > 1:
         check_microbatches(layout.microbatches, per_replica)
@@ -87,6 +88,16 @@ def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel:
         raise ConfigError(
             f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
             "which does not divide it; switch loss_parallel off or choose another tp"
+        )
+
+
+def check_bf16_params(precision: str, dims: ParallelDims) -> None:
+    """train.precision=bf16_params casts the parameters through FSDP's policy: one process (a mesh of one rank,
+    scalelm.parallel.runtime) or an FSDP layout."""
+    if precision == "bf16_params" and dims.world_size > 1 and not dims.sharded:
+        raise ConfigError(
+            f"train.precision=bf16_params casts the parameters through FSDP's policy, and the {dims.name} layout "
+            f"({dims.layout}) has no FSDP: use train.precision=bf16 there, or shard (parallel.dp_shard)"
         )
 
 

@@ -2,11 +2,13 @@
 
 The model's blocks are split into `pp x pp_virtual_stages` stages, as evenly as possible (earlier stages take one
 more where they do not divide); the first stage also holds the embedding, the last the final norm, the output
-projection and the loss. Stage s runs on pipeline rank s % pp, so with virtual stages rank 0 holds stages 0 and pp
-(the interleaved schedule's loop). Each stage is the whole TransformerLM without the other stages' parts
-(`stage_part`), so tensor parallelism and FSDP apply to it unchanged, and its parameters keep the whole model's
-names (blocks.3.attn.qkv.weight): a rank's stages together (`StageParts`) are what the optimizer, clipping and
-checkpoints see, and a checkpoint of any pipeline layout loads into any other layout.
+projection and the loss. The last stage's forward ends with the norm and the schedule's loss function runs the head
+with the loss (TransformerLM.head_loss), the whole model's path: fused on CPU, one compiled graph on CUDA. Stage s
+runs on pipeline rank s % pp, so with virtual stages rank 0 holds stages 0 and pp (the interleaved schedule's loop).
+Each stage is the whole TransformerLM without the other stages' parts (`stage_part`), so tensor parallelism and FSDP
+apply to it unchanged, and its parameters keep the whole model's names (blocks.3.attn.qkv.weight): a rank's stages
+together (`StageParts`) are what the optimizer, clipping and checkpoints see, and a checkpoint of any pipeline layout
+loads into any other layout.
 
 A training step runs the schedule: each replica's batch is cut into `pp_microbatches` micro-batches that flow
 forward through the stages and back (`Pipeline.step`); the last stage computes the loss of each, the schedule
@@ -31,7 +33,6 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from scalelm.model.loss import lm_loss
 from scalelm.parallel.env import all_gather_object
 from scalelm.parallel.layout import Layout
 
@@ -126,7 +127,8 @@ class StageTimeline:
 
     def chunks(self, skip: Callable[[int], bool]) -> list[dict]:
         """Every kept step not skipped: its number, its pipeline span and chunks, each one piece of a stage's work
-        (kind F forward, L loss, B backward, of micro-batch `mb`; start and end in seconds since the step began)."""
+        (kind F forward, L the head and loss, B backward, of micro-batch `mb`; start and end in seconds since the step
+        began)."""
         if self.cuda:
             torch.cuda.synchronize()
         result = []
@@ -159,6 +161,8 @@ class Pipeline:
         self.num_stages, self.pp, self.n_microbatches = layout.num_stages, layout.dims.pp, layout.microbatches
         self.group, self.device = pp_group, device
         self.holds_loss = stage_ids[-1] == self.num_stages - 1
+        if self.holds_loss:  # the last stage hands its normed hidden states to `loss`, which runs the head
+            parts[-1].head_in_loss = True
         self.scale = 1.0  # the loss's weight in the optimizer step (gradient accumulation)
         self.steps_run = 0
         self.timeline = StageTimeline(device)
@@ -179,9 +183,10 @@ class Pipeline:
         interleaved = layout.schedule == "interleaved_1f1b"
         self.schedule = kind(stages if interleaved else stages[0], layout.microbatches, loss_fn=loss)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch: the mean cross-entropy, weighted for accumulation."""
-        return lm_loss(logits, targets) * self.scale
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch from its normed hidden states: the head with the mean
+        cross-entropy, as the whole model computes them (`head_loss`), weighted for accumulation."""
+        return self.parts[-1].head_loss(hidden, targets) * self.scale
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, step: int) -> torch.Tensor:
         """Forward and backward of one batch through every stage; the mean loss of its micro-batches (times `scale`)
@@ -217,7 +222,7 @@ class Pipeline:
             x = part(x)
             if index < self.num_stages - 1:
                 self._send(x, index + 1)
-        return x if self.holds_loss else None
+        return self.parts[-1].logits(x) if self.holds_loss else None
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
         if tensor.dim() != HIDDEN_DIMS:

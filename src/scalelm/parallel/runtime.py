@@ -12,6 +12,10 @@ and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm,
 a pipeline differs only inside `forward_backward` and `forward`, where its schedule (the `pipeline` of the
 StageParts that `build` returned) runs the micro-batches. `Parallel` holds the layout, the mesh, the parallel and
 training options and the resolved precision; building a model changes the model, never `Parallel`.
+
+Two of the single-GPU levers of docs/benchmarks.md live here: `train.attention_kernels: auto` puts cuDNN's attention
+first around every forward on Hopper (`forward_context`), and `train.precision: bf16_params` on one process builds
+a mesh of one rank so that FSDP's policy casts the parameters to bf16 (every activation bf16, fp32 master weights).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
 from scalelm.errors import ConfigError
@@ -35,11 +40,37 @@ from scalelm.parallel.compile import apply_compile
 from scalelm.parallel.context import SequenceSplit, apply_cp
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
-from scalelm.parallel.env import DistEnv, all_gather_object
+from scalelm.parallel.env import DistEnv, all_gather_object, backend_for
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, resolve_layout
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
 from scalelm.parallel.tensor import apply_tp
+
+# train.attention_kernels: auto, on the GPUs where cuDNN's fused attention beats flash attention for training shapes
+# (Hopper), which SDPA's own order tries after flash and memory-efficient attention
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDNN_FIRST_CAPABILITIES = ((9, 0),)
+
+
+def attention_backends(setting: str, device: torch.device) -> list[SDPBackend] | None:
+    """The SDPA backends, in priority order, that forward passes run under for train.attention_kernels; None: torch's
+    own order."""
+    if setting == "auto" and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) in CUDNN_FIRST_CAPABILITIES:
+            return CUDNN_FIRST
+    return None
+
+
+def fsdp_of_one(train: TrainConfig, world_size: int) -> bool:
+    """train.precision=bf16_params in one process: FSDP on a mesh of one rank, whose policy casts the parameters."""
+    return train.precision == "bf16_params" and world_size == 1
+
+
+def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
+    """The process group of a single process (a store in memory), for a mesh of one rank; torchrun started none."""
+    if not dist.is_initialized():
+        backend = backend_for(device, options.cpu_offload)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
@@ -64,16 +95,18 @@ class Parallel:
         train: TrainConfig,
     ):
         self.env, self.layout, self.mesh, self.places = env, layout, mesh, places
-        self.options, self.compile, self.activation_checkpointing = (
+        self.options, self.compile, self.compile_mode, self.activation_checkpointing = (
             options,
             train.compile,
+            train.compile_mode,
             train.activation_checkpointing,
         )
         dims = self.dims = layout.dims
         self.precision = resolve_precision(train.precision, env.device.type)
         self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         matmul_precision(env.device, self.compute_dtype)
-        self.uses_fsdp = dims.sharded
+        self.attention_backends = attention_backends(train.attention_kernels, env.device)
+        self.uses_fsdp = dims.sharded or fsdp_of_one(train, env.world_size)
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and options.loss_parallel
         self.dp_rank = dims.dp_rank(env.rank)
@@ -92,10 +125,14 @@ class Parallel:
         """Resolve the layout for this world (a clear error if the config cannot run on it) and build the mesh."""
         layout = resolve_layout(config, env.world_size, env.procs_per_node, vocab_size)
         dims = layout.dims
+        resolve_precision(config.train.precision, env.device.type)  # refused before a process group is started
+        one = fsdp_of_one(config.train, env.world_size)
+        if one:
+            start_group_of_one(env.device, config.parallel)
         places = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
         check_groups_within_nodes(dims, places)
         mesh = None
-        if env.world_size > 1:
+        if env.world_size > 1 or one:
             mesh = init_device_mesh(
                 env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
             )
@@ -178,14 +215,15 @@ class Parallel:
             dp_mesh = self.mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.mesh[shard]
             if options.cpu_offload and device.type != "cuda":
                 raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
-            reshard = options.reshards(self.dims.pp)
+            # one rank frees nothing by resharding: it would only copy the weights again for the backward
+            reshard = options.reshards(self.dims.pp) if self.env.world_size > 1 else bool(options.reshard_after_forward)
             model = apply_fsdp(model, dp_mesh, self.compute_dtype, reshard, options.cpu_offload)
         return model
 
     def apply_recompute_and_compile(self, model: nn.Module) -> None:
         apply_activation_checkpointing(model, self.activation_checkpointing)
         if self.compile:
-            apply_compile(model, self.env.device)
+            apply_compile(model, self.env.device, self.compile_mode)
 
     # ----------------------------------------------------------------------------------- the step's hooks
     def forward_backward(
@@ -196,9 +234,9 @@ class Parallel:
         inputs, targets = self.local_part(inputs), self.local_part(targets)
         pipeline = pipeline_of(model)
         if pipeline is not None:
-            with self.autocast():  # the schedule runs the forwards (and backwards) inside
+            with self.forward_context():  # the schedule runs the forwards (and backwards) inside
                 return pipeline.step(inputs, targets, scale, step)
-        with self.autocast():
+        with self.forward_context():
             # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
             loss = model(inputs, targets) * scale
         loss.backward()
@@ -208,7 +246,7 @@ class Parallel:
         """Logits of this rank's part of each sequence (`local_part`) for evaluation, on the ranks that compute the
         loss (None on a pipeline's other stages)."""
         inputs = self.local_part(inputs)
-        with self.autocast():
+        with self.forward_context():
             pipeline = pipeline_of(model)
             return pipeline.forward(inputs) if pipeline is not None else model(inputs)
 
@@ -233,6 +271,20 @@ class Parallel:
         if self.uses_fsdp:
             return _fsdp_no_sync(model)
         return contextlib.nullcontext()
+
+    def forward_context(self) -> contextlib.ExitStack:
+        """Around forward passes: mixed precision (`autocast`) and the attention kernels' order (`attention`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast())
+        stack.enter_context(self.attention())
+        return stack
+
+    def attention(self) -> ContextManager:
+        """SDPA's backends in train.attention_kernels' order; a compiled block takes its kernel when it is traced,
+        inside this context, at the first step."""
+        if self.attention_backends is None:
+            return contextlib.nullcontext()
+        return sdpa_kernel(self.attention_backends, set_priority=True)
 
     def autocast(self) -> ContextManager:
         """Around forward passes: mixed precision, unless FSDP's policy already casts."""

@@ -29,8 +29,14 @@ with selective the outputs of its products and attention as well, e (d/u + (4d +
 attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
 is recomputed. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
 log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
-backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t). The embedding adds its dropout's mask, the
-last stage the final norm's and the head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
+backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t) and the working memory of the block at work
+(ring_transient_bytes): through a fused kernel (no dropout; bf16 on GPUs with a head size that is a multiple of 8 up
+to 256, any precision on CPU) its fp32 output accumulator and, the larger, backward's fp32 dq accumulator with the
+block's three gradients and cuDNN's contiguous copies of its queries, keys, values, output and output gradient
+((4 + 8e) bytes per token and d/t); through matrix products (dropout, or fp32 on GPUs) a score block of the rank's
+L = s/cp queries and keys (L a/t scores per token) in fp32 with one live temporary (8 bytes a score), with dropout
+the probabilities and the mask's int64 hash with its shifted temporary (20 bytes a score). The embedding
+adds its dropout's mask, the last stage the final norm's and the head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
 and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
 gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
 gradients (scalelm.model.cpu_ops). A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
@@ -57,6 +63,8 @@ STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter: fp32 w
 BLOCK_FORMULA = "e (2d + 2d/u + (4d + 2f)/t) + k (2d/u + f/t)"  # activation bytes per token and block
 SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
 RING_FORMULA = " + 4a/t"  # context parallelism's ring attention: its log-sum-exp
+RING_SCORE_BYTES = 8  # a ring block's fp32 score and one temporary (logsumexp's, the backward's dp)
+RING_SCORE_BYTES_DROPOUT = 20  # with dropout: the probability, and the mask's int64 hash and its shifted temporary
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
 
@@ -185,6 +193,24 @@ def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, st
     return kept, f"{formula} with {values}: {kept:,.0f} B per token and block"
 
 
+def ring_fused(work: Workload) -> bool:
+    """Whether the ring runs its blocks through a fused attention kernel (scalelm.parallel.ring_blocks.KERNELS)."""
+    model = work.config.model
+    head = model.d_model // model.n_heads
+    fits_gpu = work.precision == "bf16" and head % 8 == 0 and head <= 256
+    return not model.dropout and (work.device == "cpu" or fits_gpu)
+
+
+def ring_transient_bytes(work: Workload, dims: ParallelDims, tokens: int) -> float:
+    """Bytes the ring attention of one block holds while it runs, on a rank with `tokens` tokens of a micro-batch
+    (the module docstring's terms; the blocks' keys, values and dk/dv accumulators are counted apart)."""
+    model, e, t = work.config.model, work.compute_bytes, dims.tp
+    if ring_fused(work):
+        return tokens * model.d_model / t * (4 + 8 * e)
+    scores = tokens * (work.config.data.seq_len // dims.cp) * model.n_heads / t
+    return scores * (RING_SCORE_BYTES_DROPOUT if model.dropout else RING_SCORE_BYTES)
+
+
 def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     """Bytes per GPU by part for `dims`, on the rank that needs the most."""
     config = work.config
@@ -237,7 +263,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
         if dims.cp > 1:  # the ring's key/value blocks in hand and in flight, and backward's fp32 dk/dv accumulators
-            buffers += tokens * d / dims.tp * (4 * e + 16)
+            buffers += tokens * d / dims.tp * (4 * e + 16) + ring_transient_bytes(work, dims, tokens)
         if last and work.fused_cpu_loss:
             columns = -(-(d + 2) // 8) * 8
             buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK) + 32) * 4

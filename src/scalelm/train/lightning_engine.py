@@ -14,10 +14,17 @@ and gradient accumulation. What scalelm keeps is everything the report compares:
 seed, each data-parallel rank's TrainBatches (same permutations, same share, same micro-batches), AdamW and its
 schedule (scalelm.train.optim), clipping to the global norm, checkpoints (scalelm.train.checkpoint, so the workflow's
 consolidate turns the last one into the same model.pt), the exact evaluation, metrics.jsonl and run.json.
+
+So that `ddp_lightning` and `ddp` differ in the loop only, the model Lightning trains is scalelm's: activation
+checkpointing and compilation (train.activation_checkpointing, train.compile) applied as scalelm's trainer applies
+them, before the DDP wrapper, and that wrapper has scalelm's DDP options (DDP_OPTIONS). Each optimizer step runs
+under the hang watchdog (scalelm.train.watchdog) and is measured by the same Instruments (MFU, energy, memory, data
+time, the communication profile of the last steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from typing import Any
@@ -26,15 +33,17 @@ import torch
 
 from scalelm.config import dump_config, resolve_precision
 from scalelm.errors import ConfigError
-from scalelm.model.architecture import flops_per_token
+from scalelm.measure.instruments import Instruments
 from scalelm.model.transformer import TransformerLM
+from scalelm.parallel.data import DDP_OPTIONS  # Lightning's defaults would make `ddp_lightning` measure other terms
 from scalelm.parallel.env import backend_for, global_reduce
-from scalelm.plan.memory import Workload, plan_memory
+from scalelm.plan.memory import Workload
 from scalelm.train import provenance
-from scalelm.train.metrics import Stopwatch, peak_memory_mb, reset_peak_memory
+from scalelm.train.metrics import Stopwatch, reset_peak_memory
 from scalelm.train.preemption import Preempted, StopRequested
 from scalelm.train.record import RunRecord, write_record
 from scalelm.train.trainer import TrainerBase, TrainingError, due
+from scalelm.train.watchdog import Watchdog
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -55,11 +64,22 @@ class LightningTrainer(TrainerBase):
 
         def build() -> torch.nn.Module:  # the initial weights of a single process with this seed
             torch.manual_seed(config.seed)
-            return TransformerLM(config.model, data.vocab_size).to(env.device)
+            model = TransformerLM(config.model, data.vocab_size).to(env.device)
+            parallel.apply_recompute_and_compile(model)  # scalelm's order: checkpointing, compile, then DDP
+            return model
 
-        super().__init__(config, env, parallel, data, batches, staging, build, energy_j=None)
+        super().__init__(config, env, parallel, data, batches, staging, build, energy_j=0.0)
+        workload = Workload(config, data.vocab_size, env.device.type)
+        self.instruments = Instruments(config, env, parallel, None, workload, self.total_steps, self.state.step)
+        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
+                                         config.train.hang_floor_s)  # fmt: skip
+        self.in_step: contextlib.ExitStack | None = None  # the running optimizer step's watchdog and instruments
         self.validation: dict[str, Any] | None = None
         self.preempted = False
+
+    def close(self) -> None:
+        self.watchdog.close()
+        super().close()
 
     # -------------------------------------------------------------------------------------- the loop
     def micro_batches(self):
@@ -72,17 +92,14 @@ class LightningTrainer(TrainerBase):
 
     def lightning_trainer(self):
         from lightning.pytorch.plugins.environments import LightningEnvironment, TorchElasticEnvironment
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import SingleDeviceStrategy
 
         env = self.env
         # torchrun's world, never Slurm's: torchrun started these processes inside the job step (module docstring)
         environment: Any = LightningEnvironment()
         strategy: Any = SingleDeviceStrategy(device=env.device)
         if env.world_size > 1:  # joins the process group scalelm.parallel.env.setup started
-            environment, strategy = (
-                TorchElasticEnvironment(),
-                DDPStrategy(process_group_backend=backend_for(env.device)),
-            )
+            environment, strategy = TorchElasticEnvironment(), ddp_strategy(env.device)
         return self.L.Trainer(
             accelerator="gpu" if env.device.type == "cuda" else "cpu",
             devices=env.procs_per_node,
@@ -113,9 +130,11 @@ class LightningTrainer(TrainerBase):
                   f"on {env.world_size} x {env.device.type}: {self.total_steps} steps", flush=True)  # fmt: skip
         self.where = provenance.collect(config.to_dict(), env.world_size)
         self.clock = Stopwatch(env.device)
+        self.instruments.start()
         self.loss_acc, self.steps_acc = torch.zeros((), device=env.device), 0
         if self.state.step < self.total_steps:
-            self.lightning_trainer().fit(Module(self), train_dataloaders=self.micro_batches())
+            batches = self.instruments.batches(self.micro_batches())
+            self.lightning_trainer().fit(Module(self), train_dataloaders=batches)
         try:
             if self.preempted:
                 raise StopRequested("stop signal during training")
@@ -124,22 +143,39 @@ class LightningTrainer(TrainerBase):
             test = self.evaluate_split("test")
             self.stop.close()
         except StopRequested:
-            with self.clock.paused():
+            with self.clock.paused(), self.instruments.paused():
                 path = self.save()
             raise Preempted(
                 f"stopped by a signal at step {self.state.step}; checkpoint {path}; rerun to resume"
             ) from None
         return self.finish(test, self.save())
 
+    def begin_step(self) -> None:
+        """Before each micro-batch: the first of an optimizer step starts it under the watchdog and the
+        instruments, as scalelm's trainer runs its `train_step`."""
+        if self.in_step is None:
+            self.in_step = contextlib.ExitStack()
+            self.in_step.enter_context(self.watchdog.watching(self.state.step + 1))
+            self.in_step.enter_context(self.instruments.step(self.state.step + 1))
+
+    def end_step(self, error: BaseException | None = None) -> None:
+        """After the optimizer step (or the `error` that ended it): the step is no longer watched or measured."""
+        in_step, self.in_step = self.in_step, None
+        if in_step is not None and error is None:
+            in_step.close()
+        elif in_step is not None:  # the watchdog leaves a step that raised unwatched, as scalelm's loop does
+            in_step.__exit__(type(error), error, error.__traceback__)
+
     def after_step(self, trainer, grad_norm: torch.Tensor) -> None:
         """Bookkeeping after each optimizer step, on every rank: logs, evaluations, checkpoints, the stop flag."""
+        self.end_step()
         config, state = self.config, self.state
         epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
         last = state.step == self.total_steps
         if last or due(state.step, config.train.log_every):
             self.log_train(grad_norm, self.clock.lap())
         try:
-            with self.clock.paused():
+            with self.clock.paused(), self.instruments.paused():
                 if last or epoch_ended or due(state.step, config.train.eval_every):
                     self.validation = self.evaluate_split("validation")
                 if epoch_ended or due(state.step, config.checkpoint.every):
@@ -156,22 +192,23 @@ class LightningTrainer(TrainerBase):
         steps = self.steps_acc
         self.loss_acc.zero_()
         self.steps_acc = 0
+        interval = self.instruments.interval(self.state.step - steps + 1, self.state.step, elapsed,
+                                             steps * self.tokens_per_step)  # fmt: skip
         if not math.isfinite(loss):
             raise TrainingError(
                 f"non-finite training loss ({loss}) at step {self.state.step}; the last good checkpoint stays in "
                 f"{self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
             )
-        self.state.spent(elapsed, None)
+        self.state.spent(elapsed, interval["energy_j"])
         self.last_loss = loss
         step_time = elapsed / steps
-        peak, reserved = peak_memory_mb(self.env.device)
-        reset_peak_memory(self.env.device)
+        reset_peak_memory(self.env.device)  # each interval's peak is its own
         self.metrics.log({
             "kind": "train", "step": self.state.step, "epoch": self.state.epoch, "tokens": self.state.tokens_seen,
             "loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm, "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time,
             "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
-            "mfu": None, "peak_mem_mb": peak, "peak_reserved_mb": reserved,
+            "mfu": self.instruments.mfu(self.tokens_per_step / step_time), **interval,
             "global_batch": self.batches.global_batch, "tokens_per_step": self.tokens_per_step,
             "world_size": self.env.world_size,
         })  # fmt: skip
@@ -184,24 +221,30 @@ class LightningTrainer(TrainerBase):
         return self.checkpointer.latest_path
 
     def finish(self, test: dict[str, Any], checkpoint) -> RunRecord:
-        config = self.config
-        workload = Workload(config, self.data.vocab_size, self.env.device.type)
+        state = self.state
         record = RunRecord(
             **self.where,
             end_time=provenance.now(),
             wall_time_s=self.clock.wall(),
+            host_load=self.instruments.host_loads(),
             parallel={**self.parallel.describe(self.model), "engine": f"lightning {self.L.__version__}"},
             results=self.results(
                 self.validation,
                 test,
                 checkpoint,
-                plan_mb_per_rank=plan_memory(workload, self.parallel.dims).mb(),
-                flops_per_token=flops_per_token(config.model, self.data.vocab_size, config.data.seq_len),
+                **self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j),
             ),  # fmt: skip
         )
         if self.env.is_main:
             write_record(self.run_dir.path, record)
         return record
+
+
+def ddp_strategy(device: torch.device):
+    """Lightning's DDP strategy with scalelm's DDP options, on the backend scalelm's process group uses."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(process_group_backend=backend_for(device), **DDP_OPTIONS)
 
 
 def Module(engine: LightningTrainer):
@@ -232,6 +275,9 @@ def Module(engine: LightningTrainer):
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
             optimizer.step(closure=optimizer_closure)
             engine.scheduler.step()
+            engine.instruments.note_state(
+                self.model, optimizer
+            )  # gradients are zeroed at the next step's first backward
             engine.steps_acc += 1
             self.stepped = True
 
@@ -245,6 +291,12 @@ def Bookkeeping(engine: LightningTrainer):
         def on_train_start(self, trainer, pl_module) -> None:
             # Lightning's own SIGTERM handler would end the loop at once; scalelm's StopFlag agrees on a step first
             engine.stop.reinstall()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            engine.begin_step()
+
+        def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+            engine.end_step(exception)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if getattr(pl_module, "stepped", False):

@@ -1,8 +1,16 @@
-"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine decay)."""
+"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine decay), and the optimizer step.
+
+With train.compile_optimizer the step runs under torch.compile (PyTorch's "compiling the optimizer" recipe): Inductor
+fuses AdamW's element-wise passes over every parameter into a few kernels. The learning rate is then a tensor that
+the schedule fills in place, so that the compiled step sees it change without compiling again; the schedule still
+reports plain numbers. Each run keeps its own kind of step whatever a checkpoint it resumes was written by: loading
+an optimizer's state restores the saved hyperparameters, and `keep_implementation` puts the run's back.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,6 +19,9 @@ from torch.distributed.tensor import DTensor
 from scalelm.config import BatchConfig, OptimConfig
 
 FUSED_DEVICES = ("cpu", "cuda")
+# the devices where AdamW's step may keep its step count on the device (capturable), which the foreach step with a
+# tensor learning rate needs; elsewhere the compiled step takes the single-tensor implementation
+CAPTURABLE_DEVICES = ("cuda",)
 
 
 def scaled_lr(optim: OptimConfig, batch: BatchConfig, world_size: int) -> float:
@@ -30,16 +41,72 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": params} for params in groups.values()]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim: OptimConfig, lr: float, compiled: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters: the fused kernel, or with `compiled` the implementation torch.compile
+    fuses itself (foreach on CUDA, a tensor learning rate); `optimizer_step` takes the step."""
+    implementation = compiled_implementation(model) if compiled else eager_implementation(model)
+    optimizer = torch.optim.AdamW(
+        param_groups(model),
+        lr=torch.tensor(lr) if compiled else lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+        **implementation,
+    )
+    optimizer.register_load_state_dict_post_hook(lambda loaded: keep_implementation(loaded, implementation, compiled))
+    return optimizer
+
+
+def eager_implementation(model: nn.Module) -> dict:
     # The fused kernel does the update in one pass over each tensor's state, on CPU much faster than torch's
     # per-tensor default (docs/benchmarks.md), on CUDA fewer passes than its foreach default.
     fused = all(p.device.type in FUSED_DEVICES for p in model.parameters()) or None
-    return torch.optim.AdamW(
-        param_groups(model), lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=fused
-    )
+    return {"fused": fused, "foreach": None, "capturable": False}
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
+def compiled_implementation(model: nn.Module) -> dict:
+    # the foreach kernels are what Inductor fuses across parameters (the fused kernel is one opaque call); with a
+    # tensor learning rate they need the step count on the device. The recipe's: torch.compile sets capturable
+    # itself only for a state not yet initialised, which a resumed run's is
+    capturable = all(p.device.type in CAPTURABLE_DEVICES for p in model.parameters())
+    return {"fused": None, "foreach": True if capturable else None, "capturable": capturable}
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, implementation: dict, compiled: bool) -> None:
+    """After a checkpoint's state is loaded: this run's implementation and learning-rate type, not the writer's."""
+    for group in optimizer.param_groups:
+        group.update(implementation)
+        for key in ("lr", "initial_lr"):
+            if key in group:
+                value = float(group[key])
+                group[key] = torch.tensor(value) if compiled else value
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, compiled: bool) -> Callable[[], None]:
+    """What takes one optimizer step: `optimizer.step`, or that step compiled (graph breaks allowed, as the recipe
+    has them: the optimizer's bookkeeping around the traced update)."""
+    if not compiled:
+        return optimizer.step
+
+    @torch.compile(fullgraph=False)
+    def step() -> None:
+        optimizer.step()
+
+    return step
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose rates are plain numbers (the metrics', a checkpoint's) also over a tensor learning rate, which
+    it fills in place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float]):
+        super().__init__(optimizer, factor)
+        self.base_lrs = [float(lr) for lr in self.base_lrs]
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in super().get_last_lr()]
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> Schedule:
     warmup, floor = optim.warmup_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
@@ -50,4 +117,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Schedule(optimizer, factor)

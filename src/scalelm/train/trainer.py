@@ -49,13 +49,14 @@ from scalelm.train.checkpoint import (
     verify,
 )
 from scalelm.train.evaluation import evaluate
+from scalelm.train.flight_recorder import flight_recorder_env
 from scalelm.train.metrics import MetricsLogger, Stopwatch, reset_peak_memory
-from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
+from scalelm.train.optim import build_optimizer, build_scheduler, optimizer_step, scaled_lr
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import Results, RunRecord, read_finished, restore_record, write_record
 from scalelm.train.rundir import RunDir, identity, lineage
 from scalelm.train.wandb_offline import WandbRun
-from scalelm.train.watchdog import Watchdog, flight_recorder_env
+from scalelm.train.watchdog import Watchdog
 from scalelm.version import check_lock
 
 
@@ -124,7 +125,7 @@ class TrainerBase:
         self.model = build()
         torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
         lr = scaled_lr(config.optim, config.batch, parallel.dims.dp_size)
-        self.optimizer = build_optimizer(self.model, config.optim, lr)
+        self.optimizer = build_optimizer(self.model, config.optim, lr, compiled=config.train.compile_optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
         run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches)
@@ -201,6 +202,7 @@ class Trainer(TrainerBase):
         )
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
                                          config.train.hang_floor_s)  # fmt: skip
+        self.optimizer_step = optimizer_step(self.optimizer, config.train.compile_optimizer)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -219,7 +221,7 @@ class Trainer(TrainerBase):
             with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
                 loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
         grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
-        self.optimizer.step()
+        self.optimizer_step()
         self.scheduler.step()
         self.instruments.note_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)

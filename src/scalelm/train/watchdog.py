@@ -3,24 +3,29 @@ letting the job hang until the collective timeout or the Slurm limit, says which
 
 Every second the thread publishes this rank's progress in the job's rendezvous store (torchrun's TCPStore, which
 answers while the collectives hang; under the spawn launcher, rank 0's): the step it is in, since when, and per
-process group how many collectives it has issued (the group's sequence number). A step is overdue after
+process group and backend how many operations it has issued (each backend's sequence number: a group started as
+`cuda:nccl,cpu:gloo` counts its NCCL and its gloo operations apart). A step is overdue after
 max(hang_factor x the median step so far, hang_floor_s) seconds: the limit. So is a rank that has not ended a step
 for the limit (it waits in a collective between steps: the log's, an evaluation's, a checkpoint's) while another
 rank's progress stopped coming for as long, or the store has not answered for as long (each call is waited for
 STORE_TIMEOUT_S at most): a process that makes no progress at all, its threads included (stopped, a hung file system
-or driver, a node that stops answering), publishes nothing, and only the ranks that wait for it can tell. The thread
-then
+or driver, a node that stops answering), publishes nothing, and only the ranks that wait for it can tell. What the
+thread cannot read (a backend without sequence numbers, such as the fake one) it says once and watches the rest. The
+thread then
 
-- writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and PyTorch's Flight Recorder's
-  trace of its last collectives beside it (recording since the start: `flight_recorder_env`);
-- reads every rank's last progress and names the ranks behind: in a group, those that issued fewer collectives
+- writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and its Flight Recorder dumps
+  (its last operations, per backend: scalelm.train.flight_recorder) beside them;
+- reads every rank's last progress and names the ranks behind: in a group, those that issued fewer operations
   than the others (who wait for them in the next one), and those whose progress stopped coming (a stopped process,
-  a dead node);
-- prints that, with what the ranks' Flight Recorder traces say (the collective each issued last, by name, sequence
-  number and sizes), appends it to <run_dir>/autopsy/summary.txt, and ends the process with EXIT_HUNG; torchrun
-  then stops the other ranks. A rank that is a stopped process beside this one (same launcher) is killed first:
-  torchrun's SIGTERM would reach it only once continued, and its SIGKILL comes 30 s later. The autopsy waits for no
-  other rank longer than a few seconds: one that stopped writes no dump and answers nothing.
+  a dead node); failing that, from every rank's Flight Recorder dumps, a rank waiting in a point-to-point operation
+  (NCCL counts them apart from its collectives: pipeline and context parallelism's send/recv) and whether its peer is
+  in the matching one;
+- prints that, with what the ranks' Flight Recorder traces say (per backend, the collective and the point-to-point
+  operation each issued last, by name, sequence number and sizes), appends it to <run_dir>/autopsy/summary.txt, and
+  ends the process with EXIT_HUNG; torchrun then stops the other ranks. A rank that is a stopped process beside this
+  one (same launcher) is killed first: torchrun's SIGTERM would reach it only once continued, and its SIGKILL comes
+  30 s later. The autopsy waits for no other rank longer than a few seconds: one that stopped writes no dump and
+  answers nothing.
 
 Checkpoints are written whole or not at all (scalelm.train.checkpoint): the last complete one stays and the rerun
 resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start).
@@ -40,73 +45,114 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 import torch.distributed as dist
 
 from scalelm.errors import EXIT_HUNG
 from scalelm.files import append_text, atomic_path
+from scalelm.train.flight_recorder import (
+    FR_PREFIX,
+    dump_flight_recorder,
+    dumped_ranks,
+    first_line,
+    last_operations,
+    p2p_waits,
+    read_dumps,
+)
 
 PUBLISH_EVERY_S = 1.0
-FR_PREFIX = "fr_trace_rank_"  # the Flight Recorder's dump of a rank, by rank number
 SILENT_AFTER_S = 5.0  # a rank whose progress is older than this has stopped publishing it
 STORE_TIMEOUT_S = 5.0  # a call to the store unanswered for this long: the process that holds it is stopped or gone
 KEY = "scalelm/watchdog/rank{}"
+NONE_BEHIND = (
+    "every rank that answers has issued as many collectives as the others: none is behind in one (a step that is "
+    "slow everywhere, or a collective the network does not complete)"
+)
 
 
-def flight_recorder_env(autopsy_dir: Path) -> dict[str, str]:
-    """PyTorch's Flight Recorder keeps every rank's last collectives (NCCL's, and gloo's where the torch records
-    them) for the autopsy to read, and NCCL dumps them itself on a timeout (the environment is read when a process
-    group starts; the trainer sets it)."""
-    return {
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the name before torch 2.8
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str(autopsy_dir / FR_PREFIX),
-    }
+# ------------------------------------------------------------------------------------- backends and sequence numbers
+def parse_backends(text: str) -> dict[str, str]:
+    """A process group's backend string by device type: "cuda:nccl,cpu:gloo" -> {"cuda": "nccl", "cpu": "gloo"}; a
+    bare name ("nccl") has no device: {"": "nccl"}."""
+    backends = {}
+    for part in str(text).lower().replace(" ", "").split(","):
+        device, _, name = part.rpartition(":")
+        if name:
+            backends[device] = name
+    return backends
 
 
-def recorded(autopsy_dir: Path) -> list[str]:
-    """What the ranks' Flight Recorder dumps in `autopsy_dir` say: the last collective each rank issued, by name,
-    sequence number, group and input sizes, with its state where the backend tracks it (NCCL: completed or not;
-    gloo leaves every entry `scheduled`). Read with torch's own loader, the one its analyser `fr_trace` uses."""
-    try:
-        from torch.distributed.flight_recorder.components.loader import read_dump
-    except ImportError:  # a torch without the Flight Recorder's tools: the stacks and sequence numbers still tell
-        return []
-    findings = []
-    for path in sorted(autopsy_dir.glob(FR_PREFIX + "*"), key=lambda p: int(p.name[len(FR_PREFIX) :])):
-        try:
-            dump = read_dump(FR_PREFIX, str(path))
-        except Exception:  # a dump being written, or of another format
-            continue
-        collectives = [e for e in dump["entries"] if not e.get("is_p2p")] or dump["entries"]
-        if not collectives:
-            continue
-        last = max(collectives, key=lambda e: e.get("record_id") or 0)  # the latest, whatever its group
-        findings.append(f"rank {dump['rank']}'s last collective {last['profiling_name']} "
-                        f"#{last.get('collective_seq_id')} of group {last['process_group'][1]} "
-                        f"(inputs {last.get('input_sizes')}, {last.get('state')})")  # fmt: skip
-    return findings
-
-
-def sequence_numbers() -> dict[str, dict[str, Any]]:
-    """How many collectives this rank has issued in each of its process groups: {group name: {desc, issued}}."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return {}
+def backend_string(group: Any) -> str:
+    """The group's backends by device ("cpu:gloo,cuda:nccl"): torch's record of them where it keeps one, else the
+    string `get_backend` returns (a comparison with "nccl" fails on "cuda:nccl,cpu:gloo")."""
     world = dist.distributed_c10d._world
-    return {
-        world.pg_names.get(group, "?"): {
-            "desc": group.group_desc,
-            "issued": int(group._get_sequence_number_for_group()),
-        }
-        for group in world.pg_map
-        if dist.get_rank(group) >= 0  # a member
-    }
+    config = getattr(world, "pg_backend_config", {}).get(group)
+    return str(config) if config else str(world.pg_map[group][0])
+
+
+def _groups() -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def backends_in_use() -> set[str]:
+    """The backends of this rank's process groups: {"nccl", "gloo"} under `cuda:nccl,cpu:gloo`."""
+    names: set[str] = set()
+    for group in _groups():
+        with contextlib.suppress(Exception):  # a group being destroyed meanwhile
+            names |= set(parse_backends(backend_string(group)).values())
+    return names
+
+
+def issued_per_backend(group: Any, errors: list[str] | None = None) -> dict[str, int]:
+    """How many operations this rank issued in `group`, per backend ({"nccl": 12, "gloo": 3}): each backend's own
+    sequence number. The group's `_get_sequence_number_for_group` reads its default backend only, and raises for
+    a group whose backend is not gloo, NCCL or UCC (the fake one). What cannot be read is left out and said in
+    `errors`."""
+    counts: dict[str, int] = {}
+    seen: list[Any] = []
+    for device, name in parse_backends(backend_string(group)).items():
+        try:
+            backend = group._get_backend(torch.device(device)) if device else group
+            if any(backend is other for other in seen):  # one backend serving several devices (gloo: CPU and CUDA)
+                continue
+            seen.append(backend)
+            counts[f"{device}:{name}" if name in counts else name] = int(backend._get_sequence_number_for_group())
+        except Exception as error:  # a backend without sequence numbers, or absent for that device
+            if errors is not None:
+                errors.append(f"cannot read process group {getattr(group, 'group_desc', '?')}'s sequence number "
+                              f"on {device or 'its'} {name} backend ({first_line(error)})")  # fmt: skip
+    return counts
+
+
+def sequence_numbers(errors: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """How many operations this rank has issued in each of its process groups, per backend:
+    {group name: {"desc": ..., "issued": {backend: n}}}; what cannot be read is said in `errors`."""
+    world = dist.distributed_c10d._world
+    numbers = {}
+    for group in _groups():
+        try:
+            if dist.get_rank(group) < 0:  # not a member
+                continue
+            name, desc = world.pg_names.get(group, "?"), group.group_desc
+        except Exception as error:  # a group being destroyed meanwhile
+            if errors is not None:
+                errors.append(f"cannot read a process group ({first_line(error)})")
+            continue
+        numbers[name] = {"desc": desc, "issued": issued_per_backend(group, errors)}
+    return numbers
+
+
+def _counts(group: dict[str, Any]) -> dict[str, int]:
+    issued = group["issued"]
+    return issued if isinstance(issued, dict) else {"": issued}  # one number: progress written before backends
 
 
 def silent_ranks(progress: dict[int, dict[str, Any] | None], now: float, after_s: float = SILENT_AFTER_S) -> list[int]:
@@ -116,8 +162,8 @@ def silent_ranks(progress: dict[int, dict[str, Any] | None], now: float, after_s
 
 
 def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
-    """The ranks the others wait for, in words: in each process group the members that issued fewer collectives
-    than the most advanced one, and the ranks whose progress is missing or stale."""
+    """The ranks the others wait for, in words: in each process group and backend the members that issued fewer
+    operations than the most advanced one, and the ranks whose progress is missing or stale."""
     findings = []
     silent = silent_ranks(progress, now)
     for rank in silent:
@@ -126,25 +172,36 @@ def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
             f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}, "
             f"on {last['host']} (pid {last.get('pid', '?')})")  # fmt: skip
         findings.append(f"rank {rank} {when} (a stopped or dead process, or a lost node)")
-    groups: dict[str, dict[int, int]] = {}
+    counters: dict[tuple[str, str], dict[int, int]] = {}
     descs: dict[str, str] = {}
     for rank, p in progress.items():
         for name, group in (p or {}).get("groups", {}).items():
             if rank not in silent:
-                groups.setdefault(name, {})[rank] = group["issued"]
+                for backend, issued in _counts(group).items():
+                    counters.setdefault((name, backend), {})[rank] = issued
                 descs[name] = group["desc"]
-    for name, counts in sorted(groups.items()):
+    for (name, backend), counts in sorted(counters.items()):
         ahead = max(counts.values())
         waiting = sorted(r for r, n in counts.items() if n == ahead)
+        several = len({b for n, b in counters if n == name}) > 1  # the group has several backends: say which
+        where = f"process group {descs[name]}" + (f" on {backend}" if several else "")
         for rank in sorted(r for r, n in counts.items() if n < ahead):
             p = progress[rank]
             findings.append(
-                f"rank {rank} is behind in process group {descs[name]} (ranks {', '.join(map(str, sorted(counts)))}): "
+                f"rank {rank} is behind in {where} (ranks {', '.join(map(str, sorted(counts)))}): "
                 f"it issued {counts[rank]} collectives, rank(s) {', '.join(map(str, waiting))} issued {ahead} and "
                 f"wait for it in collective #{counts[rank] + 1} (rank {rank} is in step {p['step']} since "
                 f"{p['in_step_s']:.0f} s, on {p['host']})"
             )
     return findings
+
+
+def diagnosis(
+    progress: dict[int, dict[str, Any] | None], dumps: dict[int, list[dict[str, Any]]], now: float
+) -> list[str]:
+    """Who the others wait for: from the published progress (behind), else from the Flight Recorder's sends and
+    recvs (p2p_waits), else that none is behind."""
+    return behind(progress, now) or p2p_waits(dumps) or [NONE_BEHIND]
 
 
 def stopped_beside() -> list[psutil.Process]:
@@ -227,6 +284,7 @@ class Watchdog:
         self.ended = time.monotonic()  # the last step's end (monotonic)
         self.peers_read = 0.0  # when _silent_peers last read the others' progress (monotonic)
         self.host = socket.gethostname()
+        self.notes: list[str] = []  # what the thread could not do, said once each
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="scalelm-watchdog", daemon=True)
         if factor > 0:
@@ -237,7 +295,7 @@ class Watchdog:
         store = None
         if dist.is_available() and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
-            if dist.get_backend() == "nccl":  # where NCCL dumps its trace on a timeout (flight_recorder_env)
+            if "nccl" in backends_in_use():  # where NCCL dumps its trace on a timeout (flight_recorder_env)
                 autopsy_dir.mkdir(parents=True, exist_ok=True)
         return cls(rank, autopsy_dir, factor, floor_s, store)
 
@@ -259,8 +317,18 @@ class Watchdog:
 
     def progress(self) -> dict[str, Any]:
         in_step = time.monotonic() - self.started if self.started is not None else 0.0
-        return {"step": self.step, "in_step_s": in_step, "groups": sequence_numbers(), "time": time.time(),
-                "host": self.host, "pid": os.getpid()}  # fmt: skip
+        unread: list[str] = []
+        groups = sequence_numbers(unread)
+        for what in unread:
+            self.note(what)
+        return {"step": self.step, "in_step_s": in_step, "groups": groups, "time": time.time(), "host": self.host,
+                "pid": os.getpid()}  # fmt: skip
+
+    def note(self, what: str) -> None:
+        """Say once what the watchdog cannot do; it goes on with the rest."""
+        if what not in self.notes:
+            self.notes.append(what)
+            sys.stderr.write(f"scalelm: [rank {self.rank}] watchdog: {what}; it watches what it can\n")
 
     def close(self) -> None:
         """Stop watching; back once the thread is done with the process groups, before they are shut down."""
@@ -298,13 +366,24 @@ class Watchdog:
         return [r for r in silent_ranks(progress, time.time(), after_s=limit) if r != self.rank] if progress else []
 
     # ---------------------------------------------------------------------------------------- the thread
+    def tick(self) -> None:
+        """One turn of the thread: publish this rank's progress; stop the job if it is overdue."""
+        self._publish(self.progress())
+        reason = self.overdue()
+        if reason:
+            self._autopsy(reason)
+
     def _watch(self) -> None:
-        self._publish(self.progress())  # at once: a rank stopped before its first second is then not "never started"
+        # at once: a rank stopped before its first second is then not "never started"
+        self._survive(lambda: self._publish(self.progress()))
         while not self._done.wait(PUBLISH_EVERY_S):
-            self._publish(self.progress())
-            reason = self.overdue()
-            if reason:
-                self._autopsy(reason)
+            self._survive(self.tick)
+
+    def _survive(self, turn: Callable[[], None]) -> None:
+        try:
+            turn()
+        except Exception as error:  # what fails now may work at the next turn; a dead thread would watch nothing
+            self.note(f"a turn failed ({first_line(error)})")
 
     def _publish(self, progress: dict[str, Any]) -> None:
         if self.store is not None:
@@ -328,22 +407,29 @@ class Watchdog:
         return {rank: None if value is None else json.loads(value) for rank, value in enumerate(values)}
 
     def _autopsy(self, reason: str) -> None:
-        """Write what this rank knows, name the ranks behind, end the process."""
+        """Write what this rank knows, name the ranks behind, end the process (whatever fails on the way)."""
+        try:
+            self._tell(reason)
+        except Exception as error:  # a full disk, a store gone: the job still ends, not hangs
+            sys.stderr.write(f"scalelm: [rank {self.rank}] {reason}; the autopsy failed ({first_line(error)})\n")
+        finally:
+            sys.stderr.flush()
+            os._exit(EXIT_HUNG)  # the main thread is stuck in a collective: no exception would reach it
+
+    def _tell(self, reason: str) -> None:
         self.autopsy_dir.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.autopsy_dir / f"rank{self.rank}.txt") as partial, open(partial, "w") as stacks:
             stacks.write(f"rank {self.rank} on {self.host}: {reason}:\n")
             stacks.flush()
             faulthandler.dump_traceback(stacks, all_threads=True)
-        self._dump_flight_recorder()
+        dump_flight_recorder(self.autopsy_dir, self.rank, backends_in_use())
         time.sleep(2 * PUBLISH_EVERY_S)  # the other ranks' latest progress, before reading it
         progress, now = self._read(), time.time()
         silent = silent_ranks(progress, now) if progress else []
-        findings = self._unanswered() if progress is None else behind(progress, now)
-        findings = findings or [
-            "every rank that answers has issued as many collectives as the others: none is behind in one (a "
-            "step that is slow everywhere, or a collective the network does not complete)"
-        ]
         stopped = stopped_beside() if self.world_size > 1 else []  # one process: its launcher's children are not ranks
+        # every rank that answers waits for the others' dumps: none ends the job before
+        dumps = self._flight_recorder(self.world_size - max(len(silent), len(stopped)))
+        findings = self._unanswered() if progress is None else diagnosis(progress, dumps, now)
         message = (
             f"scalelm: {reason} (hang_factor {self.factor:g} x the median step, at least hang_floor_s "
             f"{self.floor_s:g}); stopping the job. "
@@ -353,8 +439,7 @@ class Watchdog:
         if stopped:
             message += (f" Stopped beside rank {self.rank}, killed (SIGKILL; torchrun's SIGTERM would reach it only "
                         f"once continued): {named(stopped, progress)}.")  # fmt: skip
-        # every rank that answers waits for the others' dumps: none ends the job before
-        message += self._flight_recorder_findings(self.world_size - max(len(silent), len(stopped)))
+        message += self._flight_recorder_text(dumps)
         if self._first_to_tell():
             append_text(self.autopsy_dir / "summary.txt", message + "\n")
             sys.stderr.write(message + "\n")
@@ -364,22 +449,24 @@ class Watchdog:
         for process in stopped:  # told first: the job ends as soon as its launcher sees them gone
             with contextlib.suppress(psutil.Error):
                 process.kill()
-        os._exit(EXIT_HUNG)  # the main thread is stuck in a collective: no exception would reach it
 
-    def _flight_recorder_findings(self, dumps: int) -> str:
-        """The Flight Recorder's view, once the `dumps` expected are there (the ranks that still publish their
+    def _flight_recorder(self, dumps: int) -> dict[int, list[dict[str, Any]]]:
+        """The ranks' Flight Recorder entries, once the `dumps` expected are there (the ranks that still publish their
         progress: their watchdogs fire within a second or two of this one; a rank that stopped writes none), or a
         few seconds passed."""
         if not (dist.is_available() and dist.is_initialized()):
-            return ""  # one process: no collective to wait in
+            return {}  # one process: no collective to wait in
         deadline = time.monotonic() + 3 * PUBLISH_EVERY_S
-        while len(list(self.autopsy_dir.glob(FR_PREFIX + "*"))) < dumps and time.monotonic() < deadline:
+        while len(dumped_ranks(self.autopsy_dir)) < dumps and time.monotonic() < deadline:
             time.sleep(0.2)
-        findings = recorded(self.autopsy_dir)
+        return read_dumps(self.autopsy_dir)
+
+    def _flight_recorder_text(self, dumps: dict[int, list[dict[str, Any]]]) -> str:
+        findings = last_operations(dumps)
         if not findings:
             return ""
         text = f" Flight Recorder: {'; '.join(findings)}"
-        if "nccl" in str(dist.get_backend()):  # torch's analyser matches NCCL's dumps (gloo's lack its groups table)
+        if "nccl" in backends_in_use():  # torch's analyser matches NCCL's dumps (gloo's lack its groups table)
             analyser = "python -m torch.distributed.flight_recorder.fr_trace"
             text += f" (all of it: {analyser} {self.autopsy_dir} --prefix {FR_PREFIX})"
         return text
@@ -397,18 +484,3 @@ class Watchdog:
             return self.store.ask("add", KEY.format("told"), 1) == 1
         except Unanswered:
             return True
-
-    def _dump_flight_recorder(self) -> None:
-        """The Flight Recorder's trace of this rank's last collectives (flight_recorder_env), where it records."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        import torch._C._distributed_c10d as c10d
-
-        dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)  # torch < 2.8
-        try:
-            trace = dump() if dump else None
-        except Exception:  # no trace buffer
-            return
-        if trace:
-            with atomic_path(self.autopsy_dir / f"{FR_PREFIX}{self.rank}") as partial:
-                partial.write_bytes(trace)
