@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench.gpu_mfu import TINY
+from bench.throughput import VOCAB
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parents[1]
 
 CHECKS: dict[str, tuple[Callable, float]] = {}  # name: (check, seconds it may take on a GPU)
 
@@ -370,9 +371,6 @@ def gpt2_config(ctx: Ctx, dropout: float = 0.0):
                        tie_weights=True)  # fmt: skip
 
 
-VOCAB = 33_278  # WikiText-2's
-
-
 def batches(ctx: Ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rows, seq = (16, 1024) if ctx.cuda else (4, 64)
     generator = torch.Generator().manual_seed(0)
@@ -475,16 +473,12 @@ def levers(ctx: Ctx) -> dict:
 # --- F ---------------------------------------------------------------------------------------------------------------
 
 
-TINY = ["device=cpu", "train.precision=fp32", "model.d_model=64", "model.n_heads=2", "model.n_layers=1",
-        "model.d_ff=128", "batch.size=4", "data.seq_len=32", "train.compile=false"]  # fmt: skip
-
-
 def train_cli(ctx: Ctx, name: str, settings: list[str], steps: int, timeout: float) -> Path:
     """One training run through scalelm's CLI on random WikiText-2-sized data; its run directory."""
     from bench.throughput import make_prepared
 
     prepared = ctx.out / "prepared"
-    if not (prepared / "meta.json").exists() and not any(prepared.glob("*")):
+    if not prepared.exists():  # written once, for every run of the check
         make_prepared(prepared)
     run = ctx.out / "runs" / name
     device = TINY if not ctx.cuda else ["device=cuda"]

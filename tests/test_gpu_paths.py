@@ -325,7 +325,7 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     cannot rot (side by side: each is mostly one core's work): every check that a CPU can run passes, every
     CUDA-only one says N/A (never PASS); gpu_paths.py runs each of its checks in its own process on tiny shapes and
     paths.json holds one result per check with its figures."""
-    env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHONPATH": f"src{os.pathsep}.", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     commands = {
         "probe": [sys.executable, "bench/gpu_probe.py", "--cpu", "--out", str(tmp_path / "probe")],
         "smoke": ["bash", "bench/gpu_smoke.sh", str(tmp_path / "smoke"), "--cpu"],

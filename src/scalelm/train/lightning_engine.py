@@ -33,17 +33,14 @@ import torch
 
 from scalelm.config import dump_config, resolve_precision
 from scalelm.errors import ConfigError
-from scalelm.measure.instruments import Instruments
 from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.data import DDP_OPTIONS  # Lightning's defaults would make `ddp_lightning` measure other terms
 from scalelm.parallel.env import backend_for, global_reduce
-from scalelm.plan.memory import Workload
 from scalelm.train import provenance
 from scalelm.train.metrics import Stopwatch, reset_peak_memory
 from scalelm.train.preemption import Preempted, StopRequested
 from scalelm.train.record import RunRecord, write_record
 from scalelm.train.trainer import TrainerBase, TrainingError, due
-from scalelm.train.watchdog import Watchdog
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -68,18 +65,10 @@ class LightningTrainer(TrainerBase):
             parallel.apply_recompute_and_compile(model)  # scalelm's order: checkpointing, compile, then DDP
             return model
 
-        super().__init__(config, env, parallel, data, batches, staging, build, energy_j=0.0)
-        workload = Workload(config, data.vocab_size, env.device.type)
-        self.instruments = Instruments(config, env, parallel, None, workload, self.total_steps, self.state.step)
-        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
-                                         config.train.hang_floor_s)  # fmt: skip
+        super().__init__(config, env, parallel, data, batches, staging, build)
         self.in_step: contextlib.ExitStack | None = None  # the running optimizer step's watchdog and instruments
         self.validation: dict[str, Any] | None = None
         self.preempted = False
-
-    def close(self) -> None:
-        self.watchdog.close()
-        super().close()
 
     # -------------------------------------------------------------------------------------- the loop
     def micro_batches(self):

@@ -107,11 +107,12 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
 class TrainerBase:
     """What every engine of the loop shares (this module's Trainer, scalelm.train.lightning_engine's): the run's
     settings and steps, the model with the seed's initial weights and each rank's dropout streams, AdamW and its
-    schedule, the checkpoints and the state resumed from them, the metrics, the stop flag, the exact evaluation and
-    the results run.json records. `build` makes the model (after determinism is set, before the dropout streams)."""
+    schedule, the checkpoints and the state resumed from them, the metrics, the measurements (`instruments`), the hang
+    watchdog, the stop flag, the exact evaluation and the results run.json records. `build` makes the model (after
+    determinism is set, before the dropout streams)."""
 
     def __init__(self, config: Config, env: DistEnv, parallel: Parallel, data: PreparedData, batches: TrainBatches,
-                 staging: Staged, build: Callable[[], nn.Module], energy_j: float | None):  # fmt: skip
+                 staging: Staged, build: Callable[[], nn.Module]):  # fmt: skip
         self.config, self.env, self.parallel, self.data, self.batches = config, env, parallel, data, batches
         self.staging = staging
         self.run_dir = RunDir(Path(config.run_dir))
@@ -133,7 +134,7 @@ class TrainerBase:
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
-        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=energy_j)
+        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=0.0)
         wandb = None
         if config.train.wandb and env.is_main:
             group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
@@ -150,8 +151,15 @@ class TrainerBase:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
         self.last_loss = math.nan
         self.stop = StopFlag()
+        workload = Workload(config, data.vocab_size, env.device.type)
+        self.instruments = Instruments(
+            config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
+        )
+        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
+                                         config.train.hang_floor_s)  # fmt: skip
 
     def close(self) -> None:
+        self.watchdog.close()
         self.metrics.close()
 
     def evaluate_split(self, split: str) -> dict[str, Any]:
@@ -195,18 +203,8 @@ class Trainer(TrainerBase):
                  staging: Staged | None = None):  # fmt: skip
         # the initial weights of a single process with this seed, whatever the layout
         build = lambda: parallel.build(lambda: TransformerLM(config.model, data.vocab_size), config.seed)  # noqa: E731
-        super().__init__(config, env, parallel, data, batches, staging or Staged(data.path), build, energy_j=0.0)
-        workload = Workload(config, data.vocab_size, self.env.device.type)
-        self.instruments = Instruments(
-            config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
-        )
-        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, config.train.hang_factor,
-                                         config.train.hang_floor_s)  # fmt: skip
+        super().__init__(config, env, parallel, data, batches, staging or Staged(data.path), build)
         self.optimizer_step = optimizer_step(self.optimizer, config.train.compile_optimizer)
-
-    def close(self) -> None:
-        self.watchdog.close()
-        super().close()
 
     # ------------------------------------------------------------------------------------------- steps
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
