@@ -554,7 +554,7 @@ def world8_layout(name: str, out: Path, cpu: bool) -> int:
     from scalelm.parallel.dims import MESH_DIMS
     from scalelm.parallel.env import DistEnv
     from scalelm.parallel.layout import resolve_layout
-    from scalelm.parallel.runtime import Parallel
+    from scalelm.parallel.runtime import Meshes, ModelOptions, Parallel
     from scalelm.plan.memory import Workload, plan_memory
     from scalelm.train.optim import build_optimizer
 
@@ -583,8 +583,9 @@ def world8_layout(name: str, out: Path, cpu: bool) -> int:
     mesh = init_device_mesh(
         ctx.device.type, tuple(getattr(layout.dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
     )
-    parallel = Parallel(env, layout, mesh, [(env.hostname, 0)] * 8, config.parallel, config.train)
-    model = parallel.build(lambda: TransformerLM(config.model, VOCAB), seed=1)
+    meshes = Meshes.of(mesh, layout.dims)
+    parallel = Parallel(env, layout, meshes, [(env.hostname, 0)] * 8, config.parallel, config.train)
+    model = parallel.build(lambda: TransformerLM(config.model, VOCAB), 1, ModelOptions.of(config.train))
     optimizer = build_optimizer(model, config.optim, 1e-4)
     rows, seq = config.batch.size, config.data.seq_len
     tokens = torch.randint(0, VOCAB, (rows, seq + 1), device=ctx.device)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.measure.comm import collective_intervals
+from scalelm.measure.device import peak_memory_mb, reset_peak_memory
 from scalelm.measure.peak import cuda_peak_flops
 from scalelm.model.architecture import flops_per_token
 from scalelm.model.cpu_ops import Dropout, own_random_stream
@@ -46,7 +47,6 @@ from scalelm.parallel.env import backend_for
 from scalelm.parallel.runtime import Parallel, matmul_precision
 from scalelm.parallel.tensor import apply_tp
 from scalelm.train.evaluation import eval_rows
-from scalelm.train.metrics import peak_memory_mb, reset_peak_memory
 from scalelm.train.optim import build_optimizer
 
 VOCAB = 33_278  # WikiText-2's

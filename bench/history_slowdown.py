@@ -30,7 +30,7 @@ import yaml
 
 from scalelm.data.prefetch import main as prefetch
 from scalelm.data.prepare import main as prepare
-from scalelm.report import history
+from scalelm.report import history_compare, history_store
 from scalelm.report.aggregate import aggregate
 from scalelm.train.consolidate import consolidate
 from scalelm.train.evaluation import main as evaluate
@@ -73,14 +73,14 @@ def train(run: RunDir, prepared: Path, seed: int, steps: int, threads: int) -> f
     return seconds
 
 
-def verdicts(db: Path) -> dict[str, dict[str, history.Change]]:
+def verdicts(db: Path) -> dict[str, dict[str, history_compare.Change]]:
     """The history's comparisons: rerun against first, one_thread against rerun, by figure."""
-    rows = history.read_rows(db)
+    rows = history_store.read_rows(db)
     first, rerun, one_thread = sorted({r["study"] for r in rows})
     by_study = {study: [r for r in rows if r["study"] == study] for study in (first, rerun, one_thread)}
     return {
-        "rerun": {c.figure: c for c in history.compare(by_study[first], by_study[rerun])},
-        "one_thread": {c.figure: c for c in history.compare(by_study[rerun], by_study[one_thread])},
+        "rerun": {c.figure: c for c in history_compare.compare(by_study[first], by_study[rerun])},
+        "one_thread": {c.figure: c for c in history_compare.compare(by_study[rerun], by_study[one_thread])},
     }
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             c = changes[figure]
             test = f"p {c.p_value:.2g}" if c.p_value is not None else "one seed a side"
             print(
-                f"  {study:<11} {figure:<24} {c.relative:+7.1%}  {test:<9} {c.verdict}  {history.describe(c.environment)}"
+                f"  {study:<11} {figure:<24} {c.relative:+7.1%}  {test:<9} {c.verdict}  {history_compare.describe(c.environment)}"
             )
     rerun, slower = found["rerun"], found["one_thread"]["tokens_per_s_per_device"]
     expected = (

@@ -43,7 +43,8 @@ from scalelm.model.cpu_ops import LinearCrossEntropy
 from scalelm.model.transformer import count_parameters
 from scalelm.parallel.env import setup, teardown
 from scalelm.parallel.runtime import Parallel
-from scalelm.train.trainer import Trainer, train_batches
+from scalelm.train.engine import train_batches
+from scalelm.train.trainer import Trainer
 
 VOCAB = 33_278  # WikiText-2 (raw, min-freq 1) vocabulary, as prepared by scalelm.data.prepare
 TRAIN_TOKENS = 2_088_628  # the size of WikiText-2's train split

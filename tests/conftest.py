@@ -67,7 +67,7 @@ def tiny_config(tmp_path, prepared):
 def train_here(config_path: Path, *overrides: str):
     """One process, in this process: no interpreter or torch start-up to pay."""
     from scalelm.config import load_config
-    from scalelm.train.trainer import run
+    from scalelm.train.run import run
 
     return run(load_config(config_path, overrides))
 

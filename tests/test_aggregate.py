@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scalelm.errors import ConfigError, DataError
-from scalelm.report import expectations, history
+from scalelm.report import expectations, history, history_compare, history_store
 from scalelm.report.aggregate import aggregate, read_run
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
@@ -282,7 +282,7 @@ def history_row(study, experiment, seed, figures, torch_version="2.13.0"):
 def write_history(db, worker):
     """One of several writers at once: 25 runs of its own and 5 every writer adds."""
     rows = [history_row("A", f"w{worker}", seed, {}) for seed in range(25)]
-    return history.insert(db, rows + [history_row("A", "shared", seed, {}) for seed in range(5)])
+    return history_store.insert(db, rows + [history_row("A", "shared", seed, {}) for seed in range(5)])
 
 
 def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp_path, two_seeds, capsys):
@@ -304,7 +304,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     assert "error: 2 of 2 expectations missed (expect_strict): ddp: tokens_per_s_per_device 5120 (mean of 2 seeds) "
     "has no minimum from the history: no earlier study of ddp with these settings on this site and device in " in message
     assert "so the next study has the reference it lacked; a first study passes with expect_strict: false" in message
-    rows = history.read_rows(db)
+    rows = history_store.read_rows(db)
     assert len(rows) == 4 and len({r["study"] for r in rows}) == 1
     assert {(r["experiment"], r["seed"]) for r in rows} == {("single", 1), ("single", 2), ("ddp", 1), ("ddp", 2)}
     assert rows[0]["figures"]["tokens_per_s"] and rows[0]["environment"]["site"] == "local"
@@ -312,7 +312,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     parallel = tmp_path / "parallel.sqlite"
     with concurrent.futures.ProcessPoolExecutor(4) as pool:
         added = list(pool.map(write_history, [parallel] * 4, range(4)))
-    assert sum(added) == 4 * 25 + 5 and len(history.read_rows(parallel)) == 105
+    assert sum(added) == 4 * 25 + 5 and len(history_store.read_rows(parallel)) == 105
 
     exported = tmp_path / "runs.jsonl"
     with exported.open("w") as out:
@@ -341,7 +341,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     assert week2["max_test_loss"]["status"] == "met" and week2["max_test_loss"]["threshold"] == "5.25"
     assert week2["max_test_loss"]["reference"] == "median of the last 1 study (n 3)"
     # the trend: every study of these settings, one point each, coloured by environment
-    trend = history.trend(history.read_rows(db), [read_run(RunDir(Path(run))) for run in slower])
+    trend = history_compare.trend(history_store.read_rows(db), [read_run(RunDir(Path(run))) for run in slower])
     assert [p.values["tokens_per_s_per_device"] for p in trend["ddp"]] == [[5120.0] * 2, [2560.0] * 2]
     assert {p.environment for p in trend["ddp"]} == {"local, cpu, torch 2.13.0"} and len(trend["single"]) == 2
     assert (tmp_path / "week2/trend.png").read_bytes()[:4] == b"\x89PNG"
@@ -353,7 +353,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
 
     (tmp_path / "not.sqlite").write_text("a text file")
     with pytest.raises(DataError, match=r"not.sqlite is not a scalelm results history, or a damaged one \(file is not"):
-        history.read_rows(tmp_path / "not.sqlite")
+        history_store.read_rows(tmp_path / "not.sqlite")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:1 is not a JSON line of a history export"):
         history.import_rows(merged, [tmp_path / "bad.jsonl"])
@@ -361,8 +361,8 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
 
 KILLED_WRITER = """
 import sys, time
-from scalelm.report import history
-connect = history.connect
+from scalelm.report import history_store
+connect = history_store.connect
 
 def stalling(db):  # the writer stops for good after its third row, inside its transaction
     connection, rows = connect(db), []
@@ -374,21 +374,21 @@ def stalling(db):  # the writer stops for good after its third row, inside its t
     connection.set_trace_callback(trace)
     return connection
 
-history.connect = stalling
-history.insert(sys.argv[1], [{**row, "key": f"k{i}"} for i, row in enumerate([%r] * 10)])
+history_store.connect = stalling
+history_store.insert(sys.argv[1], [{**row, "key": f"k{i}"} for i, row in enumerate([%r] * 10)])
 """
 
 
 def test_a_writer_killed_mid_study_leaves_no_partial_study(tmp_path):
     db = tmp_path / "history.sqlite"
-    history.insert(db, [history_row("A", "ddp", 1, {"tokens_per_s_per_device": 1.0})])
+    history_store.insert(db, [history_row("A", "ddp", 1, {"tokens_per_s_per_device": 1.0})])
     row = history_row("B", "ddp", 2, {"tokens_per_s_per_device": 2.0})
     writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER % row, str(db)], stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline() == "writing\n"
     writer.kill()  # SIGKILL: no handler, no rollback of its own; SQLite's journal undoes it at the next open
     writer.wait()
-    assert [r["study"] for r in history.read_rows(db)] == ["A"]
-    assert history.insert(db, [row]) == 1  # and the lock died with it
+    assert [r["study"] for r in history_store.read_rows(db)] == ["A"]
+    assert history_store.insert(db, [row]) == 1  # and the lock died with it
 
 
 def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_path, capsys):
@@ -401,7 +401,7 @@ def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_p
     for study, values, version in (("2026-11-01 a", before, "2.9.0"), ("2026-11-02 b", after, "2.13.0")):
         rows += [history_row(study, "ddp", seed, {k: v[seed] for k, v in values.items()}, version) for seed in range(4)]
         rows.append(history_row(study, "one", 0, {"tokens_per_s_per_device": 100 if version == "2.9.0" else 90}))
-    history.insert(db, rows)
+    history_store.insert(db, rows)
     with pytest.raises(SystemExit) as exit_status:
         history.main(["--db", str(db), "compare", "--out", str(tmp_path / "cmp"), "--json"])
     assert exit_status.value.code == 1  # a regression fails the command (a weekly job can stop on it)
@@ -438,15 +438,16 @@ def test_the_history_flags_a_slowdown_and_no_rerun(tmp_path):
                 for seed, time in enumerate(times, 1)]  # fmt: skip
         aggregate(runs, tmp_path / study / "summary", history_db=db)
         summaries[study] = (tmp_path / study / "summary/summary.md").read_text()
-    rows = history.read_rows(db)
+    rows = history_store.read_rows(db)
     first, rerun, one_thread = sorted({r["study"] for r in rows})
     by_study = {s: [r for r in rows if r["study"] == s] for s in (first, rerun, one_thread)}
     assert [len(runs) for runs in by_study.values()] == [3, 3, 3]
-    same = {c.figure: c for c in history.compare(by_study[first], by_study[rerun])}
+    same = {c.figure: c for c in history_compare.compare(by_study[first], by_study[rerun])}
     assert not [c for c in same.values() if c.verdict.startswith("regression")], same
     assert same["test_loss"].relative == 0 and same["test_loss"].verdict == "within tolerance"
     assert "0 regression(s)" in summaries["rerun"] and "regression tokens_per_s_per_device" not in summaries["rerun"]
-    slower = {c.figure: c for c in history.compare(by_study[rerun], by_study[one_thread])}["tokens_per_s_per_device"]
+    slower = {c.figure: c for c in history_compare.compare(by_study[rerun], by_study[one_thread])}
+    slower = slower["tokens_per_s_per_device"]
     assert slower.verdict == "regression" and slower.p_value < 0.05 and slower.relative < -0.05, slower
     assert slower.environment["threads"] == (['"2"'], ['"1"']), slower.environment
     assert "regression tokens_per_s_per_device" in summaries["one_thread"]
@@ -672,7 +673,7 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert "(on disturbed runs: 1 of 2 seed(s) disturbed)" in capsys.readouterr().err
 
     # the history keeps the flags; a later study's limits leave the disturbed run out, and its comparison says so
-    recorded = {(r["experiment"], r["seed"]): r["figures"] for r in history.read_rows(db)}
+    recorded = {(r["experiment"], r["seed"]): r["figures"] for r in history_store.read_rows(db)}
     assert recorded["single", 1]["disturbed"] == disturbed and recorded["ddp", 1]["scaling_flag"] == flag
     later = tmp_path / "later"
     again = [fake_run(later, "single", seed, step_time=0.1, hour=12) for seed in (1, 2)]
@@ -684,7 +685,7 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert check["reference"] == "median of the last 1 study (n 3) (1 disturbed run(s) left out)"
     since = (later / "summary/summary.md").read_text().split("## Since the previous study")[1]
     assert "| single | tokens_per_s_per_device | 2816 | 5120 | +81.8% |" in since and "| before: seed 1 |" in since
-    trend = history.trend(history.read_rows(db), [read_run(RunDir(Path(run))) for run in again])
+    trend = history_compare.trend(history_store.read_rows(db), [read_run(RunDir(Path(run))) for run in again])
     assert [p.disturbed for p in trend["single"]] == [1, 0]
 
     # the share is the study's: at 0.6 of the cores, 1.04 of 2 is no disturbance

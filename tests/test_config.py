@@ -40,7 +40,6 @@ def test_unknown_key_suggests_the_closest(tmp_path):
         ("model.d_model=abc", r"model.d_model: expected an integer, got 'abc'"),
         ("model.dropout=true", r"model.dropout: expected a number"),
         ("batch.mode=both", r"batch.mode: 'both' is not one of 'per_device', 'global'"),
-        ("parallel.strategy=dddp", r"unknown strategy 'dddp'; did you mean 'ddp'"),
         ("data.seq_len=2048", r"data.seq_len \(2048\) exceeds model.max_seq_len \(1024\)"),
         ("batch.size=0", r"batch.size must be positive, got 0"),
         ("train.peak_tflops=-5", r"train.peak_tflops must be positive or null, got -5"),
@@ -76,6 +75,15 @@ def test_unknown_key_suggests_the_closest(tmp_path):
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_a_misspelt_strategy_is_refused_where_layouts_are_checked():
+    """Strategies and degrees are the layout's (scalelm.parallel.dims): checked with it, by the trainer, the workflow
+    and the planner alike, not a second time by the settings' loader."""
+    from scalelm.parallel.layout import resolve_layout
+
+    with pytest.raises(ConfigError, match=r"unknown strategy 'dddp'; did you mean 'ddp'"):
+        resolve_layout(load_config(None, ["parallel.strategy=dddp"]), 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -156,15 +164,22 @@ def test_invalid_yaml_and_bad_override(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_weights_and_biases_without_its_package_is_a_clear_error(monkeypatch):
+def test_weights_and_biases_without_its_package_is_refused_before_the_run_directory(monkeypatch, tiny_config):
+    """What is installed is the training's to check (the settings load anywhere, a login node without wandb
+    included), before anything is written."""
     import importlib.util
+
+    from conftest import run_dir_of, train_here
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    config = tiny_config("wandb", train__wandb=True)
+    assert load_config(config).train.wandb
     with pytest.raises(
         ConfigError, match=r"train.wandb=true .* needs the wandb package: pip install 'scalelm\[wandb\]'"
     ):
-        load_config(None, ["train.wandb=true"])
+        train_here(config)
+    assert not run_dir_of(config).exists()
 
 
 # ------------------------------------------------------------------------------ settings files: hostile YAML

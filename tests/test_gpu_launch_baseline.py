@@ -61,8 +61,13 @@ def fake_nvml_reader(in_products: list[bool], reads: list[bool]):
     def read():
         busy = in_products[0]
         reads.append(busy)
-        return {"ecc_uncorrected": 0, "sm_clock_mhz": 1100 if busy else 300, "sm_clock_max_mhz": 1980,
-                "reasons": 0x40 if busy else 0x1, "temperature_c": 84 if busy else 40}  # fmt: skip
+        return {
+            "ecc_uncorrected": 0,
+            "sm_clock_mhz": 1100 if busy else 300,
+            "sm_clock_max_mhz": 1980,
+            "reasons": 0x40 if busy else 0x1,
+            "temperature_c": 84 if busy else 40,
+        }
 
     return read
 
@@ -106,9 +111,17 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
     eager = load_config(tiny_config("eager"))
     figures = baseline.measure_alone(eager, shapes, vocab, cpu, all_cores=False)
     assert not figures["model_step_compiled"] and compiled_models == [] and figures["model_step_all_cores_s"] is None
-    result = {"world_size": 1, "hosts": ["n1"], "device": "cpu", "matmul_tflops_min": 1.0, "collectives": [],
-              "elementwise_gbps_min": 1.0, "model_step": {"tokens": 256, "seconds_max": 0.01, "compiled": True},
-              "per_rank": [], "nccl_network": None}  # fmt: skip
+    result = {
+        "world_size": 1,
+        "hosts": ["n1"],
+        "device": "cpu",
+        "matmul_tflops_min": 1.0,
+        "collectives": [],
+        "elementwise_gbps_min": 1.0,
+        "model_step": {"tokens": 256, "seconds_max": 0.01, "compiled": True},
+        "per_rank": [],
+        "nccl_network": None,
+    }
     assert "(the slowest rank, compiled)" in baseline.report(result, None)[0]
 
     def broken():
@@ -142,8 +155,11 @@ def test_the_baseline_forces_nccls_info_log_over_the_sites_setting_and_restores_
     args = argparse.Namespace(out=tmp_path / "baseline.json", config=None)
     with pytest.raises(RuntimeError, match="stop here"):
         baseline.measure(args)
-    assert seen == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
-                    "NCCL_DEBUG_FILE": str(tmp_path / "baseline.nccl" / "nccl.%h.%p.log")}  # fmt: skip
+    assert seen == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        "NCCL_DEBUG_FILE": str(tmp_path / "baseline.nccl" / "nccl.%h.%p.log"),
+    }
     assert (os.environ["NCCL_DEBUG"], os.environ["NCCL_DEBUG_SUBSYS"]) == ("WARN", "COLL")
     assert "NCCL_DEBUG_FILE" not in os.environ
 
@@ -169,8 +185,15 @@ def test_on_slurm_each_nodes_container_gets_its_own_gpus_and_node_local_compile_
     """The batch node's CUDA_VISIBLE_DEVICES (and Slurm's other per-node variables) are not on the srun line:
     each node hands its own into its container (APPTAINERENV_*, which --cleanenv lets through; run here with a
     fake apptainer); Inductor's and Triton's settings go in, their caches default to the node's /tmp."""
-    batch = {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_LOCALID": "0", "SLURM_PROCID": "0", "USER": "alice",
-             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TRITON_PRINT_AUTOTUNING": "1", "NCCL_SOCKET_IFNAME": "ib0"}  # fmt: skip
+    batch = {
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "SLURM_LOCALID": "0",
+        "SLURM_PROCID": "0",
+        "USER": "alice",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TRITON_PRINT_AUTOTUNING": "1",
+        "NCCL_SOCKET_IFNAME": "ib0",
+    }
     command = slurm_container_command(monkeypatch, batch)
     step = command.index("--kill-on-bad-exit=1") + 1
     forwarder = container.node_forwarder("apptainer")
@@ -179,14 +202,21 @@ def test_on_slurm_each_nodes_container_gets_its_own_gpus_and_node_local_compile_
     assert command[step + len(forwarder) : step + len(forwarder) + 4] == ["apptainer", "exec", "--cleanenv", "--nv"]
     passed = [command[i + 1] for i in range(step, image) if command[i] == "--env"]
     assert not [v for v in passed if v.split("=")[0] in container.NODE_VARIABLES]
-    for setting in ("TORCHINDUCTOR_FX_GRAPH_CACHE=1", "TRITON_PRINT_AUTOTUNING=1", "NCCL_SOCKET_IFNAME=ib0",
-                    "SLURM_JOB_ID=77", "TRITON_CACHE_DIR=/tmp/alice/triton",
-                    "TORCHINDUCTOR_CACHE_DIR=/tmp/alice/torchinductor"):  # fmt: skip
+    for setting in (
+        "TORCHINDUCTOR_FX_GRAPH_CACHE=1",
+        "TRITON_PRINT_AUTOTUNING=1",
+        "NCCL_SOCKET_IFNAME=ib0",
+        "SLURM_JOB_ID=77",
+        "TRITON_CACHE_DIR=/tmp/alice/triton",
+        "TORCHINDUCTOR_CACHE_DIR=/tmp/alice/torchinductor",
+    ):
         assert setting in passed
     # the user's own cache directories stand; off Slurm (this node's) the GPUs pass as they are, no defaults added
     mine = {"TRITON_CACHE_DIR": "/scratch/t", "CUDA_VISIBLE_DEVICES": "3", "USER": "alice"}
     assert container.passed_environment(mine, slurm_step=True) == {
-        "TORCHINDUCTOR_CACHE_DIR": "/tmp/alice/torchinductor", "TRITON_CACHE_DIR": "/scratch/t"}  # fmt: skip
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/alice/torchinductor",
+        "TRITON_CACHE_DIR": "/scratch/t",
+    }
     assert container.passed_environment(mine) == {"CUDA_VISIBLE_DEVICES": "3", "TRITON_CACHE_DIR": "/scratch/t"}
 
     # what one node runs: Slurm gave this node GPUs 2,3; a fake apptainer writes what it was given
@@ -194,8 +224,13 @@ def test_on_slurm_each_nodes_container_gets_its_own_gpus_and_node_local_compile_
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\nenv > {tmp_path}/env\necho "$@" > {tmp_path}/args\n')
     fake.chmod(0o755)
-    node = {"PATH": f"{fake.parent}:/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "2,3", "SLURM_LOCALID": "0",
-            "SLURMD_NODENAME": "c02 'x'", "GPU_DEVICE_ORDINAL": ""}  # fmt: skip
+    node = {
+        "PATH": f"{fake.parent}:/usr/bin:/bin",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "SLURM_LOCALID": "0",
+        "SLURMD_NODENAME": "c02 'x'",
+        "GPU_DEVICE_ORDINAL": "",
+    }
     subprocess.run(command[step:], env=node, check=True, timeout=30)
     inside = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
     assert inside["APPTAINERENV_CUDA_VISIBLE_DEVICES"] == "2,3" and inside["APPTAINERENV_SLURM_LOCALID"] == "0"
@@ -263,6 +298,6 @@ def test_an_nvml_energy_lap_shorter_than_a_second_is_marked_unreliable_and_the_c
 
 
 def test_the_baseline_module_stays_importable_without_torch_for_the_site_file():
-    """scalelm.site and the report import the baseline's names; its new imports must not pull torch in."""
+    """The report imports the baseline's names; its new imports must not pull torch in."""
     code = "import sys; import scalelm.measure.baseline; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parent)

@@ -192,7 +192,7 @@ def test_a_site_with_gpus_asks_every_experiment_for_cuda(tmp_path):
 def test_on_cuda_each_timed_span_waits_for_its_work_and_each_peak_is_its_own(monkeypatch):
     """Findings 6 and 8: the host runs ahead of the GPU, so a clock read needs the queued work done first; and the
     CUDA peak is reset after an evaluation or checkpoint, which would otherwise be every later interval's peak."""
-    from scalelm.train.metrics import Stopwatch
+    from scalelm.measure.device import Stopwatch
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))

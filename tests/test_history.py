@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO
 from scalelm.errors import ConfigError, DataError
-from scalelm.report import history
+from scalelm.report import history, history_compare, history_store
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 
@@ -24,11 +24,19 @@ RECORDED = "2026-11-25T10:00:00.000000+00:00"
 def row(key="k1", study="A", experiment="ddp", seed=1, **changes):
     """A run as `history export` writes it."""
     return {
-        "key": key, "study": study, "recorded": RECORDED, "experiment": experiment, "seed": seed, "layout": "1x2x1x1",
-        "settings_hash": "s", "start_time": None, "end_time": None,
+        "key": key,
+        "study": study,
+        "recorded": RECORDED,
+        "experiment": experiment,
+        "seed": seed,
+        "layout": "1x2x1x1",
+        "settings_hash": "s",
+        "start_time": None,
+        "end_time": None,
         "figures": {"experiment": experiment, "tokens_per_s_per_device": 100.0, "test_loss": 5.0, "mfu": None},
-        "environment": {"device": "cpu", "torch": "2.13.0"}, **changes,
-    }  # fmt: skip
+        "environment": {"device": "cpu", "torch": "2.13.0"},
+        **changes,
+    }
 
 
 def sqlite(db, *statements):
@@ -53,42 +61,59 @@ UNVERSIONED = (
 
 def test_the_history_has_a_format_and_refuses_another_or_foreign_columns_before_writing(tmp_path):
     db = tmp_path / "history.sqlite"
-    assert history.insert(db, [row()]) == 1 and user_version(db) == history.HISTORY_FORMAT == 1
+    assert history_store.insert(db, [row()]) == 1 and user_version(db) == history_store.HISTORY_FORMAT == 1
 
     # the history of the scalelm before formats: the same columns, adopted as format 1, its runs kept
     old = tmp_path / "old.sqlite"
-    sqlite(old, UNVERSIONED, "INSERT INTO runs VALUES ('k0', 'A', '%s', 'ddp', 1, NULL, 's', NULL, NULL, '{}', '{}')"
-           % RECORDED)  # fmt: skip
-    assert [r["key"] for r in history.read_rows(old)] == ["k0"] and user_version(old) == 0  # a read writes nothing
-    assert history.insert(old, [row()]) == 1 and user_version(old) == 1
-    assert [r["key"] for r in history.read_rows(old)] == ["k0", "k1"]
+    sqlite(
+        old,
+        UNVERSIONED,
+        "INSERT INTO runs VALUES ('k0', 'A', '%s', 'ddp', 1, NULL, 's', NULL, NULL, '{}', '{}')" % RECORDED,
+    )
+    # a read writes nothing
+    assert [r["key"] for r in history_store.read_rows(old)] == ["k0"] and user_version(old) == 0
+    assert history_store.insert(old, [row()]) == 1 and user_version(old) == 1
+    assert [r["key"] for r in history_store.read_rows(old)] == ["k0", "k1"]
 
     # the same columns in another order: each value goes to the column of its name, never by position
     reordered = tmp_path / "reordered.sqlite"
-    sqlite(reordered, "CREATE TABLE runs (environment TEXT, figures TEXT, key TEXT PRIMARY KEY, study TEXT, recorded "
-           "TEXT, experiment TEXT, seed INTEGER, layout TEXT, settings_hash TEXT, start_time TEXT, end_time TEXT)")  # fmt: skip
-    history.insert(reordered, [row()])
-    (found,) = history.read_rows(reordered)
+    sqlite(
+        reordered,
+        "CREATE TABLE runs (environment TEXT, figures TEXT, key TEXT PRIMARY KEY, study TEXT, recorded "
+        "TEXT, experiment TEXT, seed INTEGER, layout TEXT, settings_hash TEXT, start_time TEXT, end_time TEXT)",
+    )
+    history_store.insert(reordered, [row()])
+    (found,) = history_store.read_rows(reordered)
     assert found["figures"]["tokens_per_s_per_device"] == 100.0 and found["environment"]["torch"] == "2.13.0"
 
     # another version's table: refused by name, with what to do, and the file left as it was
     cases = {
-        "foreign.sqlite": (UNVERSIONED.replace("environment TEXT NOT NULL", "environment TEXT, gpu_hours REAL"),
-                           r"foreign.sqlite: its runs table has the column\(s\) gpu_hours, which this scalelm does "
-                           r"not write.*use the scalelm that wrote it, or point `history:` \(--history, --db\) at "
-                           r"another file"),
-        "missing.sqlite": (UNVERSIONED.replace(", environment TEXT NOT NULL", ""), r"lacks the column\(s\) environment"),
-        "future.sqlite": ("PRAGMA user_version = 2",
-                          r"future.sqlite is a results history of format 2; this scalelm reads format 1: use the "
-                          r"scalelm that wrote it \(a later one\), or point `history:`"),
-        "other.sqlite": ("CREATE TABLE accounts (name TEXT)",
-                         r"other.sqlite is not a scalelm results history \(it holds the table\(s\) accounts and no "
-                         r"runs\)"),
-    }  # fmt: skip
+        "foreign.sqlite": (
+            UNVERSIONED.replace("environment TEXT NOT NULL", "environment TEXT, gpu_hours REAL"),
+            r"foreign.sqlite: its runs table has the column\(s\) gpu_hours, which this scalelm does not write.*"
+            r"use the scalelm that wrote it, or point `history:` \(--history, --db\) at another file",
+        ),
+        "missing.sqlite": (
+            UNVERSIONED.replace(", environment TEXT NOT NULL", ""),
+            r"lacks the column\(s\) environment",
+        ),
+        "future.sqlite": (
+            "PRAGMA user_version = 2",
+            r"future.sqlite is a results history of format 2; this scalelm reads format 1: use the scalelm that "
+            r"wrote it \(a later one\), or point `history:`",
+        ),
+        "other.sqlite": (
+            "CREATE TABLE accounts (name TEXT)",
+            r"other.sqlite is not a scalelm results history \(it holds the table\(s\) accounts and no runs\)",
+        ),
+    }
     for name, (statement, message) in cases.items():
         sqlite(tmp_path / name, statement)
         before = (tmp_path / name).read_bytes()
-        for attempt in (lambda: history.insert(tmp_path / name, [row()]), lambda: history.read_rows(tmp_path / name)):
+        for attempt in (
+            lambda: history_store.insert(tmp_path / name, [row()]),
+            lambda: history_store.read_rows(tmp_path / name),
+        ):
             with pytest.raises(DataError, match=message):
                 attempt()
         assert (tmp_path / name).read_bytes() == before, name
@@ -96,11 +121,11 @@ def test_the_history_has_a_format_and_refuses_another_or_foreign_columns_before_
     # sqlite3's own errors: one line naming the file and what to do
     (tmp_path / "a_directory").mkdir()
     with pytest.raises(DataError, match=r"a_directory: the results history could not be opened \(unable to open "):
-        history.insert(tmp_path / "a_directory", [row()])
+        history_store.insert(tmp_path / "a_directory", [row()])
     damaged = tmp_path / "damaged.sqlite"
     damaged.write_bytes(db.read_bytes()[:4096] + b"\0" * 100)
     with pytest.raises(DataError, match=r"damaged.sqlite.*(malformed|not a database)"):
-        history.read_rows(damaged)
+        history_store.read_rows(damaged)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +153,7 @@ def test_the_history_has_a_format_and_refuses_another_or_foreign_columns_before_
 )
 def test_an_import_is_checked_before_any_line_is_added(tmp_path, line, message, capsys):
     db = tmp_path / "history.sqlite"
-    history.insert(db, [row("k0")])
+    history_store.insert(db, [row("k0")])
     export = tmp_path / "runs.jsonl"
     export.write_text(json.dumps(row("k1")) + "\n" + line + "\n" + json.dumps(row("k2")) + "\n")
     with pytest.raises(SystemExit) as failed:
@@ -138,16 +163,16 @@ def test_an_import_is_checked_before_any_line_is_added(tmp_path, line, message, 
     assert error.startswith(f"error: {export}:2: ") and error.count("\n") == 1, error
     assert "nothing was imported: correct or remove the line, then import again" in error
     assert re.search(message, error), error
-    assert [r["key"] for r in history.read_rows(db)] == ["k0"]  # not even the good line before it
+    assert [r["key"] for r in history_store.read_rows(db)] == ["k0"]  # not even the good line before it
     history.main(["--db", str(db), "list"])  # the history still lists
     assert "ddp" in capsys.readouterr().out
 
 
 def test_a_damaged_row_is_refused_naming_it_and_how_to_remove_it(tmp_path, capsys):
     db = tmp_path / "history.sqlite"
-    history.insert(db, [row("k0")])
+    history_store.insert(db, [row("k0")])
     with pytest.raises(DataError, match=r"the run 'k9' was not recorded in .*: figures must be a mapping"):
-        history.insert(db, [row("k9", figures="x")])  # scalelm's own writes are checked too
+        history_store.insert(db, [row("k9", figures="x")])  # scalelm's own writes are checked too
     sqlite(db, f"INSERT INTO runs VALUES ('bad', 'B', '{RECORDED}', 'ddp', 1, NULL, 's', NULL, NULL, '\"x\"', '{{}}')")
     with pytest.raises(SystemExit):
         history.main(["--db", str(db), "list"])
@@ -186,8 +211,8 @@ def local_config(**changes) -> dict:
     ],
 )
 def test_the_workflow_refuses_a_history_where_it_writes_or_replaces(path, message):
-    with pytest.raises(ConfigError, match=message + r".*choose a file apart from them, such as "
-                       r"results/local/history.sqlite \(the default\)"):  # fmt: skip
+    suggestion = r".*choose a file apart from them, such as results/local/history.sqlite \(the default\)"
+    with pytest.raises(ConfigError, match=message + suggestion):
         Study(local_config(history=path))
     assert "--history results/local/history.sqlite" in Study(local_config()).aggregate_args()
     fine = Study(local_config(history="results/local/runs/history.sqlite"))  # beside the run directories: kept
@@ -199,14 +224,16 @@ def test_a_comparison_names_the_disturbed_runs_on_either_side_and_the_study_pass
     each change they enter, never its loss; `list` marks the run. The workflow hands its `disturbed_share` on."""
     db = tmp_path / "history.sqlite"
     quiet, busy = {"tokens_per_s_per_device": 100.0, "test_loss": 5.0}, {"disturbed": "other work took 1.04 of ..."}
-    before = [row("a1", "A", seed=1, figures=quiet), row("a2", "A", seed=2, figures=quiet | busy | {
-        "tokens_per_s_per_device": 50.0})]  # fmt: skip
+    before = [
+        row("a1", "A", seed=1, figures=quiet),
+        row("a2", "A", seed=2, figures=quiet | busy | {"tokens_per_s_per_device": 50.0}),
+    ]
     after = [row("b1", "B", seed=1, figures=quiet), row("b2", "B", seed=2, figures=quiet)]
-    changes = {c.figure: c for c in history.compare(before, after)}
+    changes = {c.figure: c for c in history_compare.compare(before, after)}
     assert changes["tokens_per_s_per_device"].disturbed == "before: seed 2"
     assert changes["test_loss"].disturbed == ""  # the loss is the run's own, disturbed or not
-    assert history.compare(after, before)[0].disturbed == "after: seed 2"
-    history.insert(db, before + after)
+    assert history_compare.compare(after, before)[0].disturbed == "after: seed 2"
+    history_store.insert(db, before + after)
     history.main(["--db", str(db), "list"])
     listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ddp")]
     assert [line.endswith("disturbed") for line in listed] == [False, True, False, False]

@@ -88,7 +88,7 @@ def test_lightning_run_stopped_by_a_signal_resumes_to_the_same_end(tiny_config, 
 
 def test_lightning_errors_are_clear(tiny_config, monkeypatch):
     """Without the extra: the value and the fix; with a layout that is not DDP: the degree and what to do."""
-    from scalelm.train.trainer import engine
+    from scalelm.train.run import engine_for as engine
 
     real_import = builtins.__import__
 

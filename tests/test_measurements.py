@@ -59,9 +59,12 @@ def test_collective_time_counts_overlapping_collectives_once_and_only_inside_the
 
 def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():
     def run(start, end, *hosts, machines=()):
-        return SimpleNamespace(start_time=f"2026-11-25T10:{start:02d}:00+0000",
-                               end_time=f"2026-11-25T10:{end:02d}:00+0000", nodes=list(hosts),
-                               machines=list(machines))  # fmt: skip
+        return SimpleNamespace(
+            start_time=f"2026-11-25T10:{start:02d}:00+0000",
+            end_time=f"2026-11-25T10:{end:02d}:00+0000",
+            nodes=list(hosts),
+            machines=list(machines),
+        )
 
     records = {
         "a": run(0, 10, "n1"),
@@ -152,7 +155,7 @@ def test_the_data_time_is_the_host_time_spent_producing_batches(monkeypatch):
 def test_the_cpu_peak_memory_is_each_intervals_own():
     """As on CUDA, a reset starts a new peak: what an earlier interval (the start-up, an evaluation) held does not
     count in the next one's (Linux's VmHWM, reset through /proc/self/clear_refs)."""
-    from scalelm.train.metrics import peak_memory_mb, reset_peak_memory
+    from scalelm.measure.device import peak_memory_mb, reset_peak_memory
 
     cpu = torch.device("cpu")
     held = mmap.mmap(-1, 256 * 2**20)  # mapped apart from malloc, whose heap this process may keep (hostmemory)
@@ -272,13 +275,15 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     from scalelm.measure import baseline
 
     config, out, port = tiny_config("baseline"), tmp_path / "baseline.json", free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}",
-               "-m", "scalelm.measure.baseline", "--out", str(out), "--config", str(config),
-               "--min-bytes", "4096", "--max-bytes", str(2**18), "--iterations", "3"]  # fmt: skip
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}"]
+    options = [f"--out={out}", f"--config={config}", "--min-bytes=4096", f"--max-bytes={2**18}", "--iterations=3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", *rendezvous]
+    command = [*torchrun, "-m", "scalelm.measure.baseline", *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     result = json.loads(out.read_text())
@@ -338,8 +343,13 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     monkeypatch.setattr(monitor, "device_uuid", lambda device: "GPU-1")
     gpu = torch.device("cuda", 0)
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x1, ecc=0))
-    assert baseline.gpu_health(gpu) == {"ecc_uncorrected": 0, "sm_clock_mhz": 1200, "sm_clock_max_mhz": 1980,
-                                        "held_back_by": ["gpu idle"], "healthy": True}  # fmt: skip
+    assert baseline.gpu_health(gpu) == {
+        "ecc_uncorrected": 0,
+        "sm_clock_mhz": 1200,
+        "sm_clock_max_mhz": 1980,
+        "held_back_by": ["gpu idle"],
+        "healthy": True,
+    }
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x40 | 0x4, ecc=3))
     health = baseline.gpu_health(gpu)
     assert health["held_back_by"] == ["sw power cap", "hw thermal slowdown"] and not health["healthy"]
@@ -349,9 +359,17 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
         "node1:4242:4250 [0] NCCL INFO NET/Plugin: no plugin found\nnode1:4242:4250 [0] NCCL INFO Using network Socket\n"
     ]
     assert baseline.nccl_network(logs) == "Socket" and baseline.nccl_network(["NCCL INFO Using network IB"]) == "IB"
-    result = {"world_size": 8, "hosts": ["n1", "n2"], "device": "NVIDIA H100", "matmul_tflops_min": 700.0,
-              "elementwise_gbps_min": 3000.0, "model_step": {"tokens": 8192, "seconds_max": 0.05},
-              "collectives": [], "per_rank": [{"rank": 5, "host": "n2", "gpu": health}], "nccl_network": "Socket"}  # fmt: skip
+    result = {
+        "world_size": 8,
+        "hosts": ["n1", "n2"],
+        "device": "NVIDIA H100",
+        "matmul_tflops_min": 700.0,
+        "elementwise_gbps_min": 3000.0,
+        "model_step": {"tokens": 8192, "seconds_max": 0.05},
+        "collectives": [],
+        "per_rank": [{"rank": 5, "host": "n2", "gpu": health}],
+        "nccl_network": "Socket",
+    }
     lines = "\n".join(baseline.report(result, "infiniband"))
     assert "WARNING: rank 5 on n2: GPU not healthy" in lines
     assert "WARNING: the site has InfiniBand but NCCL uses Socket" in lines

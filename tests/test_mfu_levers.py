@@ -27,7 +27,7 @@ from scalelm.parallel import data as data_module
 from scalelm.parallel import runtime
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.env import DistEnv
-from scalelm.parallel.layout import check_bf16_params
+from scalelm.parallel.layout import check_bf16_params, resolve_layout
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.site import SiteConfig
 from scalelm.train.checkpoint import complete_checkpoints
@@ -57,10 +57,17 @@ def test_each_lever_is_a_typed_setting_refused_by_name_where_it_cannot_act(monke
     Lightning's engine for what its loop does not run through scalelm's step, bf16_params on CPU or beside a layout
     without FSDP, a site's cache directory that is not absolute. The gpt2_small experiment runs batch 32 and its plan
     fits a 40 GB GPU; DDP takes DDP_OPTIONS (which Lightning's DDP strategy shares)."""
-    config = load_config(None, ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs",
-                                "train.compile_optimizer=true", "train.attention_kernels=auto"])  # fmt: skip
-    assert (config.train.compile_mode, config.train.compile_optimizer, config.train.attention_kernels) == (
-        "max-autotune-no-cudagraphs", True, "auto")  # fmt: skip
+    levers = [
+        "train.compile_mode=max-autotune-no-cudagraphs",
+        "train.compile_optimizer=true",
+        "train.attention_kernels=auto",
+    ]
+    train = load_config(None, ["train.compile=true", *levers]).train
+    assert (train.compile_mode, train.compile_optimizer, train.attention_kernels) == (
+        "max-autotune-no-cudagraphs",
+        True,
+        "auto",
+    )
     refusals = {
         ("train.compile_mode=max-autotune-no-cudagraphs",): "train.compile_mode=max-autotune-no-cudagraphs tunes",
         ("train.compile_mode=reduce-overhead",): "'reduce-overhead' is not one of",
@@ -68,9 +75,9 @@ def test_each_lever_is_a_typed_setting_refused_by_name_where_it_cannot_act(monke
         ("train.engine=lightning", "train.precision=bf16_params"): "train.precision=bf16_params is scalelm's engine",
         ("train.engine=lightning", "train.attention_kernels=auto"): "train.attention_kernels=auto is scalelm's engine",
     }
-    for overrides, message in refusals.items():
+    for overrides, message in refusals.items():  # at load, or where layouts are checked (an engine's refusals)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-            load_config(None, list(overrides))
+            resolve_layout(load_config(None, list(overrides)), 1, 1)
     with pytest.raises(ConfigError, match="train.precision=bf16_params is for CUDA devices"):
         resolve_precision("bf16_params", "cpu")
     assert resolve_precision("bf16_params", "cuda") == "bf16"  # its compute precision: MFU's peak, the plan's bytes
@@ -91,12 +98,12 @@ def test_each_lever_is_a_typed_setting_refused_by_name_where_it_cannot_act(monke
     with pytest.raises(ConfigError, match="inductor_cache_dir must be an absolute path"):
         SiteConfig(inductor_cache_dir="~/inductor")
 
+    assert data_module.DDP_OPTIONS == {"gradient_as_bucket_view": True, **data_module.no_buffer_sync_per_forward()}
     made = {}
     monkeypatch.setattr(data_module, "DistributedDataParallel", lambda model, **options: made.update(options))
     mesh = type("Mesh", (), {"get_group": lambda self: "group"})()
     data_module.apply_ddp(torch.nn.Linear(2, 2), mesh, torch.device("cpu"))
     assert made == {"device_ids": None, "process_group": "group", **data_module.DDP_OPTIONS}
-    assert data_module.DDP_OPTIONS == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
 
 
 def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
@@ -162,7 +169,7 @@ def test_bf16_params_on_one_process_casts_through_fsdp_on_a_mesh_of_one(monkeypa
     monkeypatch.setattr(runtime, "apply_fsdp", lambda *args: sharded.append(args[2:4]) or real_fsdp(*args))
     try:
         parallel = runtime.Parallel.start(tiny(precision="bf16_params"), cpu_env(), VOCAB)
-        assert dist.get_world_size() == 1 and parallel.mesh is not None and parallel.uses_fsdp
+        assert dist.get_world_size() == 1 and parallel.meshes is not None and parallel.uses_fsdp
         assert parallel.compute_dtype == torch.bfloat16 and isinstance(parallel.autocast(), contextlib.nullcontext)
         model = parallel.build(lambda: TransformerLM(tiny().model, VOCAB), seed=1)
         assert sharded == [(torch.bfloat16, False)]  # the policy's dtype; no resharding after the forward
@@ -254,7 +261,7 @@ def test_compile_mode_reaches_torch_compile_and_keeps_inductor_caches(monkeypatc
     monkeypatch.setattr(inductor, "autotune_local_cache", False)
     config = tiny(compile=True, compile_mode="max-autotune-no-cudagraphs")
     parallel = runtime.Parallel.start(config, cpu_env(), VOCAB)
-    parallel.build(lambda: TransformerLM(config.model, VOCAB), seed=1)
+    parallel.build(lambda: TransformerLM(config.model, VOCAB), 1, runtime.ModelOptions.of(config.train))
     assert calls == [("Block", {"mode": "max-autotune-no-cudagraphs"})] * 2  # the CPU's head keeps its fused loss
     assert inductor.fx_graph_cache and inductor.autotune_local_cache
 

@@ -34,10 +34,19 @@ from scalelm.train.record import Results, RunRecord, write_record
 from test_study import SCHEMA
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
+
+
+def settings(*assignments: str) -> list[str]:
+    """One `--set` flag per assignment."""
+    return [word for assignment in assignments for word in ("--set", assignment)]
+
+
 SEVEN_B = [
-    "--vocab-size", "32000", "--set", "model.d_model=4096", "--set", "model.n_layers=32", "--set", "model.n_heads=32",
-    "--set", "model.d_ff=16384", "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--set", "batch.size=1",
-]  # fmt: skip
+    "--vocab-size",
+    "32000",
+    *settings("model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.d_ff=16384"),
+    *settings("data.seq_len=2048", "model.max_seq_len=2048", "batch.size=1"),
+]
 JURECA = ["--nodes", "2", "--gpus-per-node", "4", "--gpu-memory-gb", "40"]
 SPEEDS = ["--matmul-tflops", "150", "--busbw-intra-gbps", "80", "--busbw-inter-gbps", "20"]  # + --elementwise-gbps
 
@@ -122,8 +131,10 @@ def test_context_parallelism_divides_the_activations_and_sends_the_ring_its_bloc
     assert cp.activation_bytes_per_token_per_block == single.activation_bytes_per_token_per_block + 4 * a  # fp32 lse
     assert cp.bytes["activations"] < single.bytes["activations"] / 3
     flows = {f.collective: f for f in traffic(work, ParallelDims(cp=4), gpus_per_node=4)}
-    forward, backward = (flows[f"send key/value blocks{x} (CP ring, {y})"] for x, y in
-                         (("", "forward"), (" and their gradients", "backward")))  # fmt: skip
+    forward, backward = (
+        flows[f"send key/value blocks{x} (CP ring, {y})"]
+        for x, y in (("", "forward"), (" and their gradients", "backward"))
+    )
     block = 2 * tokens // 4 * d  # a rank's keys and values, bf16 on a GPU
     assert forward.bytes == blocks * 3 * block * 2 and forward.messages == blocks * 3 and forward.link == INTRA
     assert backward.bytes == blocks * (3 * block * 2 + 4 * block * 4) and backward.messages == blocks * 7
@@ -211,11 +222,20 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     # own step took twice what its products and bytes explain: an efficiency of 1/2 doubles every layout's compute
     work = Workload(load_config(None, ["model.n_layers=4"]), 28785)
     explained = efficiency(work, Speeds(150.0, 1500.0, {}, model_step=(16384, 1.0)))
-    baseline = {"world_size": 8, "procs_per_node": 4, "hosts": ["n1", "n2"], "device": "NVIDIA H100",
-                "matmul_tflops_min": 150.0, "elementwise_gbps_min": 1500.0, "per_rank": [{"rank": 0}],
-                "model_step": {"tokens": 16384, "seconds_max": 2 * explained},
-                "collectives": [{"scope": scope, "op": "all_reduce", "bytes": 2**26, "busbw_gbps": bw}
-                                for scope, bw in (("job", 20.0), ("node", 80.0))]}  # fmt: skip
+    baseline = {
+        "world_size": 8,
+        "procs_per_node": 4,
+        "hosts": ["n1", "n2"],
+        "device": "NVIDIA H100",
+        "matmul_tflops_min": 150.0,
+        "elementwise_gbps_min": 1500.0,
+        "per_rank": [{"rank": 0}],
+        "model_step": {"tokens": 16384, "seconds_max": 2 * explained},
+        "collectives": [
+            {"scope": scope, "op": "all_reduce", "bytes": 2**26, "busbw_gbps": bw}
+            for scope, bw in (("job", 20.0), ("node", 80.0))
+        ],
+    }
     (tmp_path / "nodes2.json").write_text(json.dumps(baseline))
     from_file = plan_json(capsys, *COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json"))
     older = {key: value for key, value in baseline.items() if key != "model_step"}  # a baseline of an older scalelm
@@ -277,23 +297,38 @@ def test_a_7b_model_needs_fsdp_over_several_a100s(capsys):
     "args, message",
     [
         ([*COURSE, "--gpus-per-node", "4"], r"memory per GPU is unknown: pass --gpu-memory-gb"),
-        ([*SEVEN_B, "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "40"],
-         r"no layout fits 1 node\(s\) x 1 GPU\(s\) of 40 GB \(118.36 GB per GPU at best \(single\)\); the smallest "
-         r"machine of such nodes that would hold it: \d+ nodes, with fsdp"),
-        ([*COURSE, *JURECA, "--set", "parallel.tp=8", "--set", "model.n_heads=8"], r"the config's layout cannot run on 2 node\(s\) x 4 GPU\(s\) of "
-         r"40 GB: .*parallel.tp=8 does not divide the 4 processes of a node"),
-        ([*COURSE, *JURECA, "--set", "parallel.strategy=pp"], r"the config's layout 1x1x1x8 .*n_layers=4 blocks cannot fill 8"),
+        (
+            [*SEVEN_B, "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "40"],
+            r"no layout fits 1 node\(s\) x 1 GPU\(s\) of 40 GB \(118.36 GB per GPU at best \(single\)\); the smallest "
+            r"machine of such nodes that would hold it: \d+ nodes, with fsdp",
+        ),
+        (
+            [*COURSE, *JURECA, "--set", "parallel.tp=8", "--set", "model.n_heads=8"],
+            r"the config's layout cannot run on 2 node\(s\) x 4 GPU\(s\) of "
+            r"40 GB: .*parallel.tp=8 does not divide the 4 processes of a node",
+        ),
+        (
+            [*COURSE, *JURECA, "--set", "parallel.strategy=pp"],
+            r"the config's layout 1x1x1x8 .*n_layers=4 blocks cannot fill 8",
+        ),
         (["--config", "missing.yaml", *JURECA], "config file missing.yaml does not exist"),
         ([*COURSE, *JURECA, "--headroom", "1"], r"--headroom must be a share of a GPU's memory in \[0, 1\), got 1.0"),
-        ([*COURSE, "--nodes", "0", "--gpus-per-node", "4", "--gpu-memory-gb", "40"],
-         r"the machine's nodes must be at least 1 \(--nodes\), got 0"),
+        (
+            [*COURSE, "--nodes", "0", "--gpus-per-node", "4", "--gpu-memory-gb", "40"],
+            r"the machine's nodes must be at least 1 \(--nodes\), got 0",
+        ),
         (["--set", "data.prepared_dir=/nonexistent", *JURECA], "prepared data not found.*Or pass --vocab-size"),
-        ([*COURSE, *JURECA, "--matmul-tflops", "100"],
-         "the step time needs --elementwise-gbps, --busbw-intra-gbps, --busbw-inter-gbps too"),
-        ([*COURSE, *JURECA, "--baseline", "/nonexistent.json"], "--baseline /nonexistent.json is not a machine baseline"),
+        (
+            [*COURSE, *JURECA, "--matmul-tflops", "100"],
+            "the step time needs --elementwise-gbps, --busbw-intra-gbps, --busbw-inter-gbps too",
+        ),
+        (
+            [*COURSE, *JURECA, "--baseline", "/nonexistent.json"],
+            "--baseline /nonexistent.json is not a machine baseline",
+        ),
         ([*COURSE, *JURECA, *SPEEDS, "--elementwise-gbps", "0"], "the machine's elementwise_gbps must be positive"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_a_clear_error(capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         plan_main(args)
@@ -332,10 +367,13 @@ def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queu
     assert plan["fits"] and plan["device"] == "cuda" and plan["layout"] == "1x1x1x1" and plan["gpu_memory_gb"] == 40
 
     study, prepared = real_matrix(tmp_path, 4)
-    with pytest.raises(ConfigError, match=r"experiment single_gpu \(1 x 1 GPUs, layout 1x1x1x1\) does not fit the "
-                       r"site's GPUs of 4 GB: scalelm.plan predicts 6.65 GB per GPU \(params 0.04, grads 0.04, "
-                       r"optimizer 0.08, activations 6.49, buffers 0.00\) against 3.60 GB usable.*"
-                       r"experiments.single_gpu.check_memory: false"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"experiment single_gpu \(1 x 1 GPUs, layout 1x1x1x1\) does not fit the "
+        r"site's GPUs of 4 GB: scalelm.plan predicts 6.65 GB per GPU \(params 0.04, grads 0.04, "
+        r"optimizer 0.08, activations 6.49, buffers 0.00\) against 3.60 GB usable.*"
+        r"experiments.single_gpu.check_memory: false",
+    ):
         study.write_plan(single, str(prepared), tmp_path / "refused.json")
     assert not (tmp_path / "refused.json").exists()
     # the 3D experiment's 16 GPUs hold the same model in far less

@@ -11,7 +11,7 @@ import matplotlib
 import yaml
 
 from scalelm.report.figures import RunSummary
-from scalelm.report.history import TrendPoint
+from scalelm.report.history_compare import TrendPoint
 from scalelm.report.plots import DISTURBED, loss_figure, scaling_figure, trend_figure
 
 matplotlib.use("Agg")

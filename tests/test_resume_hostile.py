@@ -27,8 +27,8 @@ def train_steps(run: RunDir) -> list[int]:
 
 def test_a_finished_run_rerun_for_staging_or_logging_keeps_its_record_and_retrains_nothing(run_copy, tmp_path, capsys):
     """data.stage and data.stage_dir only copy the same data elsewhere: outside the identity (also in an identity.json
-    an older scalelm wrote with them). A rerun of the finished run with them, or the logging cadence, changed is a
-    no-op: run.json byte for byte (its start, end, wall time and environment), metrics.jsonl untouched, nothing in
+    an older scalelm wrote with them). A rerun of the finished run with them, the logging cadence, compilation or
+    activation checkpointing changed is a no-op: run.json byte for byte (its start, end, wall time and environment), metrics.jsonl untouched, nothing in
     previous/; and so when Snakemake removed run.json before rerunning the job. Without the kept record (a stop
     during the final evaluation, a run of an older scalelm) the end's evaluations are redone once, not doubled."""
     run = RunDir(run_dir_of(run_copy))
@@ -37,7 +37,9 @@ def test_a_finished_run_rerun_for_staging_or_logging_keeps_its_record_and_retrai
     identity["settings"]["data"].update(stage="shm", stage_dir="/dev/shm/elsewhere")  # as an older scalelm wrote it
     run.identity.write_text(json.dumps(identity))
 
-    train_here(run_copy, "data.stage=local", f"data.stage_dir={tmp_path / 'stage'}", "train.log_every=7")
+    # compiled and eager checkpoints are interchangeable (scalelm.parallel.compile), and so are recomputed ones
+    changed = ("train.log_every=7", "train.compile=true", "train.activation_checkpointing=full")
+    train_here(run_copy, "data.stage=local", f"data.stage_dir={tmp_path / 'stage'}", *changed)
     out = capsys.readouterr().out
     assert "finished at step 20" in out and "nothing to train or evaluate" in out, out[-2000:]
     assert not run.previous.exists() and "stage" not in json.loads(run.identity.read_text())["settings"]["data"]
@@ -114,6 +116,25 @@ def test_a_checkpoint_is_consolidated_and_resumed_only_as_what_its_contents_say(
     shutil.copytree(last, run_dir_of(shorter) / "checkpoints" / last.name)
     with pytest.raises(CheckpointError, match=rf"{last.name} is at step 20, beyond the 15 steps of this run"):
         train_here(shorter)
+
+
+def test_every_setting_declares_whether_it_belongs_to_a_runs_identity():
+    """Run identity is declared on each setting's own field (scalelm.config.setting): a field that does not say fails
+    here. What is trained is identity; where a run writes or stages, how often it reports or saves, how long it
+    waits, how it compiles or recomputes and which engine runs the loop are not."""
+    from scalelm.config import Config, leaf_fields, load_config
+    from scalelm.train.rundir import identity
+
+    for dotted, _, item in leaf_fields(Config()):
+        assert isinstance(item.metadata.get("identity"), bool), f"{dotted}: say identity=True or False (setting)"
+    settings = identity(load_config(None, []), {"train": "abc"}, 1)["settings"]
+    kept = set()
+    for section, values in settings.items():
+        kept |= {f"{section}.{key}" for key in values} if isinstance(values, dict) else {section}
+    outside = {"run_dir", "data.prepared_dir", "data.stage", "data.stage_dir", "train.log_every", "train.compile"}
+    outside |= {"train.activation_checkpointing", "train.engine", "checkpoint.every", "parallel.timeout_s"}
+    assert not kept & outside
+    assert {"seed", "device", "optim.lr", "model.d_model", "data.seq_len", "train.precision", "parallel.tp"} <= kept
 
 
 def test_a_checkpoints_lineage_leaves_out_the_layout_and_the_staging_but_not_the_seed():

@@ -190,14 +190,9 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)
     assert all(float(r["planned_step_time_s"]) > 0 and float(r["planned_compute_s"]) > 0 for r in rows), rows
     assert float(by_name["pp"]["planned_bubble_s"]) > 0 and float(by_name["fsdp"]["planned_comm_s"]) > 0
-    for png in (
-        "loss_vs_tokens.png",
-        "loss_vs_time.png",
-        "scaling.png",
-        "utilisation.png",
-        "pipeline.png",
-        "trend.png",
-    ):
+    from scalelm.report.aggregate import OUTPUTS
+
+    for png in (name for name in OUTPUTS if name.endswith(".png")):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]
@@ -268,7 +263,7 @@ def test_two_workflow_runs_with_their_own_result_directories_run_side_by_side(pr
     multi-node experiments (local torchrun rendezvous) do not meet each other.
 
     `--nolock`: Snakemake (9.27) removes the whole .snakemake/locks directory when it exits, the locks of another
-    instance in the same directory included, and fails when both exit at once (seen here). The README says so.
+    instance in the same directory included, and fails when both exit at once (seen here). docs/usage.md says so.
     """
     local = yaml.safe_load((project / "config/local.yaml").read_text())
     runs = []

@@ -21,7 +21,7 @@ COMMANDS = {
     "plan": ("scalelm.plan.__main__", "per-GPU memory and traffic of each layout on a machine, and the one to choose"),
     "container": ("scalelm.launch.container", "build or pull the Apptainer image"),
     "launch": ("scalelm.launch.launcher", "start a training with torchrun: standalone, in a Slurm job, in the image"),
-    "train": ("scalelm.train.trainer", "train one process of a run (what torchrun starts)"),
+    "train": ("scalelm.train.run", "train one process of a run (what torchrun starts)"),
     "monitor": ("scalelm.measure.sampler", "sample a node's CPU, memory and GPUs during a run"),
     "selftest": ("scalelm.selftest", "a tiny CPU training: check an installation in seconds"),
     "consolidate": ("scalelm.train.consolidate", "a run's final checkpoint as one state dict"),

@@ -19,54 +19,69 @@ import yaml
 
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
-from scalelm.parallel.dims import check_degrees, check_strategy, degrees_of
 from scalelm.settings_yaml import dump_settings, load_error, parse_settings, read_settings, shown
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
 
+def setting(default: Any, *, identity: bool, lightning_refuses: tuple[Any, str] | None = None) -> Any:
+    """A setting's field, declaring what it is beside its default. `identity`: whether it changes what is trained,
+    and so belongs to a run's identity (`identity_settings`): a run rerun with other values of the rest (where it
+    writes, stages, reports, checkpoints, waits; how it compiles or recomputes, whose results are interchangeable)
+    resumes or restores its end instead of training afresh. `lightning_refuses`: the value train.engine=lightning
+    refuses by name, and why (`refusals`); every other setting acts in both engines."""
+    metadata: dict[str, Any] = {"identity": identity}
+    if lightning_refuses is not None:
+        metadata["refused_by"] = {"lightning": lightning_refuses}
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class DataConfig:
-    prepared_dir: str = "data/prepared"  # written by `python -m scalelm.data.prepare`
-    seq_len: int = 32
-    stride: int | None = None  # distance between training windows; None = seq_len, 1 = the course's overlap
+    prepared_dir: str = setting("data/prepared", identity=False)  # written by `python -m scalelm.data.prepare`
+    seq_len: int = setting(32, identity=True)
+    # distance between training windows; None = seq_len, 1 = the course's overlap
+    stride: int | None = setting(None, identity=True)
     # copy the prepared data to memory (shm: /dev/shm) or node-local disk (local: stage_dir, else $TMPDIR) before
     # training (scalelm.data.stage); None: the site's choice (site.yaml `stage`), none without one
-    stage: Literal["none", "shm", "local"] | None = None
-    stage_dir: str | None = None
+    stage: Literal["none", "shm", "local"] | None = setting(None, identity=False)
+    stage_dir: str | None = setting(None, identity=False)
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = 128
-    n_heads: int = 4
-    n_layers: int = 2
-    d_ff: int = 2048
-    dropout: float = 0.1
-    max_seq_len: int = 1024  # size of the positional table; data.seq_len must not exceed it
-    norm: Literal["post", "pre"] = "post"
-    tie_weights: bool = False
+    d_model: int = setting(128, identity=True)
+    n_heads: int = setting(4, identity=True)
+    n_layers: int = setting(2, identity=True)
+    d_ff: int = setting(2048, identity=True)
+    dropout: float = setting(0.1, identity=True)
+    max_seq_len: int = setting(1024, identity=True)  # size of the positional table; data.seq_len must not exceed it
+    norm: Literal["post", "pre"] = setting("post", identity=True)
+    tie_weights: bool = setting(False, identity=True)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the peak learning rate
-    grad_clip: float | None = None  # max global gradient norm; None logs the norm without clipping
+    lr: float = setting(2e-3, identity=True)
+    weight_decay: float = setting(0.01, identity=True)
+    betas: tuple[float, float] = setting((0.9, 0.999), identity=True)
+    schedule: Literal["constant", "cosine"] = setting("constant", identity=True)
+    warmup_steps: int = setting(0, identity=True)
+    min_lr_ratio: float = setting(0.0, identity=True)  # cosine floor, as a fraction of the peak learning rate
+    # max global gradient norm; None logs the norm without clipping
+    grad_clip: float | None = setting(None, identity=True)
 
 
 @dataclass
 class BatchConfig:
     # per_device: `size` sequences per device per step, the global batch grows with the world size (the course).
     # global: `size` sequences per optimizer step whatever the world size, split across ranks.
-    mode: Literal["per_device", "global"] = "per_device"
-    size: int = 512
-    micro_size: int | None = None  # per-device micro-batch; smaller than the per-device share -> accumulation
-    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # per_device mode: scale lr with the world size
+    mode: Literal["per_device", "global"] = setting("per_device", identity=True)
+    size: int = setting(512, identity=True)
+    # per-device micro-batch; smaller than the per-device share -> accumulation
+    micro_size: int | None = setting(None, identity=True)
+    # per_device mode: scale lr with the world size
+    lr_scaling: Literal["none", "linear", "sqrt"] = setting("none", identity=True)
 
     def sizes(self, dp_size: int) -> tuple[int, int]:
         """(global batch, sequences per forward/backward on a data-parallel rank) for `dp_size` ranks; the one
@@ -89,54 +104,65 @@ class BatchConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
-    max_steps: int | None = None  # stop after this many optimizer steps (smoke runs, benchmarks)
-    log_every: int = 50
-    eval_every: int | None = None  # steps between validation runs; validation also runs after every epoch
-    eval_batch_size: int = 256  # sequences per evaluation batch, at most eval_batch_tokens tokens
+    epochs: int = setting(10, identity=True)
+    # stop after this many optimizer steps (smoke runs, benchmarks)
+    max_steps: int | None = setting(None, identity=True)
+    log_every: int = setting(50, identity=False)
+    # steps between validation runs; validation also runs after every epoch
+    eval_every: int | None = setting(None, identity=False)
+    # sequences per evaluation batch, at most eval_batch_tokens tokens
+    eval_batch_size: int = setting(256, identity=False)
     # an evaluation batch's logits are tokens x vocabulary: long sequences take fewer sequences per batch
-    eval_batch_tokens: int = 16384
+    eval_batch_tokens: int = setting(16384, identity=False)
     # auto: bf16 on CUDA, fp32 on CPU. bf16 on one GPU is autocast: its matrix products in bf16, the residual stream
     # and norms in fp32. bf16_params (CUDA): the parameters cast to bf16 for the forward by FSDP's policy (on one GPU
     # a mesh of one rank), so every activation is bf16, over fp32 master weights, gradients and AdamW state (what
     # FSDP layouts do with bf16 anyway); less element-wise traffic (docs/benchmarks.md)
-    precision: Literal["auto", "fp32", "bf16", "bf16_params"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "bf16_params"] = setting(
+        "auto", identity=True, lightning_refuses=("bf16_params", "Lightning's bf16 is its autocast plugin")
+    )
     # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.measure.peak)
-    peak_tflops: float | None = None
+    peak_tflops: float | None = setting(None, identity=False)
     # seconds between samples of CPU, RSS and GPU utilisation (scalelm.measure.sampler, one sampler per node); 0: none
-    monitor_interval_s: float = 1.0
+    monitor_interval_s: float = setting(1.0, identity=False)
     # the last steps run under torch's profiler to time the collectives (scalelm.measure.comm); 0: none
-    comm_profile_steps: int = 2
-    wandb: bool = False  # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
-    deterministic: bool = False
+    comm_profile_steps: int = setting(2, identity=False)
+    # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
+    wandb: bool = setting(False, identity=False)
+    deterministic: bool = setting(False, identity=False)
     # blocks keep less of the forward pass and recompute the rest in the backward: less memory for more compute; full:
     # their inputs only, selective: their matrix products' and attention's outputs (scalelm.parallel.activation_checkpoint)
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Literal["none", "full", "selective"] = setting("none", identity=False)
     # torch.compile each block (and on CUDA the head with its loss): fewer kernel launches, fused element-wise work;
     # the first steps pay the compilation (scalelm.parallel.compile)
-    compile: bool = False
+    compile: bool = setting(False, identity=False)
     # torch.compile's mode: default, or max-autotune-no-cudagraphs (at the first step, benchmarks matrix-product kernels
     # and tunes the fused ones by coordinate descent: minutes of compiling, whose results the persistent Inductor cache,
     # site.yaml's inductor_cache_dir, keeps for later runs). No CUDA graphs: the GPU is already busy through the step
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = setting("default", identity=False)
     # AdamW's step under torch.compile: its element-wise passes fused into a few kernels (scalelm.train.optim)
-    compile_optimizer: bool = False
+    compile_optimizer: bool = setting(
+        False, identity=False, lightning_refuses=(True, "Lightning calls the optimizer's step itself")
+    )
     # scaled-dot-product attention's kernels: default, torch's own order; auto, cuDNN's first where it is the faster
     # one (Hopper, compute capability 9.0: torch does not prefer it by itself), torch's order elsewhere
-    attention_kernels: Literal["default", "auto"] = "default"
+    attention_kernels: Literal["default", "auto"] = setting(
+        "default", identity=False, lightning_refuses=("auto", "Lightning runs the forward outside scalelm's step")
+    )
     # a step running longer than max(hang_factor x the median step, hang_floor_s) stops the job with an autopsy of
     # its ranks (scalelm.train.watchdog) instead of hanging; hang_factor 0: no watchdog
-    hang_factor: float = 20.0
-    hang_floor_s: float = 120.0
+    hang_factor: float = setting(20.0, identity=False)
+    hang_floor_s: float = setting(120.0, identity=False)
     # what runs the loop: scalelm's trainer, or PyTorch Lightning's Trainer with its DDP strategy over the same
     # model, data order, optimizer and records (scalelm.train.lightning_engine; pip install 'scalelm[lightning]')
-    engine: Literal["scalelm", "lightning"] = "scalelm"
+    engine: Literal["scalelm", "lightning"] = setting("scalelm", identity=False)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int | None = 500  # steps between checkpoints; one is also written after every epoch and at the end
-    keep: int = 2
+    # steps between checkpoints; one is also written after every epoch and at the end
+    every: int | None = setting(500, identity=False)
+    keep: int = setting(2, identity=False)
 
 
 @dataclass
@@ -145,30 +171,33 @@ class ParallelConfig:
     # A strategy name is a shorthand for degrees not set here: single, ddp (dp_replicate -1), fsdp (dp_shard -1),
     # hsdp (dp_replicate = nodes, dp_shard = processes per node), tp (tp -1), fsdp_tp (tp = processes per node,
     # dp_shard -1), pp (pp -1), cp (cp -1). Nothing set: one process.
-    strategy: str | None = None
-    dp_replicate: int | None = None
-    dp_shard: int | None = None
-    tp: int | None = None
-    pp: int | None = None  # pipeline stages: the blocks split into groups on successive ranks
-    cp: int | None = None  # context parallelism: every sequence split across cp ranks, attention by a ring
+    strategy: str | None = setting(None, identity=True)
+    dp_replicate: int | None = setting(None, identity=True)
+    dp_shard: int | None = setting(None, identity=True)
+    tp: int | None = setting(None, identity=True)
+    pp: int | None = setting(None, identity=True)  # pipeline stages: the blocks split into groups on successive ranks
+    # context parallelism: every sequence split across cp ranks, attention by a ring
+    cp: int | None = setting(None, identity=True)
     # cp: each rank holds chunks r and 2 cp - 1 - r of 2 cp (the causal mask's work even across ranks); False: one
     # contiguous part each (the last rank then does most of the attention's work)
-    cp_load_balance: bool = True
+    cp_load_balance: bool = setting(True, identity=True)
     # pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in the steady state),
     # interleaved_1f1b (pp_virtual_stages stages per rank, a smaller bubble for more point-to-point traffic)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    pp_microbatches: int | None = None  # pp: the pieces each replica's batch is pipelined in; None: 2 x pp
-    pp_virtual_stages: int = 1  # pp: stages per rank, 2 or more for interleaved_1f1b
-    sequence_parallel: bool = False  # tp: norms, residual dropout and additions split along the sequence
-    loss_parallel: bool = False  # tp: output projection and cross-entropy split by vocabulary
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = setting("1f1b", identity=True)
+    # pp: the pieces each replica's batch is pipelined in; None: 2 x pp
+    pp_microbatches: int | None = setting(None, identity=True)
+    pp_virtual_stages: int = setting(1, identity=True)  # pp: stages per rank, 2 or more for interleaved_1f1b
+    # tp: norms, residual dropout and additions split along the sequence
+    sequence_parallel: bool = setting(False, identity=True)
+    loss_parallel: bool = setting(False, identity=True)  # tp: output projection and cross-entropy split by vocabulary
     # fsdp: False keeps gathered weights from forward to backward (ZeRO-2); None: True, but False with a pipeline,
     # whose every micro-batch would gather them again
-    reshard_after_forward: bool | None = None
-    cpu_offload: bool = False  # fsdp, CUDA only
+    reshard_after_forward: bool | None = setting(None, identity=True)
+    cpu_offload: bool = setting(False, identity=True)  # fsdp, CUDA only
     # CPU: freed allocations below this many MiB stay in malloc's heap for the next step (fewer page faults), larger
     # ones go back to the system; None: 1024, with FSDP 4 (its buffers would fragment the heap: parallel/hostmemory.py)
-    host_reuse_below_mb: float | None = None
-    timeout_s: int = 600  # collective timeout: a lost rank fails the job instead of hanging it
+    host_reuse_below_mb: float | None = setting(None, identity=False)
+    timeout_s: int = setting(600, identity=False)  # collective timeout: a lost rank fails the job instead of hanging it
 
     def reshards(self, pp: int) -> bool:
         """Whether FSDP frees gathered weights after each forward in a layout with `pp` pipeline stages."""
@@ -177,9 +206,9 @@ class ParallelConfig:
 
 @dataclass
 class Config:
-    run_dir: str = "runs/default"
-    seed: int = 1
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    run_dir: str = setting("runs/default", identity=False)
+    seed: int = setting(1, identity=True)
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", identity=True)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -392,16 +421,14 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.comm_profile_steps must be 0 (no profile) or a number of steps, got {config.train.comm_profile_steps}"
         )
-    if config.train.wandb:
-        from scalelm.train.wandb_offline import check_available
-
-        check_available()
     if config.train.monitor_interval_s < 0:
         interval = config.train.monitor_interval_s
         raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")
     if config.train.hang_factor != 0 and config.train.hang_factor < 2:
-        raise ConfigError(f"train.hang_factor must be 0 (no watchdog) or at least 2 (a step that long over the median "
-                          f"is overdue), got {config.train.hang_factor}")  # fmt: skip
+        raise ConfigError(
+            "train.hang_factor must be 0 (no watchdog) or at least 2 (a step that long over the median is overdue), "
+            f"got {config.train.hang_factor}"
+        )
     if config.train.hang_floor_s <= 0:
         raise ConfigError(f"train.hang_floor_s must be a positive number of seconds, got {config.train.hang_floor_s}")
     if not 0.0 <= config.model.dropout < 1.0:
@@ -414,18 +441,7 @@ def validate(config: Config) -> None:
             "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
             "needs no scaling; set batch.lr_scaling=none"
         )
-    check_strategy(config.parallel.strategy)
-    check_degrees(degrees_of(config))
     check_speed_settings(config.train)
-
-
-# what Lightning's loop (train.engine: lightning) does not run through scalelm's step: its own optimizer step, its
-# precision plugin, its forward
-NOT_UNDER_LIGHTNING = {
-    "compile_optimizer": (True, "Lightning calls the optimizer's step itself"),
-    "precision": ("bf16_params", "Lightning's bf16 is its autocast plugin"),
-    "attention_kernels": ("auto", "Lightning runs the forward outside scalelm's step"),
-}
 
 
 def check_speed_settings(train: TrainConfig) -> None:
@@ -435,13 +451,49 @@ def check_speed_settings(train: TrainConfig) -> None:
             f"train.compile_mode={train.compile_mode} tunes what torch.compile builds, and train.compile is off: "
             "set train.compile=true, or leave train.compile_mode at default"
         )
-    if train.engine == "lightning":
-        for key, (value, why) in NOT_UNDER_LIGHTNING.items():
-            if getattr(train, key) == value:
-                raise ConfigError(
-                    f"train.{key}={as_yaml(value)} is scalelm's engine only ({why}); set train.engine=scalelm, or "
-                    f"leave train.{key} at {as_yaml(getattr(TrainConfig, key))}"
-                )
+
+
+def refusals(config: Config, engine: str) -> list[str]:
+    """What `engine` refuses of `config`: a sentence per setting whose field declares it (`setting`), naming the
+    value, why, and what to do."""
+    found = []
+    for dotted, section, item in leaf_fields(config):
+        refused = item.metadata.get("refused_by", {}).get(engine)
+        if refused is not None and getattr(section, item.name) == refused[0]:
+            value, why = refused
+            found.append(
+                f"{dotted}={as_yaml(value)} is scalelm's engine only ({why}); set train.engine=scalelm, or leave "
+                f"{dotted} at {as_yaml(item.default)}"
+            )
+    return found
+
+
+def leaf_fields(config: Config) -> list[tuple[str, Any, dataclasses.Field]]:
+    """(dotted key, the section holding it, its field) of every setting of `config`, sections unfolded."""
+    leaves = []
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value):
+            leaves += [(f"{item.name}.{leaf.name}", value, leaf) for leaf in dataclasses.fields(value)]
+        else:
+            leaves.append((item.name, config, item))
+    return leaves
+
+
+def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict[str, Any]:
+    """`settings` (Config.to_dict(), or an identity.json's) less those whose field says they are not identity
+    (`setting`); a key no field declares (an older scalelm's) stays, so that it still tells runs apart."""
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    fields = {item.name: item for item in dataclasses.fields(cls)}
+    kept = {}
+    for key, value in settings.items():
+        item = fields.get(key)
+        if item is not None and dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            kept[key] = identity_settings(value, hints[key])
+        elif item is None or item.metadata["identity"]:
+            kept[key] = value
+    return kept
 
 
 def as_yaml(value: Any) -> str:

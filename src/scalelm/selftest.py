@@ -14,7 +14,7 @@ import torch
 
 from scalelm.config import from_dict
 from scalelm.data.prepared import SPLITS, write_prepared
-from scalelm.train.trainer import run
+from scalelm.train.run import run
 
 
 def write_corpus(path: Path, vocab_size: int = 64) -> None:

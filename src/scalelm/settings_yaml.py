@@ -119,8 +119,9 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key, value in pairs:
         if key in found:
-            raise yaml.YAMLError(f"key {shown(key)} appears twice in one object; keep one (JSON would silently keep "
-                                 "the last)")  # fmt: skip
+            raise yaml.YAMLError(
+                f"key {shown(key)} appears twice in one object; keep one (JSON would silently keep the last)"
+            )
         found[key] = value
     return found
 
@@ -147,8 +148,9 @@ def load_error(err: yaml.YAMLError, where: str) -> ConfigError:
         return ConfigError(f"{where}, line {err.line}: {err.message}")
     if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
         mark, context = err.problem_mark, f"{err.context}, " if err.context else ""
-        return ConfigError(f"{where} is not valid YAML: line {mark.line + 1}, column {mark.column + 1}: "
-                           f"{context}{err.problem}")  # fmt: skip
+        return ConfigError(
+            f"{where} is not valid YAML: line {mark.line + 1}, column {mark.column + 1}: {context}{err.problem}"
+        )
     return ConfigError(f"{where} is not valid YAML: {err}")
 
 

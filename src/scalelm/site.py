@@ -10,8 +10,12 @@ from typing import Literal
 
 from scalelm.config import from_mapping
 from scalelm.errors import ConfigError
-from scalelm.measure.baseline import OPS, SCOPES  # torch-free to import
 from scalelm.settings_yaml import read_settings, shown
+
+# the collectives the machine's baseline times (scalelm.measure.baseline), and where: over the whole job (across its
+# nodes), within one node; a reference's key is `<scope>_<op>`
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+SCOPES = ("job", "node")
 
 
 @dataclass(frozen=True)

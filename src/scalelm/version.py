@@ -99,8 +99,10 @@ def lock_lines(path: Path) -> list[tuple[int, str]]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"the lock file {path} cannot be read ({err}); point SCALELM_LOCK at a lock "
-                          "export (scripts/lock.sh: requirements/*.txt) or unset it") from None  # fmt: skip
+        raise ConfigError(
+            f"the lock file {path} cannot be read ({err}); point SCALELM_LOCK at a lock "
+            "export (scripts/lock.sh: requirements/*.txt) or unset it"
+        ) from None
     found, start, joined = [], 1, ""
     for number, raw in enumerate([*text.splitlines(), ""], 1):  # "": the end of a last line continued
         joined += raw.removesuffix("\\") + " "

@@ -27,9 +27,16 @@ from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_path, check_apart, check_replaceable
 
 
-def read_splits(raw: Path) -> dict[str, list[str]]:
+def offline_hub() -> None:
+    """Keep Hugging Face's libraries off the network (unless the environment says otherwise): only the prefetch step
+    goes online; the preparation and training run on compute nodes without internet, where a library trying it would
+    wait for its retries."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def read_splits(raw: Path) -> dict[str, list[str]]:
+    offline_hub()
     import datasets
 
     if not (raw / "dataset_dict.json").is_file():

@@ -95,8 +95,10 @@ def slice_prepared(source: Path, out: Path, tokens: int) -> None:
         shutil.copy(source / "vocab.txt", partial / "vocab.txt")
         for split in SPLITS:
             torch.save(data.splits[split][:tokens].clone(), partial / f"{split}.pt")
-            manifest["splits"][split] |= {"tokens": min(tokens, data.splits[split].numel()),
-                                          "sha256": sha256(partial / f"{split}.pt")}  # fmt: skip
+            manifest["splits"][split] |= {
+                "tokens": min(tokens, data.splits[split].numel()),
+                "sha256": sha256(partial / f"{split}.pt"),
+            }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 

@@ -1,2 +1,2 @@
-"""Cluster launch: torchrun command lines (launcher.py), their supervision (supervise.py), Slurm (slurm.py), the
-site settings (site.py) and the Apptainer image (container.py). `python -m scalelm.launch` starts a training."""
+"""Cluster launch: torchrun command lines (launcher.py), their supervision (supervise.py), Slurm (slurm.py) and the
+Apptainer image (container.py). `python -m scalelm.launch` starts a training."""

@@ -42,16 +42,29 @@ RUNTIMES = ("apptainer", "singularity")
 # (Inductor, Triton) need from it: the named variables, and every one with a prefix (NCCL_IB_TIMEOUT, TORCH_NCCL_*,
 # CUDA_VISIBLE_DEVICES, UCX_*, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, ...)
 PASSED_ENV = (
-    "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "SLURM_JOB_ID",
+    "GLOO_SOCKET_IFNAME",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "SLURM_JOB_ID",
     "GLIBC_TUNABLES",
-)  # fmt: skip
+)
 PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_", "TORCHINDUCTOR_", "TRITON_")
 # What Slurm sets for each node (or task) of a step: the batch node's values would be wrong on the others, so on
 # Slurm each node passes its own into its container (`node_forwarder`) instead of the launcher passing its own
 NODE_VARIABLES = (
-    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_STEP_GPUS",
-    "SLURM_JOB_GPUS", "SLURM_LOCALID", "SLURM_PROCID", "SLURM_NODEID", "SLURMD_NODENAME", "SLURM_TOPOLOGY_ADDR",
-)  # fmt: skip
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "SLURM_STEP_GPUS",
+    "SLURM_JOB_GPUS",
+    "SLURM_LOCALID",
+    "SLURM_PROCID",
+    "SLURM_NODEID",
+    "SLURMD_NODENAME",
+    "SLURM_TOPOLOGY_ADDR",
+)
 
 
 def passed_environment(environ: Mapping[str, str], slurm_step: bool = False) -> dict[str, str]:
@@ -157,8 +170,11 @@ def base_digest(agent: str, base: str) -> str:
     _, at, digest = base.partition("@")
     if at and digest.startswith("sha256:"):
         return digest
-    print(f"scalelm: the base image {agent}://{base} is not pinned by digest (@sha256:...): a rebuild may get another "
-          "image under the same tag. Pin it in container.base_image to rebuild this one", file=sys.stderr)  # fmt: skip
+    print(
+        f"scalelm: the base image {agent}://{base} is not pinned by digest (@sha256:...): a rebuild may get another "
+        "image under the same tag. Pin it in container.base_image to rebuild this one",
+        file=sys.stderr,
+    )
     return "unpinned"
 
 

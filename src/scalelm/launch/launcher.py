@@ -49,8 +49,10 @@ def torchrun(nnodes: int, nproc: int, rendezvous: list[str]) -> list[str]:
 def check_launcher(launcher: str, nodes: int, keys: tuple[str, str] = ("--launcher", "--nodes")) -> None:
     """spawn has no rendezvous across nodes: one node only (`keys` name the two settings as the caller knows them)."""
     if launcher == "spawn" and nodes > 1:
-        raise ConfigError(f"{keys[0]} spawn starts one node's processes, but {keys[1]} is {nodes}: use torchrun, "
-                          "whose rendezvous joins the nodes")  # fmt: skip
+        raise ConfigError(
+            f"{keys[0]} spawn starts one node's processes, but {keys[1]} is {nodes}: use torchrun, "
+            "whose rendezvous joins the nodes"
+        )
 
 
 def starter(args: argparse.Namespace, python: str, rendezvous: list[str]) -> list[str]:
@@ -62,9 +64,13 @@ def starter(args: argparse.Namespace, python: str, rendezvous: list[str]) -> lis
 
 # What Snakemake exports to every job as <rule threads>; MKL (torch's CPU matrix products) and OpenBLAS read theirs.
 THREAD_VARIABLES = (
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
-)  # fmt: skip
+)
 
 
 def threads_per_process(cpus: int, processes: int) -> int:

@@ -73,9 +73,15 @@ def srun_step(job_id: str, nodes: int, cpus_per_node: int, gpus_per_node: int = 
     step. A step gets only the GPUs it asks for (Slurm 20.11 on), and its one task must see them all: no binding."""
     gpus = [f"--gres=gpu:{gpus_per_node}", "--gpu-bind=none"] if gpus_per_node else []
     return [
-        "srun", f"--jobid={job_id}", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-        f"--cpus-per-task={cpus_per_node}", *gpus, "--kill-on-bad-exit=1",
-    ]  # fmt: skip
+        "srun",
+        f"--jobid={job_id}",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={cpus_per_node}",
+        *gpus,
+        "--kill-on-bad-exit=1",
+    ]
 
 
 def partition_nodes(partition: str | None) -> tuple[str, int] | None:

@@ -46,13 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 from scalelm.errors import friendly_errors
 from scalelm.files import atomic_write_text, check_file_output
+from scalelm.site import OPS, SCOPES
 
-if TYPE_CHECKING:  # torch is imported where the measuring starts: the report and the site file read this module
+if TYPE_CHECKING:  # torch is imported where the measuring starts: the report reads this module
     import torch
     import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-SCOPES = ("job", "node")  # over the whole job (across its nodes), within one node
 # nccl-tests' bus bandwidth: the algorithm bandwidth times the share of the message each link carries
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -61,10 +60,16 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "send_recv": lambda n: 1.0,
 }
 THROTTLE_REASONS = {  # NVML's clocks-event reasons (nvmlClocksEventReason*), as nvidia-smi names them
-    0x1: "gpu idle", 0x2: "applications clocks setting", 0x4: "sw power cap", 0x8: "hw slowdown",
-    0x10: "sync boost", 0x20: "sw thermal slowdown", 0x40: "hw thermal slowdown", 0x80: "hw power brake slowdown",
+    0x1: "gpu idle",
+    0x2: "applications clocks setting",
+    0x4: "sw power cap",
+    0x8: "hw slowdown",
+    0x10: "sync boost",
+    0x20: "sw thermal slowdown",
+    0x40: "hw thermal slowdown",
+    0x80: "hw power brake slowdown",
     0x100: "display clock setting",
-}  # fmt: skip
+}
 HARMLESS_REASONS = {"gpu idle", "applications clocks setting", "sync boost", "display clock setting"}
 
 
@@ -88,8 +93,13 @@ def gemm_shapes(config, device_type: str) -> dict[str, tuple[int, int, int]]:
     layer's N is its rows as training computes them (padded where scalelm.model.gpu_ops pads them)."""
     m, d, vocab = output_shape(config)
     ff = config.model.d_ff
-    return {"qkv": (m, d, 3 * d), "attention_out": (m, d, d), "ffn_up": (m, d, ff), "ffn_down": (m, ff, d),
-            "output": (m, d, padded_rows(vocab, device_type))}  # fmt: skip
+    return {
+        "qkv": (m, d, 3 * d),
+        "attention_out": (m, d, d),
+        "ffn_up": (m, d, ff),
+        "ffn_down": (m, ff, d),
+        "output": (m, d, padded_rows(vocab, device_type)),
+    }
 
 
 def output_shape(config) -> tuple[int, int, int]:
@@ -156,7 +166,7 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, co
 
     from scalelm.model.transformer import TransformerLM
     from scalelm.parallel import compile as compiling
-    from scalelm.train.optim import build_optimizer
+    from scalelm.train.optim import build_optimizer  # the one arrow up, to train: training's own AdamW
 
     torch.manual_seed(0)
     model = TransformerLM(config.model, vocab).to(device)
@@ -188,15 +198,20 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
     figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone}
     first = per_rank[0]
     if first.get("model_step_small_s") and first["model_step_small_tokens"] < tokens:
-        figures |= {"small_tokens": first["model_step_small_tokens"],
-                    "small_seconds_max": max(r["model_step_small_s"] for r in per_rank)}  # fmt: skip
+        figures |= {
+            "small_tokens": first["model_step_small_tokens"],
+            "small_seconds_max": max(r["model_step_small_s"] for r in per_rank),
+        }
     if first.get("model_step_all_cores_s"):
         figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
     together = [r["model_step_together_s"] for r in per_rank if r.get("model_step_together_s")]
     if together:
         ranks_per_host = max(Counter(r["machine"] for r in per_rank).values())  # several "nodes" may be one
-        figures |= {"together_seconds_max": max(together), "ranks_per_host": ranks_per_host,
-                    "host_speedup": ranks_per_host * alone / max(together)}  # fmt: skip
+        figures |= {
+            "together_seconds_max": max(together),
+            "ranks_per_host": ranks_per_host,
+            "host_speedup": ranks_per_host * alone / max(together),
+        }
     return figures
 
 
@@ -209,6 +224,8 @@ def median_seconds(
     """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after
     `warmup` untimed calls and a timed one that sizes the runs (a single sub-millisecond kernel is at the mercy of
     one preemption)."""
+    from scalelm.measure.device import synchronize  # imports torch: not at the module's import
+
     for _ in range(warmup):
         call()
 
@@ -222,13 +239,6 @@ def median_seconds(
 
     calls = max(1, min(1000, int(sample_s / max(run(1), 1e-7))))
     return statistics.median(run(calls) for _ in range(samples))
-
-
-def synchronize(device: torch.device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -262,11 +272,14 @@ def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.dev
     return send_recv
 
 
-def time_collectives(scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device,
-                     iterations: int) -> list[dict[str, Any]]:  # fmt: skip
+def time_collectives(
+    scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device, iterations: int
+) -> list[dict[str, Any]]:
     """Every op at every size on `group`: the slowest rank's median time and the bandwidths."""
     import torch
     import torch.distributed as dist
+
+    from scalelm.measure.device import synchronize
 
     ranks = dist.get_world_size(group)
     rows = []
@@ -287,8 +300,17 @@ def time_collectives(scope: str, group: dist.ProcessGroup, sizes: list[int], dev
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             seconds = float(slowest.item())
             algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
-            rows.append({"scope": scope, "op": op, "ranks": ranks, "bytes": size, "time_s": seconds,
-                         "algbw_gbps": algorithm, "busbw_gbps": bus})  # fmt: skip
+            rows.append(
+                {
+                    "scope": scope,
+                    "op": op,
+                    "ranks": ranks,
+                    "bytes": size,
+                    "time_s": seconds,
+                    "algbw_gbps": algorithm,
+                    "busbw_gbps": bus,
+                }
+            )
     return rows
 
 
@@ -331,13 +353,16 @@ def open_health_reader(device: torch.device) -> Callable[[], dict[str, Any]] | N
 
     def sample() -> dict[str, Any]:
         return {
-            "ecc_uncorrected": read(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
-                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)),
+            "ecc_uncorrected": read(
+                lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+                    handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                )
+            ),
             "sm_clock_mhz": read(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
             "sm_clock_max_mhz": read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
             "reasons": read(reasons),
             "temperature_c": read(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
-        }  # fmt: skip
+        }
 
     return sample
 
@@ -383,8 +408,9 @@ class HealthSampler:
     `interval` seconds (default HEALTH_SAMPLE_S). `result()` is the worst seen (`worst_health`) with the number of samples; None without a
     reader (off CUDA); the reason where none could be read."""
 
-    def __init__(self, reader: Callable[[], dict[str, Any]] | None, interval: float | None = None,
-                 error: str | None = None):  # fmt: skip
+    def __init__(
+        self, reader: Callable[[], dict[str, Any]] | None, interval: float | None = None, error: str | None = None
+    ):
         self.reader, self.interval, self.error = reader, interval or HEALTH_SAMPLE_S, error
         self.samples: list[dict[str, Any]] = []
         self.stopped = threading.Event()
@@ -435,8 +461,7 @@ def nccl_network(logs: list[str]) -> str | None:
 
 def nccl_debug_env(directory: Path) -> dict[str, str]:
     """NCCL's INFO log of its start (which names its network), one file per process, read by `nccl_network`."""
-    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
-            "NCCL_DEBUG_FILE": str(directory / "nccl.%h.%p.log")}  # fmt: skip
+    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(directory / "nccl.%h.%p.log")}
 
 
 @contextmanager
@@ -470,8 +495,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         return measure_job(args, logs)
 
 
-def measure_alone(config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device,
-                  all_cores: bool) -> dict[str, Any]:  # fmt: skip
+def measure_alone(
+    config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device, all_cores: bool
+) -> dict[str, Any]:
     """This rank's products, elementwise bandwidth and model steps, alone on its device, with its GPU's health
     sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread."""
     import torch
@@ -529,11 +555,18 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             within = node_group(env.procs_per_node, env.world_size)
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
-        per_rank = all_gather_object({
-            "rank": env.rank, "host": socket.gethostname(), "machine": machine_id(), **alone,
-            "model_step_together_s": crowded, "threads": torch.get_num_threads(),
-            "cpus": len(os.sched_getaffinity(0)), "load": load.reading(),
-        })  # fmt: skip
+        per_rank = all_gather_object(
+            {
+                "rank": env.rank,
+                "host": socket.gethostname(),
+                "machine": machine_id(),
+                **alone,
+                "model_step_together_s": crowded,
+                "threads": torch.get_num_threads(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "load": load.reading(),
+            }
+        )
         barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
             return None
@@ -569,17 +602,23 @@ def largest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
-    lines = [f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
-             f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
-             f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
-             f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
-             f"{', compiled' if result['model_step'].get('compiled') else ''})"]  # fmt: skip
+    lines = [
+        f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
+        f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
+        f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
+        f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
+        f"{', compiled' if result['model_step'].get('compiled') else ''})"
+    ]
     if result["model_step"].get("host_speedup"):
-        lines.append(f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
-                     f"{result['model_step']['host_speedup']:.2f} x one rank's alone")  # fmt: skip
+        lines.append(
+            f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
+            f"{result['model_step']['host_speedup']:.2f} x one rank's alone"
+        )
     for row in largest(result).values():
-        lines.append(f"  {row['op']:<15} {row['scope']:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
-                     f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s")  # fmt: skip
+        lines.append(
+            f"  {row['op']:<15} {row['scope']:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
+            f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s"
+        )
     for rank in result["per_rank"]:
         gpu = rank["gpu"]
         if gpu and not gpu.get("healthy", True):
@@ -587,9 +626,11 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     if result["nccl_network"]:
         lines.append(f"  NCCL network: {result['nccl_network']}")
         if interconnect == "infiniband" and "IB" not in result["nccl_network"]:
-            lines.append("  WARNING: the site has InfiniBand but NCCL uses " + result["nccl_network"] + ": about a "
-                         "fifth of the bandwidth between nodes. Check the image's libibverbs and NCCL_IB_* settings "
-                         "(docs/gpu.md)")  # fmt: skip
+            lines.append(
+                "  WARNING: the site has InfiniBand but NCCL uses " + result["nccl_network"] + ": about a "
+                "fifth of the bandwidth between nodes. Check the image's libibverbs and NCCL_IB_* settings "
+                "(docs/gpu.md)"
+            )
     return lines
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from scalelm.config import Config
 from scalelm.measure.comm import CommProfile
+from scalelm.measure.device import peak_memory_mb
 from scalelm.measure.energy import EnergyMeter
 from scalelm.measure.hostload import HostLoad, machine_id
 from scalelm.measure.monitor import device_uuid
@@ -29,7 +30,6 @@ from scalelm.parallel.env import DistEnv, all_gather_object, global_reduce
 from scalelm.parallel.pipeline import Pipeline
 from scalelm.parallel.runtime import Parallel
 from scalelm.plan.memory import Workload, plan_memory
-from scalelm.train.metrics import peak_memory_mb
 
 STATE_KINDS = ("params", "grads", "optimizer")
 T = TypeVar("T")
@@ -101,8 +101,12 @@ class Instruments:
         if not profiled:
             self.steady_peak_mb = peak  # before the profiler's records and the final evaluation
         lap = self.energy.lap_reading()
-        mine = [peak, reserved if reserved is not None else -1.0, self.data_seconds / seconds if seconds else 0.0,
-                0.0 if lap.reliable else 1.0]  # fmt: skip
+        mine = [
+            peak,
+            reserved if reserved is not None else -1.0,
+            self.data_seconds / seconds if seconds else 0.0,
+            0.0 if lap.reliable else 1.0,
+        ]
         self.data_seconds = 0.0
         largest = global_reduce(torch.tensor(mine, device=self.env.device), dist.ReduceOp.MAX)
         peak, reserved, data_share, unreliable = largest.tolist()

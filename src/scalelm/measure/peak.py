@@ -50,8 +50,11 @@ def cuda_peak_flops(device_name: str, precision: str) -> float | None:
     """The table's peak for this GPU and precision, or None (with the reason printed) for a GPU it does not know,
     and for a MIG slice (a share of a GPU the table cannot know)."""
     if re.search(r"\bMIG\b", device_name):
-        print(f"scalelm: {device_name!r} is a MIG slice of a GPU: MFU is left empty. Set train.peak_tflops (the "
-              "slice's share of the GPU's dense TFLOP/s) to report it", flush=True)  # fmt: skip
+        print(
+            f"scalelm: {device_name!r} is a MIG slice of a GPU: MFU is left empty. Set train.peak_tflops (the "
+            "slice's share of the GPU's dense TFLOP/s) to report it",
+            flush=True,
+        )
         return None
     for key, peaks in CUDA_PEAK_TFLOPS:
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.I) and peaks.get(precision):

@@ -96,7 +96,7 @@ def stop_requested(timeout: float) -> bool:
     return bool(ready) and not os.read(sys.stdin.fileno(), 4096)
 
 
-class Board:
+class TensorBoardWriter:
     """A sample's readings as TensorBoard scalars, numbered on from the samples earlier attempts wrote to `out`."""
 
     def __init__(self, directory: Path, out: Path):
@@ -134,11 +134,14 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str], boar
         try:
             gpu = GpuSampler(gpus)
         except Exception as err:  # no NVML here (a container without --nv, a driver without it): CPU samples only
-            print(f"scalelm monitor: no GPU readings ({type(err).__name__}: {err}); sampling CPU and memory only",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"scalelm monitor: no GPU readings ({type(err).__name__}: {err}); sampling CPU and memory only",
+                file=sys.stderr,
+                flush=True,
+            )
     me, began = psutil.Process(), time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
-    board = Board(board_dir, out) if board_dir else None
+    tensorboard = TensorBoardWriter(board_dir, out) if board_dir else None
     with out.open("a") as handle:
         tick = time.monotonic()
         while True:
@@ -150,10 +153,10 @@ def run(out: Path, interval: float, ranks: dict[int, int], gpus: list[str], boar
                 record["gpus"] = gpu.sample()
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-            if board:
-                board.add(record)
-        if board:
-            board.close()
+            if tensorboard:
+                tensorboard.add(record)
+        if tensorboard:
+            tensorboard.close()
         cost = me.cpu_times()
         wall = time.monotonic() - began
         handle.write(

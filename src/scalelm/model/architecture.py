@@ -1,8 +1,8 @@
 """The model's parameters as data, without torch: each one's name, shape and FSDP unit, the model's tensor-parallel
-plan (how each of a block's matrices is split), and its training FLOPs per token. scalelm.model.transformer builds
-exactly these parameters (tests/test_plan.py compares a built model with them), scalelm.parallel.tensor applies the
-plan, scalelm.plan counts their bytes, and MFU (scalelm.measure.peak) divides the FLOPs: one declaration for all,
-importable where torch is not (the workflow's planning, the report).
+plan (how each of a block's matrices is split), its training FLOPs per token, and the fused CPU loss's chunk.
+scalelm.model.transformer builds exactly these parameters (tests/test_plan.py compares a built model with them),
+scalelm.parallel.tensor applies the plan, scalelm.plan counts their bytes, and MFU (scalelm.measure.peak) divides the
+FLOPs: one declaration for all, importable where torch is not (the workflow's planning, the report).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ BLOCK_TP_PLAN: dict[str, Split] = {
     "ffn.down": "rowwise",
 }
 QKV_WEIGHT = "attn.qkv.weight"  # one per block
+# tokens per chunk of the fused CPU loss (scalelm.model.cpu_ops.LinearCrossEntropy): its logits workspace holds
+# (vocab x this) floats, which the memory plan counts
+CPU_LOSS_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS
 from scalelm.model.gpu_ops import aligned_linear
 from scalelm.model.loss import IGNORE_INDEX, lm_loss
 
@@ -218,7 +219,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     micro-batch).
     """
 
-    CHUNK_ROWS = 1024  # tokens per chunk: the workspace holds (vocab x 1024) floats
+    CHUNK_ROWS = CPU_LOSS_CHUNK_ROWS  # tokens per chunk: the workspace holds (vocab x CHUNK_ROWS) floats
     ALIGN = 32  # the logits' row stride is padded to a multiple of this: MKL's GEMM writes it much faster
     SAFE_SUM = (2.0**-100, 2.0**100)  # sums of unshifted exponentials trusted without the max shift
     _workspace: ClassVar[dict[tuple[str, torch.device, torch.dtype], torch.Tensor]] = {}

@@ -15,9 +15,7 @@ Nothing is read back to the host in a call: every rank's positions follow from (
 balancing), so the block bounds are Python ints, computed once per shape (`_plan`), and the positions that dropout
 masks need are made on the device once and kept.
 
-Communication per attention call on a rank, with a local block of B x H x L x D elements of e bytes (q's dtype):
-forward cp - 1 messages of 2 B H L D e bytes (k and v together); backward cp - 1 such key/value messages plus cp
-messages of 2 B H L D x 4 bytes (the fp32 dk/dv accumulators).
+The messages between the ranks (what is sent to whom, and how many bytes a call moves): scalelm.parallel.ring_transport.
 
 The split of the sequence (chunk_positions): contiguous, or load-balanced as in torchtitan, where rank r holds chunks
 r and 2 cp - 1 - r of 2 cp, so that every rank gets the same share of the causal mask's work.
@@ -33,7 +31,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from scalelm.parallel.layout import sequence_chunk
 from scalelm.parallel.ring_blocks import (
@@ -47,9 +44,9 @@ from scalelm.parallel.ring_blocks import (
     _merge,
     _product_backward,
     _rows,
-    _scores,
     fused_kernel,
 )
+from scalelm.parallel.ring_transport import _group_named, _LocalRing, _MessageRing, _size_rank
 
 Tensor = torch.Tensor
 
@@ -67,8 +64,10 @@ def chunk_positions(
 ) -> torch.Tensor:
     """The global positions (int64, ascending) of the tokens of a sequence that rank `cp_rank` of `cp_size` holds,
     made on `device` (no copy)."""
-    parts = [torch.arange(r.start, r.stop, dtype=torch.int64, device=device)
-             for r in _chunk_ranges(seq_len, cp_rank, cp_size, load_balance)]  # fmt: skip
+    parts = [
+        torch.arange(r.start, r.stop, dtype=torch.int64, device=device)
+        for r in _chunk_ranges(seq_len, cp_rank, cp_size, load_balance)
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -83,22 +82,6 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, load_b
     return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, tail * chunk, chunk)], dim)
 
 
-def _size_rank(group) -> tuple[int, int]:
-    """group None stands for no context parallelism: one rank, whether or not a process group exists."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _group_named(name: str | None):
-    """The process group an operator got by name (operators take no process groups)."""
-    if name is None:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
 def _unsplit(parts: list[torch.Tensor], dim: int, load_balance: bool) -> torch.Tensor:
     """The whole sequence along `dim` from every rank's part, in rank order."""
     n = len(parts)
@@ -108,16 +91,6 @@ def _unsplit(parts: list[torch.Tensor], dim: int, load_balance: bool) -> torch.T
     device = parts[0].device
     order = torch.cat([chunk_positions(seq_len, r, n, load_balance, device) for r in range(n)])
     return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
-
-
-def gather_sequence(part: torch.Tensor, dim: int, group, load_balance: bool) -> torch.Tensor:
-    """The whole sequence along `dim` from every rank's part (shard_sequence's inverse; not differentiable)."""
-    n, _ = _size_rank(group)
-    if n == 1:
-        return part
-    parts = [torch.empty_like(part, memory_format=torch.contiguous_format) for _ in range(n)]
-    dist.all_gather(parts, part.contiguous(), group=group)
-    return _unsplit(parts, dim, load_balance)
 
 
 # --- the ring's schedule ---------------------------------------------------------------------------------------------
@@ -153,78 +126,7 @@ def _plan(length: int, n: int, rank: int, load_balance: bool) -> _Plan:
     return _Plan(length, n, rank, load_balance)
 
 
-# --- the ring --------------------------------------------------------------------------------------------------------
-
-
-class _Transfer:
-    def __init__(self, works, buffer: torch.Tensor):
-        self.works, self.buffer = works, buffer
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        return self.buffer
-
-
-class _MessageRing:
-    """Where a rank's blocks come from in a real ring: sends to the next rank of the group and receives from the one
-    before (by global rank, as P2POp wants), the next block in flight while this one computes."""
-
-    def __init__(self, group, n: int, rank: int, kv: torch.Tensor):
-        self.group, self.n = group, n
-        if n > 1:
-            self.to = dist.get_global_rank(group, (rank + 1) % n)
-            self.frm = dist.get_global_rank(group, (rank - 1) % n)
-        self._kv, self._next, self._incoming, self._dkv = kv, None, None, None
-
-    def _pass_on(self, tensor: torch.Tensor, tag: int) -> _Transfer:
-        """Start sending `tensor` on and receiving its successor; the tag keeps the key/value stream apart from the
-        accumulators' when both are in flight between the same two ranks (gloo matches by peer and tag)."""
-        buffer = torch.empty_like(tensor)
-        ops = [
-            dist.P2POp(dist.isend, tensor, self.to, self.group, tag),
-            dist.P2POp(dist.irecv, buffer, self.frm, self.group, tag),
-        ]
-        return _Transfer(dist.batch_isend_irecv(ops), buffer)
-
-    def kv(self, step: int) -> torch.Tensor:
-        """The keys and values (stacked) of step `step`'s block."""
-        if step:
-            self._kv = self._next.wait()
-        self._next = self._pass_on(self._kv, tag=0) if step < self.n - 1 else None
-        return self._kv
-
-    def dkv(self, step: int) -> torch.Tensor:
-        """The dk/dv accumulator of step `step`'s block, which arrived with it from the rank before."""
-        if step:
-            self._dkv = self._incoming.wait()
-        elif self._dkv is None:
-            self._dkv = torch.zeros(self._kv.shape, device=self._kv.device, dtype=_acc_dtype(self._kv.dtype))
-        return self._dkv
-
-    def done(self, step: int) -> None:
-        """Step `step`'s block is done: its accumulator travels on (after the last step: home)."""
-        if self.n > 1:
-            self._incoming = self._pass_on(self._dkv, tag=1)
-
-    def own_dkv(self) -> torch.Tensor:
-        return self._incoming.wait() if self._incoming is not None else self._dkv
-
-
-class _LocalRing:
-    """Every rank's blocks on one device (simulated_ring_attention): rank `rank`'s view of shared lists."""
-
-    def __init__(self, kvs: list[torch.Tensor], dkvs: list[torch.Tensor] | None, rank: int):
-        self.kvs, self.dkvs, self.rank, self.n = kvs, dkvs, rank, len(kvs)
-
-    def kv(self, step: int) -> torch.Tensor:
-        return self.kvs[(self.rank - step) % self.n]
-
-    def dkv(self, step: int) -> torch.Tensor:
-        return self.dkvs[(self.rank - step) % self.n]
-
-    def done(self, step: int) -> None:
-        pass
+# --- the ring ---------------------------------------------------------------------------------------------------------
 
 
 def _rank_forward(q, ring, plan: _Plan, drop: _Dropout, kernel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +141,9 @@ def _rank_forward(q, ring, plan: _Plan, drop: _Dropout, kernel) -> tuple[torch.T
         if block.empty:
             continue
         where = plan.on(step, q.device)
-        out_b, lse_b = _block_forward(_rows(q, block), _cols(k, block), _cols(v, block), where, block, scale, drop,
-                                      kernel)  # fmt: skip
+        out_b, lse_b = _block_forward(
+            _rows(q, block), _cols(k, block), _cols(v, block), where, block, scale, drop, kernel
+        )
         lse = _merge(out, lse, block, out_b, lse_b)
     return out.to(q.dtype), lse
 
@@ -391,8 +294,9 @@ def ring_attention(
         )
     if group is not None:
         group_name = group.group_name
-    out, _ = _ring_attention_op(q, k, v, _seed_tensor(seed), group_name, load_balance, float(dropout_p),
-                                batch_offset, head_offset)  # fmt: skip
+    out, _ = _ring_attention_op(
+        q, k, v, _seed_tensor(seed), group_name, load_balance, float(dropout_p), batch_offset, head_offset
+    )
     return out
 
 
@@ -412,16 +316,29 @@ class _Simulation:
 
     def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every rank's output and log-sum-exp."""
-        ranks = [_rank_forward(self.qs[r], _LocalRing(self.kvs, None, r), self.plans[r], self.drop, self.kernel)
-                 for r in range(self.cp)]  # fmt: skip
+        ranks = [
+            _rank_forward(self.qs[r], _LocalRing(self.kvs, None, r), self.plans[r], self.drop, self.kernel)
+            for r in range(self.cp)
+        ]
         return [out for out, _ in ranks], [lse for _, lse in ranks]
 
     def backward(self, d_out, outs, lses) -> list[torch.Tensor]:
         """dq, dk, dv of the whole sequences (accumulation dtype) from the whole output's gradient."""
         d_outs = [shard_sequence(d_out, 2, r, self.cp, self.load_balance) for r in range(self.cp)]
         dkvs = [torch.zeros(kv.shape, device=kv.device, dtype=_acc_dtype(kv.dtype)) for kv in self.kvs]
-        dqs = [_rank_backward(d_outs[r], self.qs[r], outs[r], lses[r], _LocalRing(self.kvs, dkvs, r), self.plans[r],
-                              self.drop, self.kernel) for r in range(self.cp)]  # fmt: skip
+        dqs = [
+            _rank_backward(
+                d_outs[r],
+                self.qs[r],
+                outs[r],
+                lses[r],
+                _LocalRing(self.kvs, dkvs, r),
+                self.plans[r],
+                self.drop,
+                self.kernel,
+            )
+            for r in range(self.cp)
+        ]
         dks, dvs = zip(*(dkv.unbind(0) for dkv in dkvs))
         return [_unsplit(list(g), 2, self.load_balance) for g in (dqs, dks, dvs)]
 
@@ -456,29 +373,6 @@ def simulated_ring_attention(
     process group: q, k, v (batch, heads, seq, head_dim) hold whole sequences. Differentiable. The blocks' shapes,
     kernels and merges are a real ring's (half blocks under load balancing), so a single GPU checks them."""
     return _SimulatedRing.apply(q, k, v, cp, load_balance, float(dropout_p), _seed_tensor(seed))
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    seed: int | torch.Tensor | None = None,
-    *,
-    batch_offset: int = 0,
-    head_offset: int = 0,
-) -> torch.Tensor:
-    """ring_attention's result on one process with the whole sequence (positions 0..S-1), by plain autograd
-    operations on the full score matrix, with the same dropout masks."""
-    batch, heads, length, dim = q.shape
-    drop = _Dropout(dropout_p, _seed_tensor(seed), batch, heads, (batch_offset, head_offset), q.device)
-    pos = torch.arange(length, device=q.device)
-    s = _scores(q, k, 1.0 / math.sqrt(dim), pos.view(-1, 1) < pos.view(1, -1))
-    p = torch.softmax(s, dim=-1)
-    dropped = drop.dropped(pos, pos)
-    if dropped is not None:
-        p = p.masked_fill(dropped, 0.0) * drop.factor
-    return torch.matmul(p, _acc(v)).to(q.dtype)
 
 
 # --- context parallelism applied to a model --------------------------------------------------------------------------
@@ -518,9 +412,16 @@ class RingCore:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         seed = torch.randint(2**62, (), dtype=torch.int64) if dropout_p else None
         return ring_attention(
-            q, k, v, None, dropout_p, seed, load_balance=self.split.load_balance,
-            head_offset=self.tp_rank * q.shape[1], group_name=self.split.group_name,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            None,
+            dropout_p,
+            seed,
+            load_balance=self.split.load_balance,
+            head_offset=self.tp_rank * q.shape[1],
+            group_name=self.split.group_name,
+        )
 
 
 def apply_cp(model, split: SequenceSplit, tp_rank: int, tp_size: int) -> None:

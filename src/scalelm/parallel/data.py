@@ -12,6 +12,7 @@ parallelism, replication goes through FSDP's HSDP path with shards of one rank, 
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -56,11 +57,21 @@ def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> No
                 setattr(module, name, buffer.to(device))
 
 
+def no_buffer_sync_per_forward() -> dict[str, bool]:
+    """DDP's option against broadcasting the buffers before every forward, under the name this torch reads: torch 2.13
+    deprecates `broadcast_buffers` (a FutureWarning on every run) for `forward_sync_buffers`. The new option still
+    broadcasts the buffers once, with the weights at construction: here only the positional table, which every rank
+    has computed alike (init_buffers), so its values do not change."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 # DDP's options wherever scalelm wraps a model in DDP (here, and Lightning's DDP strategy). Gradients are views into
 # DDP's all-reduce buckets instead of copies beside them: one model's worth of memory less per rank. The only buffer,
 # the positional table, is the same computed constant on every rank: no broadcast before each forward (the
 # communication profile showed one in every step).
-DDP_OPTIONS = {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+DDP_OPTIONS = {"gradient_as_bucket_view": True, **no_buffer_sync_per_forward()}
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from scalelm.config import Config, ModelConfig, ParallelConfig, refusals
 from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims, degrees_of, resolve_dims
-
-if TYPE_CHECKING:
-    from scalelm.config import Config, ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -64,15 +61,22 @@ def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) 
     check_tp(dims.tp, config.model, vocab_size, options.loss_parallel, config.data.seq_len, options.sequence_parallel)
     check_pipeline(dims.pp, options, config.model)
     check_cp(dims, options, config.data.seq_len)
-    check_engine(config.train.engine, dims)
+    check_engine(config, dims)
     check_bf16_params(config.train.precision, dims)
+    check_cpu_offload(config, dims)
     _, per_replica = config.batch.sizes(dims.dp_size)
     if dims.pp > 1:
         check_microbatches(layout.microbatches, per_replica)
 
 
-def check_tp(tp: int, model: ModelConfig, vocab_size: int | None, loss_parallel: bool, seq_len: int | None = None,
-             sequence_parallel: bool = False) -> None:  # fmt: skip
+def check_tp(
+    tp: int,
+    model: ModelConfig,
+    vocab_size: int | None,
+    loss_parallel: bool,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+) -> None:
     """The sizes a TP degree must divide."""
     if tp == 1:
         return
@@ -101,9 +105,21 @@ def check_bf16_params(precision: str, dims: ParallelDims) -> None:
         )
 
 
-def check_engine(engine: str, dims: ParallelDims) -> None:
-    """train.engine=lightning runs Lightning's DDP strategy: data parallelism by replicas only."""
-    if engine != "lightning":
+def check_cpu_offload(config: Config, dims: ParallelDims) -> None:
+    """parallel.cpu_offload keeps FSDP's parameters in host memory: a layout with FSDP (or one process casting its
+    parameters through FSDP's policy, train.precision=bf16_params); elsewhere it would be silently ignored."""
+    one = config.train.precision == "bf16_params" and dims.world_size == 1
+    if config.parallel.cpu_offload and not (dims.sharded or one):
+        raise ConfigError(
+            f"parallel.cpu_offload moves FSDP's parameters to host memory, and the {dims.name} layout ({dims.layout}) "
+            "has no FSDP: shard (parallel.dp_shard), or set parallel.cpu_offload=false"
+        )
+
+
+def check_engine(config: Config, dims: ParallelDims) -> None:
+    """train.engine=lightning runs Lightning's DDP strategy: data parallelism by replicas only, and none of the
+    settings whose field says Lightning refuses them (scalelm.config.refusals)."""
+    if config.train.engine != "lightning":
         return
     for degree in ("dp_shard", "tp", "pp", "cp"):
         if getattr(dims, degree) > 1:
@@ -112,6 +128,9 @@ def check_engine(engine: str, dims: ParallelDims) -> None:
                 "parallel.strategy=ddp (data parallelism is parallel.dp_replicate), or train.engine=scalelm for "
                 "this layout"
             )
+    refused = refusals(config, "lightning")
+    if refused:
+        raise ConfigError(refused[0])
 
 
 def check_cp(dims: ParallelDims, options: ParallelConfig, seq_len: int) -> None:

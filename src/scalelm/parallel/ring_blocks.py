@@ -168,8 +168,7 @@ class CudaFlash:
         # philox seed and offset: read only with dropout, which this kernel never gets
         unused = torch.empty((), dtype=torch.int64, device=q.device)
         lq, lk = q.shape[-2], k.shape[-2]
-        return self.backward_op(d_out, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, unused, unused,
-                                scale=scale)  # fmt: skip
+        return self.backward_op(d_out, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, unused, unused, scale=scale)
 
 
 class CudnnAttention:
@@ -208,8 +207,9 @@ class CudnnAttention:
         lse = _contiguous(lse.unsqueeze(-1) if self.lse_trailing_one else lse)
         unused = torch.empty((), dtype=torch.int64, device=q.device)
         lq, lk = q.shape[-2], k.shape[-2]
-        return self.backward_op(d_out, q, k, v, out, lse, unused, unused, None, None, None, lq, lk, 0.0, causal,
-                                scale=scale)  # fmt: skip
+        return self.backward_op(
+            d_out, q, k, v, out, lse, unused, unused, None, None, None, lq, lk, 0.0, causal, scale=scale
+        )
 
 
 CPU_FLASH, CUDA_FLASH, CUDNN = CpuFlash(), CudaFlash(), CudnnAttention()

@@ -1,7 +1,7 @@
 """The hooks through which the trainer uses a layout (`Parallel`), and the build of a model on it.
 
-    parallel = Parallel.start(config, env, vocab_size)    # the layout resolved and checked, the mesh built
-    model = parallel.build(lambda: TransformerLM(config.model, vocab_size), seed=config.seed)
+    parallel = Parallel.start(config, env, vocab_size)    # the layout resolved and checked, the meshes built
+    model = parallel.build(lambda: TransformerLM(config.model, vocab_size), config.seed, ModelOptions.of(config.train))
 
 `build` makes the model on the meta device, applies tensor parallelism, then FSDP/HSDP, materialises only this
 rank's part, and fills it with exactly the weights a single process would have made from the seed (rank 0 builds
@@ -11,7 +11,9 @@ parallelized the same way, and returns them as one module (pipeline.StageParts).
 and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm, ...), and never a strategy's name:
 a pipeline differs only inside `forward_backward` and `forward`, where its schedule (the `pipeline` of the
 StageParts that `build` returned) runs the micro-batches. `Parallel` holds the layout, the mesh, the parallel and
-training options and the resolved precision; building a model changes the model, never `Parallel`.
+precision options and the resolved precision; building a model changes the model, never `Parallel`. What is
+applied to the blocks besides the layout (activation checkpointing, compilation) is the model's `ModelOptions`,
+passed to `build`.
 
 Two of the single-GPU levers of docs/benchmarks.md live here: `train.attention_kernels: auto` puts cuDNN's attention
 first around every forward on Hopper (`forward_context`), and `train.precision: bf16_params` on one process builds
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
@@ -36,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
-from scalelm.parallel.compile import apply_compile
+from scalelm.parallel.compile import apply_compile, check_c_compiler
 from scalelm.parallel.context import SequenceSplit, apply_cp
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
@@ -82,6 +85,59 @@ def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
     return setting
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """What `build` applies to each block besides the layout, in this order, before FSDP or DDP wraps it: activation
+    checkpointing (train.activation_checkpointing) and compilation (train.compile, train.compile_mode)."""
+
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    compile_mode: str = "default"
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> ModelOptions:
+        return cls(train.activation_checkpointing, train.compile, train.compile_mode)
+
+    def apply(self, model: nn.Module, device: torch.device) -> None:
+        apply_activation_checkpointing(model, self.activation_checkpointing)
+        if self.compile:
+            apply_compile(model, device, self.compile_mode)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The named sub-meshes of a layout, cut from the world mesh once (torchtitan's ParallelDims does the same):
+    `dp` the data-parallel ranks (replicas x shards, flattened), `fsdp` what FSDP shards over (dp_shard, with the
+    context-parallel ranks, which hold the same parameters, flattened in) and replicates over (dp_replicate, for
+    HSDP), `replicate` DDP's replicas, and the `tp`, `pp` and `cp` groups."""
+
+    dp: DeviceMesh
+    fsdp: DeviceMesh
+    replicate: DeviceMesh
+    tp: DeviceMesh
+    pp: DeviceMesh
+    cp: DeviceMesh
+
+    @classmethod
+    def of(cls, world: DeviceMesh, dims: ParallelDims) -> Meshes:
+        # torch has no public way to flatten mesh dimensions that keeps the root mesh FSDP needs to combine its mesh
+        # with tensor parallelism's (it asserts a common parent), hence DeviceMesh._flatten, as torchtitan uses it
+        shard = world["dp_shard", "cp"]._flatten("dp_shard_cp") if dims.cp > 1 else world["dp_shard"]
+        if dims.dp_replicate > 1 and dims.cp > 1 and hasattr(DeviceMesh, "_concatenate"):
+            # replicas joined to the flattened dimension: torch warns on slicing a flattened one out of the world mesh
+            fsdp = DeviceMesh._concatenate([world["dp_replicate"], shard])
+        else:
+            fsdp = world["dp_replicate", shard.mesh_dim_names[0]] if dims.dp_replicate > 1 else shard
+        return cls(
+            dp=world["dp_replicate", "dp_shard"]._flatten("dp"),
+            fsdp=fsdp,
+            replicate=world["dp_replicate"],
+            tp=world["tp"],
+            pp=world["pp"],
+            cp=world["cp"],
+        )
+
+
 class Parallel:
     """This rank's place in the layout, and the hooks through which the trainer uses it."""
 
@@ -89,18 +145,12 @@ class Parallel:
         self,
         env: DistEnv,
         layout: Layout,
-        mesh: DeviceMesh | None,
-        places: list[tuple[str, int]],
+        meshes: Meshes | None,
+        hosts: list[tuple[str, int]],
         options: ParallelConfig,
         train: TrainConfig,
     ):
-        self.env, self.layout, self.mesh, self.places = env, layout, mesh, places
-        self.options, self.compile, self.compile_mode, self.activation_checkpointing = (
-            options,
-            train.compile,
-            train.compile_mode,
-            train.activation_checkpointing,
-        )
+        self.env, self.layout, self.meshes, self.hosts, self.options = env, layout, meshes, hosts, options
         dims = self.dims = layout.dims
         self.precision = resolve_precision(train.precision, env.device.type)
         self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
@@ -110,33 +160,28 @@ class Parallel:
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and options.loss_parallel
         self.dp_rank = dims.dp_rank(env.rank)
-        self.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if mesh is not None else None
-        self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
-        # FSDP shards over dp_shard x cp: the ranks of a context-parallel group hold the same parameters and average
-        # their gradients, as data-parallel ranks do
-        self.shard_dim = "dp_shard"
-        if dims.cp > 1:
-            self.shard_dim = "dp_shard_cp"
-            mesh["dp_shard", "cp"]._flatten(self.shard_dim)
-        self.sequence_split = SequenceSplit(mesh["cp"].get_group(), options.cp_load_balance) if dims.cp > 1 else None
+        self.dp_group = meshes.dp.get_group() if meshes is not None else None
+        self.pp_group = meshes.pp.get_group() if dims.pp > 1 else None
+        self.sequence_split = SequenceSplit(meshes.cp.get_group(), options.cp_load_balance) if dims.cp > 1 else None
 
     @classmethod
     def start(cls, config: Config, env: DistEnv, vocab_size: int) -> Parallel:
         """Resolve the layout for this world (a clear error if the config cannot run on it) and build the mesh."""
         layout = resolve_layout(config, env.world_size, env.procs_per_node, vocab_size)
         dims = layout.dims
-        resolve_precision(config.train.precision, env.device.type)  # refused before a process group is started
+        check_on_device(config, env.device)
         one = fsdp_of_one(config.train, env.world_size)
         if one:
             start_group_of_one(env.device, config.parallel)
-        places = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
-        check_groups_within_nodes(dims, places)
-        mesh = None
+        hosts = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
+        check_groups_within_nodes(dims, hosts)
+        meshes = None
         if env.world_size > 1 or one:
-            mesh = init_device_mesh(
+            world = init_device_mesh(
                 env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
             )
-        return cls(env, layout, mesh, places, config.parallel, config.train)
+            meshes = Meshes.of(world, dims)
+        return cls(env, layout, meshes, hosts, config.parallel, config.train)
 
     @property
     def name(self) -> str:
@@ -151,7 +196,7 @@ class Parallel:
             "layout": self.dims.layout,
             **self.dims.to_dict(),
             "groups": {dim: self.dims.groups(dim) for dim in ("tp", "dp", "pp", "cp")},
-            "node_of_rank": [node for _, node in self.places],
+            "node_of_rank": [node for _, node in self.hosts],
             **({"pipeline": pipeline.describe()} if pipeline else {}),
         }
 
@@ -161,15 +206,22 @@ class Parallel:
         return self.env.world_size // self.dims.pp
 
     # ------------------------------------------------------------------------------------------ the model
-    def build(self, make: Callable[[], nn.Module], seed: int) -> nn.Module:
-        """The model of `make()` with its seed's initial weights, parallelized; this rank holds only its part."""
+    def build(
+        self,
+        make: Callable[[], nn.Module],
+        seed: int,
+        model_options: ModelOptions = ModelOptions(),
+        replicate: bool = True,
+    ) -> nn.Module:
+        """The model of `make()` with its seed's initial weights, parallelized, with `model_options` applied; this rank
+        holds only its part. `replicate`: False leaves DDP's wrapper to the caller (Lightning's strategy adds its own)."""
         options, device = self.options, self.env.device
         if device.type == "cpu":
             keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
-        if self.mesh is None:
+        if self.meshes is None:
             torch.manual_seed(seed)
             model = make().to(device)
-            self.apply_recompute_and_compile(model)
+            model_options.apply(model, device)
             return model
         initial = {}
         if self.env.is_main:  # the one full copy, on the CPU, from the seed: what a single process starts from
@@ -182,48 +234,39 @@ class Parallel:
                 parts = [stage_part(make(), layers[s], s == 0, s == last) for s in stage_ids]
             else:
                 parts = [make()]
-        parts = [self.parallelize(part) for part in parts]
+        parts = [self.parallelize(part, model_options) for part in parts]
         for part in parts:
             materialise(part, device, self.uses_fsdp and options.cpu_offload)
             part.init_buffers()
         model = StageParts(parts) if stage_ids else parts[0]
         # rank 0 sends every tensor; each rank keeps those of its own stages (hence not strict with a pipeline)
-        whole = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not stage_ids)
-        set_model_state_dict(model, initial, options=whole)
+        from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not stage_ids)
+        set_model_state_dict(model, initial, options=from_rank0)
         del initial
         if stage_ids:
             model.pipeline = Pipeline(parts, stage_ids, self.layout, self.pp_group, device)
-        if self.uses_ddp:
-            model = apply_ddp(model, self.mesh["dp_replicate"], device)
+        if self.uses_ddp and replicate:
+            model = apply_ddp(model, self.meshes.replicate, device)
         return model
 
     def stage_ids(self) -> list[int]:
         """The pipeline stages of this rank, in order (none without a pipeline)."""
         return self.layout.stages_of(self.dims.coordinates(self.env.rank)["pp"]) if self.dims.pp > 1 else []
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Tensor parallelism, activation checkpointing and compilation, then FSDP/HSDP, on a model (or pipeline
-        stage) still on the meta device."""
+    def parallelize(self, model: nn.Module, model_options: ModelOptions) -> nn.Module:
+        """Tensor and context parallelism, the `model_options`, then FSDP/HSDP, on a model (or pipeline stage) still on
+        the meta device."""
         options, device = self.options, self.env.device
         if self.dims.tp > 1:
-            apply_tp(model, self.mesh["tp"], self.loss_parallel, options.sequence_parallel)
+            apply_tp(model, self.meshes.tp, self.loss_parallel, options.sequence_parallel)
         if self.sequence_split is not None:
             apply_cp(model, self.sequence_split, self.dims.coordinates(self.env.rank)["tp"], self.dims.tp)
-        self.apply_recompute_and_compile(model)
+        model_options.apply(model, device)
         if self.uses_fsdp:
-            shard = self.shard_dim
-            dp_mesh = self.mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.mesh[shard]
-            if options.cpu_offload and device.type != "cuda":
-                raise ConfigError("parallel.cpu_offload moves parameters from GPU to CPU memory; it needs CUDA")
             # one rank frees nothing by resharding: it would only copy the weights again for the backward
             reshard = options.reshards(self.dims.pp) if self.env.world_size > 1 else bool(options.reshard_after_forward)
-            model = apply_fsdp(model, dp_mesh, self.compute_dtype, reshard, options.cpu_offload)
+            model = apply_fsdp(model, self.meshes.fsdp, self.compute_dtype, reshard, options.cpu_offload)
         return model
-
-    def apply_recompute_and_compile(self, model: nn.Module) -> None:
-        apply_activation_checkpointing(model, self.activation_checkpointing)
-        if self.compile:
-            apply_compile(model, self.env.device, self.compile_mode)
 
     # ----------------------------------------------------------------------------------- the step's hooks
     def forward_backward(
@@ -354,12 +397,25 @@ def _fsdp_no_sync(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def check_groups_within_nodes(dims: ParallelDims, places: list[tuple[str, int]]) -> None:
+def check_on_device(config: Config, device: torch.device) -> None:
+    """What only the device decides, refused before a process group or a run directory is started: bf16 on CPU,
+    FSDP's CPU offload without a GPU, compilation on CUDA without a C compiler."""
+    resolve_precision(config.train.precision, device.type)
+    if config.parallel.cpu_offload and device.type != "cuda":
+        raise ConfigError(
+            "parallel.cpu_offload moves FSDP's parameters from GPU to CPU memory and needs CUDA; this run's device is "
+            f"{device.type}: set parallel.cpu_offload=false"
+        )
+    if config.train.compile and device.type == "cuda":
+        check_c_compiler()
+
+
+def check_groups_within_nodes(dims: ParallelDims, hosts: list[tuple[str, int]]) -> None:
     """Every tensor-parallel group on one node: its ranks share the host name and torchrun's node rank."""
     for group in dims.groups("tp"):
-        seen = {places[rank] for rank in group}
+        seen = {hosts[rank] for rank in group}
         if len(seen) > 1:
-            where = ", ".join(f"rank {r} on {places[r][0]} (node {places[r][1]})" for r in group)
+            where = ", ".join(f"rank {r} on {hosts[r][0]} (node {hosts[r][1]})" for r in group)
             raise ConfigError(
                 f"tensor-parallel group {group} spans nodes ({where}); tp must stay within a node: start the "
                 "processes of a node with consecutive ranks (torchrun does) and choose tp dividing them"

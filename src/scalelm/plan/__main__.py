@@ -45,10 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--headroom", type=float, default=0.1, help="share of a GPU's memory kept free (default 0.1)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the kernels to plan for")
     parser.add_argument(
-        "--activation-checkpointing", nargs="?", const="full", choices=("none", "full", "selective"),
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        choices=("none", "full", "selective"),
         help="full (the default of the bare flag): blocks keep only their inputs; selective: their products' outputs "
         "too; default: the config's train.activation_checkpointing",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", action="store_true", help="a JSON list of the layouts instead of a table")
     speed = parser.add_argument_group("the machine's speeds, for the step time (per GPU)")
     speed.add_argument("--baseline", help="a machine baseline's JSON (scalelm.measure.baseline) on as many nodes")
@@ -61,8 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # argparse's float() also takes inf, nan and 1e999: with them every layout fits, or every time is nan. Each flag's
 # range (positive, a share) is checked where it is used (Machine, Speeds).
-FLOAT_FLAGS = ("--gpu-memory-gb", "--headroom", "--matmul-tflops", "--elementwise-gbps", "--busbw-intra-gbps",
-               "--busbw-inter-gbps")  # fmt: skip
+FLOAT_FLAGS = (
+    "--gpu-memory-gb",
+    "--headroom",
+    "--matmul-tflops",
+    "--elementwise-gbps",
+    "--busbw-intra-gbps",
+    "--busbw-inter-gbps",
+)
 
 
 def check_finite(args: argparse.Namespace) -> None:
@@ -73,8 +82,11 @@ def check_finite(args: argparse.Namespace) -> None:
 
 
 def speeds_of(args: argparse.Namespace) -> Speeds | None:
-    given = {"--matmul-tflops": args.matmul_tflops, "--elementwise-gbps": args.elementwise_gbps,
-             "--busbw-intra-gbps": args.busbw_intra_gbps}  # fmt: skip
+    given = {
+        "--matmul-tflops": args.matmul_tflops,
+        "--elementwise-gbps": args.elementwise_gbps,
+        "--busbw-intra-gbps": args.busbw_intra_gbps,
+    }
     if args.baseline:
         if any(value is not None for value in given.values()) or args.busbw_inter_gbps is not None:
             raise ConfigError("give the machine's speeds either as --baseline or as flags, not both")
@@ -126,15 +138,27 @@ def table(plans: list[LayoutPlan]) -> str:
     rows = []
     for plan in plans:
         traffic = totals(plan.flows)
-        rows.append([
-            plan.name + (" *" if plan.recommended else ""), plan.strategy or "-", plan.dims.layout,
-            *(gb(plan.memory.bytes[part]) for part in PARTS), gb(plan.memory.total), "yes" if plan.fits else "no",
-            gb(traffic[INTRA]), gb(traffic[INTER]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                plan.name + (" *" if plan.recommended else ""),
+                plan.strategy or "-",
+                plan.dims.layout,
+                *(gb(plan.memory.bytes[part]) for part in PARTS),
+                gb(plan.memory.total),
+                "yes" if plan.fits else "no",
+                gb(traffic[INTRA]),
+                gb(traffic[INTER]),
+            ]
+        )
         if timed:
             step = plan.step
-            rows[-1] += [f"{step.total_s:.4g}", f"{step.compute_s:.4g}", f"{sum(step.communication_s.values()):.4g}",
-                         f"{step.bubble_s:.4g}", f"{plan.tokens_per_s:,.0f}"]  # fmt: skip
+            rows[-1] += [
+                f"{step.total_s:.4g}",
+                f"{step.compute_s:.4g}",
+                f"{sum(step.communication_s.values()):.4g}",
+                f"{step.bubble_s:.4g}",
+                f"{plan.tokens_per_s:,.0f}",
+            ]
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
 
     def line(row: list) -> str:  # names left-aligned, figures right-aligned
@@ -143,8 +167,13 @@ def table(plans: list[LayoutPlan]) -> str:
     return "\n".join([line(head), *(line(row) for row in rows)])
 
 
-def print_plan(work: Workload, machine: Machine, plans: list[LayoutPlan], impossible: list[tuple[str, str]],
-               speeds_source: str = "") -> None:  # fmt: skip
+def print_plan(
+    work: Workload,
+    machine: Machine,
+    plans: list[LayoutPlan],
+    impossible: list[tuple[str, str]],
+    speeds_source: str = "",
+) -> None:
     config, model, vocab = work.config, work.config.model, work.vocab_size
     count = sum(t.numel() for t in parameters(model, vocab))
     print(
@@ -175,8 +204,10 @@ def nothing_fits(work: Workload, machine: Machine, plans: list[LayoutPlan]) -> C
     bigger = smallest_machine(work, machine)
     if bigger:
         nodes, plan = bigger
-        hint = (f"the smallest machine of such nodes that would hold it: {nodes} nodes, with {plan.name} "
-                f"({gb(plan.memory.total)} GB per GPU)")  # fmt: skip
+        hint = (
+            f"the smallest machine of such nodes that would hold it: {nodes} nodes, with {plan.name} "
+            f"({gb(plan.memory.total)} GB per GPU)"
+        )
     else:
         hint = "no number of such nodes would: lower batch.micro_size (with accumulation) or data.seq_len"
     return ConfigError(

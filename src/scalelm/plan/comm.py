@@ -75,52 +75,57 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     units = len({t.unit for t in tensors})  # FSDP's: the embedding, each block, the head, the root
     out = []
 
-    def add(collective: str, dim: str, op: str, n: int, payload: float, messages: int, overlaps: str | None) -> None:
-        """`messages` collectives of `op` over groups of `n` moving `payload` bytes in all (a ring's share each)."""
+    def add(collective: str, dim: str, op: str, payload: float, messages: int, overlaps: str | None) -> None:
+        """`messages` collectives of `op` over the groups along `dim` moving `payload` bytes in all (a ring's share
+        each)."""
         if payload > 0 and messages > 0:
+            n = len(dims.groups(dim)[0])
             sent = (2 if op == "all_reduce" else 1) * (n - 1) / n * payload if op != "send_recv" else payload
-            out.append(Traffic(collective, dim, int(sent), link(dims, dim, gpus_per_node), op, messages,
-                               int(payload / messages), overlaps))  # fmt: skip
+            wire = link(dims, dim, gpus_per_node)
+            out.append(Traffic(collective, dim, int(sent), wire, op, messages, int(payload / messages), overlaps))
 
     tokens = per_rank_batch * config.data.seq_len // dims.cp  # this rank's, over the step's passes
     if dims.sharded:
-        shard, replicas = dims.shard_size, dims.dp_replicate
         over = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         # prefetched: the next unit's while this one computes
-        add("all-gather weights (FSDP forward)", over, "all_gather", shard, passes * params * e, passes * units,
-            "forward")  # fmt: skip
+        add("all-gather weights (FSDP forward)", over, "all_gather", passes * params * e, passes * units, "forward")
         if options.reshards(dims.pp):
-            units_back = units - (1 if head else 0)
-            add("all-gather weights (FSDP backward)", over, "all_gather", shard, passes * (params - head) * e,
-                passes * units_back, "backward")  # fmt: skip
-        add("reduce-scatter gradients (FSDP)", over, "reduce_scatter", shard, params * 4, units, "backward")
-        if replicas > 1:
-            add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", "all_reduce", replicas,
-                -(-params // shard) * 4, units, "backward")  # fmt: skip
+            regathered, gathers = passes * (params - head) * e, passes * (units - (1 if head else 0))
+            add("all-gather weights (FSDP backward)", over, "all_gather", regathered, gathers, "backward")
+        add("reduce-scatter gradients (FSDP)", over, "reduce_scatter", params * 4, units, "backward")
+        if dims.dp_replicate > 1:
+            shards = -(-params // dims.shard_size) * 4
+            add("all-reduce gradient shards (HSDP replicas)", "dp_replicate", "all_reduce", shards, units, "backward")
     elif dims.dp_replicate > 1:
         gradients = params * 4
+        buckets = -(-gradients // DDP_BUCKET_BYTES)
         # a bucket as soon as its gradients are ready
-        add("all-reduce gradients (DDP)", "dp_replicate", "all_reduce", dims.dp_replicate, gradients,
-            -(-gradients // DDP_BUCKET_BYTES), "backward")  # fmt: skip
+        add("all-reduce gradients (DDP)", "dp_replicate", "all_reduce", gradients, buckets, "backward")
     blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
     if dims.tp > 1:
         # waited for: the next matrix product needs the sum
-        add("all-reduce activations (TP, 4 per block)", "tp", "all_reduce", dims.tp, 4 * blocks * tokens * d * e,
-            4 * blocks * passes, None)  # fmt: skip
+        activations = 4 * blocks * tokens * d * e
+        add("all-reduce activations (TP, 4 per block)", "tp", "all_reduce", activations, 4 * blocks * passes, None)
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
         transfers = 2 * virtual * accumulation * chunks
-        add("send activations and gradients (PP)", "pp", "send_recv", 2, transfers * tokens // chunks * d * e,
-            transfers, None)  # fmt: skip
+        boundary = transfers * tokens // chunks * d * e
+        add("send activations and gradients (PP)", "pp", "send_recv", boundary, transfers, None)
     if dims.cp > 1:
         block = 2 * tokens * d / dims.tp  # a rank's keys and values, over the step's passes
         hops = blocks * passes * (dims.cp - 1)
+        forward = blocks * (dims.cp - 1) * block * e
+        backward = blocks * ((dims.cp - 1) * block * e + dims.cp * block * 4)  # and the blocks' fp32 gradients
         # the next block travels while this one computes
-        add("send key/value blocks (CP ring, forward)", "cp", "send_recv", dims.cp, blocks * (dims.cp - 1) * block * e,
-            hops, "forward")  # fmt: skip
-        add("send key/value blocks and their gradients (CP ring, backward)", "cp", "send_recv", dims.cp,
-            blocks * ((dims.cp - 1) * block * e + dims.cp * block * 4), hops + blocks * passes * dims.cp,
-            "backward")  # fmt: skip
+        add("send key/value blocks (CP ring, forward)", "cp", "send_recv", forward, hops, "forward")
+        add(
+            "send key/value blocks and their gradients (CP ring, backward)",
+            "cp",
+            "send_recv",
+            backward,
+            hops + blocks * passes * dims.cp,
+            "backward",
+        )
     return out
 
 

@@ -156,8 +156,17 @@ def plan_layout(work: Workload, candidate: Candidate, machine: Machine, speeds: 
     fits = memory.total <= machine.usable_bytes
     step = predict(work, candidate.dims, machine.gpus_per_node, speeds) if speeds else None
     tokens = work.config.batch.sizes(candidate.dims.dp_size)[0] * work.config.data.seq_len
-    return LayoutPlan(candidate.name, candidate.dims, candidate.strategy, candidate.options, memory, flows, fits,
-                      step=step, tokens_per_step=tokens)  # fmt: skip
+    return LayoutPlan(
+        candidate.name,
+        candidate.dims,
+        candidate.strategy,
+        candidate.options,
+        memory,
+        flows,
+        fits,
+        step=step,
+        tokens_per_step=tokens,
+    )
 
 
 def configured(work: Workload, machine: Machine) -> Candidate | None:
@@ -200,15 +209,19 @@ def plan_machine(
 def recommend_fastest(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
     """Mark the layout that fits, uses the whole machine and should train the most tokens per second (not the
     shortest step: with a per-device batch the layouts' steps hold different numbers of tokens)."""
-    whole = sorted((plan for plan in plans if plan.fits and plan.dims.world_size == machine.gpus and plan.step),
-                   key=lambda plan: -plan.tokens_per_s)  # fmt: skip
+    whole = sorted(
+        (plan for plan in plans if plan.fits and plan.dims.world_size == machine.gpus and plan.step),
+        key=lambda plan: -plan.tokens_per_s,
+    )
     if not whole:
         return None
     choice = whole[0]
     choice.recommended = True
     against = f"; {whole[1].name} {whole[1].tokens_per_s:,.0f}" if len(whole) > 1 else ""
-    choice.reason = (f"it fits and should train the most tokens per second on this machine "
-                     f"({choice.tokens_per_s:,.0f}{against}; the step-time model of docs/plan.md)")  # fmt: skip
+    choice.reason = (
+        f"it fits and should train the most tokens per second on this machine "
+        f"({choice.tokens_per_s:,.0f}{against}; the step-time model of docs/plan.md)"
+    )
     return choice
 
 
@@ -228,7 +241,7 @@ def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
                     if machine.gpus == 1
                     else "replicate it; DDP's one all-reduce of the gradients "
                     "per step is the least communication of any layout"
-                )  # fmt: skip
+                )
             )
             return choice
     reasons = {

@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scalelm.config import Config, resolve_precision
-from scalelm.model.architecture import Parameter, parameters
+from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS, Parameter, parameters
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout
 
@@ -66,7 +66,6 @@ RING_FORMULA = " + 4a/t"  # context parallelism's ring attention: its log-sum-ex
 RING_SCORE_BYTES = 8  # a ring block's fp32 score and one temporary (logsumexp's, the backward's dp)
 RING_SCORE_BYTES_DROPOUT = 20  # with dropout: the probability, and the mask's int64 hash and its shifted temporary
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
-CPU_LOSS_CHUNK = 1024  # rows of the fused CPU loss's logits workspace (scalelm.model.cpu_ops.LinearCrossEntropy)
 
 
 @dataclass(frozen=True)
@@ -266,7 +265,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             buffers += tokens * d / dims.tp * (4 * e + 16) + ring_transient_bytes(work, dims, tokens)
         if last and work.fused_cpu_loss:
             columns = -(-(d + 2) // 8) * 8
-            buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK) + 32) * 4
+            buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK_ROWS) + 32) * 4
         sizes |= {"activations": int(act), "buffers": int(buffers)}
         plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block, formula))
     fullest = max(plans, key=lambda plan: plan.total)

@@ -77,8 +77,10 @@ class Speeds:
         traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node."""
         if "elementwise_gbps_min" not in result or "model_step" not in result:
             where = f" {source}" if source else ""
-            raise ConfigError(f"the machine baseline{where} lacks the step-time model's figures (made by an older "
-                              "scalelm): rerun the workflow's machine_baseline")  # fmt: skip
+            raise ConfigError(
+                f"the machine baseline{where} lacks the step-time model's figures (made by an older "
+                "scalelm): rerun the workflow's machine_baseline"
+            )
         nodes = result["world_size"] // result["procs_per_node"]
         curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
         for row in result["collectives"]:
@@ -253,8 +255,14 @@ def efficiency(work: Workload, speeds: Speeds) -> float:
     return ideal / max(seconds - fixed_cost(speeds), 1e-9)
 
 
-def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Speeds, threads: int | None = None,
-            ranks_on_host: int | None = None) -> StepTime:  # fmt: skip
+def predict(
+    work: Workload,
+    dims: ParallelDims,
+    gpus_per_node: int,
+    speeds: Speeds,
+    threads: int | None = None,
+    ranks_on_host: int | None = None,
+) -> StepTime:
     """The step time of `dims` on nodes of `gpus_per_node` ranks. On a CPU, `threads` per rank and `ranks_on_host`
     (default: the launcher's share of the host's cores for a node's ranks, which share one host)."""
     ranks_on_host = ranks_on_host or gpus_per_node
@@ -266,8 +274,10 @@ def predict(work: Workload, dims: ParallelDims, gpus_per_node: int, speeds: Spee
     global_batch, micro = work.config.batch.sizes(dims.dp_size)
     passes = max(1, global_batch // dims.dp_size // micro) * layout.microbatches  # forward and backward, each
     fixed = fixed_cost(speeds) * passes / share / dims.pp  # a pipeline rank dispatches its stages' share of each
-    stages = [(flops / (speeds.matmul_tflops * 1e12 * faster), moved / (speeds.elementwise_gbps * 1e9 * faster))
-              for flops, moved in stage_work(work, dims)]  # fmt: skip
+    stages = [
+        (flops / (speeds.matmul_tflops * 1e12 * faster), moved / (speeds.elementwise_gbps * 1e9 * faster))
+        for flops, moved in stage_work(work, dims)
+    ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
     step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed)
     step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, not speeds.on_cpu)

@@ -24,7 +24,7 @@ experiments' reference values (`expect:`) were met (scalelm.report.expectations)
 Nothing is summarised from a run it cannot trust: a file of another shape than its writer gives it, a figure that is
 not a finite number (a broken run), or a run given twice is refused naming the file, the figure or the run; and a
 results history (--history) among the files the aggregation writes or inside a run directory is refused before
-anything is recorded (scalelm.report.history.check_location).
+anything is recorded (scalelm.report.history_store.check_location).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
-from scalelm.report import bubble, expectations, history, machine, repeats, steptime
+from scalelm.report import bubble, expectations, history_compare, history_store, machine, repeats, steptime
 from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
 from scalelm.report.figures import COLUMNS, RunSummary
 from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
@@ -119,8 +119,12 @@ def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: floa
     with shape_errors(run.record):
         figures = run_figures(run, record, steady, memory, utilisation, test, model)
         figures["disturbed"] = run_disturbance(record, disturbed_share)
-    sources = {**dict.fromkeys([*steady, *memory], run.metrics), **dict.fromkeys(utilisation, run.monitor),
-               "test_loss": run.test_result, "test_perplexity": run.test_result}  # fmt: skip
+    sources = {
+        **dict.fromkeys([*steady, *memory], run.metrics),
+        **dict.fromkeys(utilisation, run.monitor),
+        "test_loss": run.test_result,
+        "test_perplexity": run.test_result,
+    }
     check_finite(figures, sources, run.record)
     return RunSummary(figures, metrics, record, series, identity, model.get("vocab_size"))
 
@@ -222,16 +226,39 @@ def fmt_spread(summary: dict[str, Any], figure: str) -> str:
 
 
 # every file the aggregation writes in its out directory (workflow/rules/aggregate.smk's outputs)
-OUTPUTS = ("summary.csv", "summary_by_experiment.csv", "expectations.csv", "machine.csv", "summary.md",
-           "loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png", "pipeline.png", "trend.png")  # fmt: skip
+OUTPUTS = (
+    "summary.csv",
+    "summary_by_experiment.csv",
+    "expectations.csv",
+    "machine.csv",
+    "summary.md",
+    "loss_vs_tokens.png",
+    "loss_vs_time.png",
+    "scaling.png",
+    "utilisation.png",
+    "pipeline.png",
+    "trend.png",
+)
 
 # the summary's first table: what a reader looks at first, per run (every figure: summary.csv)
-LEAD = ["experiment", "seed", "layout", "world_size", "tokens_per_s_per_device", "speedup", "scaling_efficiency",
-        "mfu", "comm_share", "peak_mem_mb_per_rank", "state_mb_per_rank", "test_perplexity"]  # fmt: skip
+LEAD = [
+    "experiment",
+    "seed",
+    "layout",
+    "world_size",
+    "tokens_per_s_per_device",
+    "speedup",
+    "scaling_efficiency",
+    "mfu",
+    "comm_share",
+    "peak_mem_mb_per_rank",
+    "state_mb_per_rank",
+    "test_perplexity",
+]
 
 
 def flags(
-    row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history.Change], machine_checks: list[dict]
+    row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history_compare.Change], machine_checks: list[dict]
 ) -> str:
     """What a reader must not miss about a run: shared hosts, other work on them, a disturbed or implausible
     comparison with the baseline, a straggler, a machine below its reference or measured beside other work, missed
@@ -242,11 +269,17 @@ def flags(
     found += [f"straggler {row['straggler']}"] if row.get("straggler") else []
     found += machine.flags(row["nodes"], machine_checks)
     found += ["machine baseline disturbed"] if row.get("machine_disturbed") else []
-    found += [f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}"
-              + (" (disturbed)" if c.get("disturbed") else "") for c in checks
-              if c["experiment"] == row["experiment"] and (c["status"] != "met" or c.get("disturbed"))]  # fmt: skip
-    found += [f"{c.verdict} {c.figure}" + (" (disturbed)" if c.disturbed else "") for c in changes
-              if c.experiment == row["experiment"] and c.verdict.startswith("regression")]  # fmt: skip
+    found += [
+        f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}"
+        + (" (disturbed)" if c.get("disturbed") else "")
+        for c in checks
+        if c["experiment"] == row["experiment"] and (c["status"] != "met" or c.get("disturbed"))
+    ]
+    found += [
+        f"{c.verdict} {c.figure}" + (" (disturbed)" if c.disturbed else "")
+        for c in changes
+        if c.experiment == row["experiment"] and c.verdict.startswith("regression")
+    ]
     return ", ".join(found)
 
 
@@ -255,7 +288,7 @@ def write_tables(
     summaries: list[dict[str, Any]],
     checks: list[dict[str, Any]],
     out_dir: Path,
-    since: tuple[str, list[history.Change]] | None = None,
+    since: tuple[str, list[history_compare.Change]] | None = None,
     baselines: list[dict[str, Any]] = (),
     machine_checks: list[dict[str, Any]] = (),
     disturbed_share: float = DEFAULT_SHARE,
@@ -274,53 +307,81 @@ def write_tables(
     )
     shared = [f"`{r['experiment']}` seed {r['seed']} (with {r['overlapped_by']})" for r in rows if r["overlapped_by"]]
     if shared:
-        lines += ["", "**Not isolated**: trained while another run trained on the same host, so their speed figures "
-                  "measure both: " + ", ".join(shared) + "."]  # fmt: skip
+        lines += [
+            "",
+            "**Not isolated**: trained while another run trained on the same host, so their speed figures "
+            "measure both: " + ", ".join(shared) + ".",
+        ]
     lines += disturbed_notes(rows, disturbed_share)
 
     base = next(s for s in summaries if s["experiment"] == s["baseline"])
-    lines += ["", "## Per experiment", "",
-              "Mean over the seeds, with several seeds `mean ± std (min–max)` (sample standard deviation). Speedup "
-              f"and scaling efficiency in total tokens/s against `{base['experiment']}` ({base['world_size']} "
-              "device(s)); strong scaling: global batch fixed, weak: batch per device fixed.", ""]  # fmt: skip
+    lines += [
+        "",
+        "## Per experiment",
+        "",
+        "Mean over the seeds, with several seeds `mean ± std (min–max)` (sample standard deviation). Speedup "
+        f"and scaling efficiency in total tokens/s against `{base['experiment']}` ({base['world_size']} "
+        "device(s)); strong scaling: global batch fixed, weak: batch per device fixed.",
+        "",
+    ]
     columns = ["experiment", "scaling", "world_size", "seeds"]
     lines += markdown_table(
         [*columns, *repeats.STATISTICS, "flags"],
-        [[fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] + [experiment_flags(s)]
-         for s in summaries],
-    )  # fmt: skip
+        [
+            [fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] + [experiment_flags(s)]
+            for s in summaries
+        ],
+    )
     lines += machine.markdown(baselines, machine_checks)
     lines += steptime.markdown(rows)
     if checks:
         missed = sum(c["status"] == "missed" for c in checks)
         unchecked = sum(c["status"] == "no reference" for c in checks)
         disturbed = sum(bool(c.get("disturbed")) for c in checks)
-        on_disturbed = (f" {disturbed} on disturbed runs (`disturbed`): a miss there may be the disturbance's, a met "
-                        "speedup or efficiency a slow baseline's." if disturbed else "")  # fmt: skip
-        lines += ["", "## Expectations", "",
-                  f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
-                  "from the results history before it holds an earlier study); each checked against the mean over "
-                  "the experiment's seeds (threshold: the limit with its relative tolerance)." + on_disturbed,
-                  ""]  # fmt: skip
+        on_disturbed = (
+            f" {disturbed} on disturbed runs (`disturbed`): a miss there may be the disturbance's, a met "
+            "speedup or efficiency a slow baseline's."
+            if disturbed
+            else ""
+        )
+        lines += [
+            "",
+            "## Expectations",
+            "",
+            f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
+            "from the results history before it holds an earlier study); each checked against the mean over "
+            "the experiment's seeds (threshold: the limit with its relative tolerance)." + on_disturbed,
+            "",
+        ]
         lines += markdown_table(
             expectations.COLUMNS,
             [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in expectations.COLUMNS] for c in checks],
         )
     if since:
         previous, shown = since[0], [c for c in changes if c.verdict != "within tolerance"]
-        lines += ["", "## Since the previous study", "",
-                  f"Against `{previous}` in the results history (`scalelm history compare`): "
-                  f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
-                  "tolerance below, the others within it.", ""]  # fmt: skip
+        lines += [
+            "",
+            "## Since the previous study",
+            "",
+            f"Against `{previous}` in the results history (`scalelm history compare`): "
+            f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
+            "tolerance below, the others within it.",
+            "",
+        ]
         lines += markdown_table(
             ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed", "disturbed"],
-            [[c.experiment, c.figure, fmt(c.before), fmt(c.after), f"{c.relative:+.1%}",
-              fmt(c.p_value) if c.p_value is not None else "one seed", c.verdict, history.describe(c.environment),
-              c.disturbed] for c in shown],
-        )  # fmt: skip
+            [change_cells(c) for c in shown],
+        )
     files = [f"- `{r['experiment']}` seed {r['seed']}: `{r['checkpoint']}` (sha256 `{r['sha256']}`)" for r in rows]
     text = "# scalelm summary\n\n" + "\n".join(lines) + "\n\n## Consolidated models\n\n" + "\n".join(files) + "\n"
     (out_dir / "summary.md").write_text(text)
+
+
+def change_cells(c: history_compare.Change) -> list[str]:
+    """A change since the previous study as a row of summary.md's table."""
+    p = fmt(c.p_value) if c.p_value is not None else "one seed"
+    before, after, environment = fmt(c.before), fmt(c.after), history_compare.describe(c.environment)
+    return [c.experiment, c.figure, before, after, f"{c.relative:+.1%}", p, c.verdict, environment, c.disturbed]
 
 
 def disturbed_notes(rows: list[dict[str, Any]], share: float) -> list[str]:
@@ -329,9 +390,12 @@ def disturbed_notes(rows: list[dict[str, Any]], share: float) -> list[str]:
     lines = []
     disturbed = [f"`{r['experiment']}` seed {r['seed']} ({r['disturbed']})" for r in rows if r.get("disturbed")]
     if disturbed:
-        lines += ["", f"**Disturbed**: other work on their hosts took more than {share:g} of the cores they were given "
-                  "(`disturbed_share`), so their speed figures, and every speedup against them, measure that work "
-                  "too: " + ", ".join(disturbed) + "."]  # fmt: skip
+        lines += [
+            "",
+            f"**Disturbed**: other work on their hosts took more than {share:g} of the cores they were given "
+            "(`disturbed_share`), so their speed figures, and every speedup against them, measure that work "
+            "too: " + ", ".join(disturbed) + ".",
+        ]
     flagged = [f"`{r['experiment']}` seed {r['seed']} ({r['scaling_flag']})" for r in rows if r.get("scaling_flag")]
     if flagged:
         lines += ["", "**Speedup and efficiency flagged**: " + ", ".join(flagged) + "."]
@@ -373,8 +437,9 @@ def aggregate(
     it shows the machine's baseline against the site's `references`. A run or baseline whose hosts did other work
     beyond `disturbed_share` of the cores it was given is marked disturbed (scalelm.report.disturbance)."""
     if history_db:
-        history.check_location(history_db, [out_dir / name for name in OUTPUTS], run_dirs, "--history",
-                               f"{out_dir / 'history.sqlite'}")  # fmt: skip
+        history_store.check_location(
+            history_db, [out_dir / name for name in OUTPUTS], run_dirs, "--history", f"{out_dir / 'history.sqlite'}"
+        )
     check_distinct(run_dirs)
     runs = [read_run(RunDir(Path(d)), warmup_steps, disturbed_share) for d in run_dirs]
     check_distinct(run_dirs, runs)
@@ -387,13 +452,13 @@ def aggregate(
     summaries = repeats.by_experiment(rows)
     since = trend = reference = None
     if history_db:
-        study, new = history.record_runs(history_db, runs, out_dir)
+        study, new = history_store.record_runs(history_db, runs, out_dir)
         print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
-        recorded = history.read_rows(history_db)  # once, for the comparison, the trend and the limits it gives
-        since, trend = history.since_previous(recorded, runs), history.trend(recorded, runs)
+        recorded = history_store.read_rows(history_db)  # once, for the comparison, the trend and the limits it gives
+        since, trend = history_compare.since_previous(recorded, runs), history_compare.trend(recorded, runs)
 
         def reference(experiment: str, figure: str, n: int) -> tuple[float | None, str]:
-            return history.reference(recorded, runs, experiment, figure, n, history_db)
+            return history_compare.reference(recorded, runs, experiment, figure, n, history_db)
 
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     machine_checks = machine.check(baselines, references or MachineReferences())
@@ -415,29 +480,54 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline", help="experiment to compare speed with (default: the one with the fewest devices)"
     )
     parser.add_argument(
-        "--expect", action="append", default=[], metavar="EXPERIMENT.KEY=VALUE",
+        "--expect",
+        action="append",
+        default=[],
+        metavar="EXPERIMENT.KEY=VALUE",
         help="a reference value, e.g. ddp.min_mfu=0.3 or ddp.tolerance=0.1 (repeatable; scalelm.report.expectations)",
-    )  # fmt: skip
+    )
     parser.add_argument("--history", type=Path, help="also append the runs to this results history (SQLite)")
-    parser.add_argument("--machine", type=Path, action="append", default=[],
-                        help="a machine baseline (scalelm.measure.baseline; repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--machine",
+        type=Path,
+        action="append",
+        default=[],
+        help="a machine baseline (scalelm.measure.baseline; repeatable)",
+    )
     parser.add_argument("--site", type=Path, help="the site file whose `references:` the machine is checked against")
-    parser.add_argument("--disturbed-share", type=float, default=DEFAULT_SHARE, metavar="SHARE",
-                        help="other work on a run's hosts beyond this share of the cores it was given marks it "
-                        f"disturbed (default {DEFAULT_SHARE:g}; scalelm.report.disturbance)")  # fmt: skip
+    parser.add_argument(
+        "--disturbed-share",
+        type=float,
+        default=DEFAULT_SHARE,
+        metavar="SHARE",
+        help="other work on a run's hosts beyond this share of the cores it was given marks it "
+        f"disturbed (default {DEFAULT_SHARE:g}; scalelm.report.disturbance)",
+    )
     args = parser.parse_args(argv)
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     if not (math.isfinite(args.disturbed_share) and args.disturbed_share > 0):
-        parser.error(f"--disturbed-share must be a positive share of the cores (0.1: a tenth), got "
-                     f"{args.disturbed_share}")  # fmt: skip
+        parser.error(
+            f"--disturbed-share must be a positive share of the cores (0.1: a tenth), got {args.disturbed_share}"
+        )
     expected = expectations.from_arguments(args.expect)
     references = load_site(args.site).references if args.site else None
-    runs = aggregate(args.run, args.out_dir, args.warmup_steps, args.baseline, expected, args.history, args.machine,
-                     references, args.disturbed_share)  # fmt: skip
+    runs = aggregate(
+        args.run,
+        args.out_dir,
+        warmup_steps=args.warmup_steps,
+        baseline=args.baseline,
+        expected=expected,
+        history_db=args.history,
+        machine_files=args.machine,
+        references=references,
+        disturbed_share=args.disturbed_share,
+    )
     print((args.out_dir / "summary.md").read_text())
-    print(f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
-          "expectations.csv, machine.csv and *.png")  # fmt: skip
+    print(
+        f"{len(runs)} runs summarised in {args.out_dir}: summary.csv, summary_by_experiment.csv, summary.md, "
+        "expectations.csv, machine.csv and *.png"
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,13 @@ def columns(results: Results) -> dict[str, Any]:
     """The summary's pipeline columns of a run's results (empty for other layouts)."""
     pipeline = results.pipeline
     if not pipeline:
-        return {"pp_schedule": "", "pp_microbatches": None, "bubble_predicted": None, "bubble_measured": None,
-                "peak_mem_mb_per_pp_rank": ""}  # fmt: skip
+        return {
+            "pp_schedule": "",
+            "pp_microbatches": None,
+            "bubble_predicted": None,
+            "bubble_measured": None,
+            "peak_mem_mb_per_pp_rank": "",
+        }
     peaks = pipeline.get("peak_mem_mb_per_pp_rank") or []
     virtual = pipeline["virtual_stages"]
     return {
@@ -70,9 +75,13 @@ def plot_pipelines(summaries: list[RunSummary], path: Path) -> None:
                 start, width = chunk["start"] * 1e3, (chunk["end"] - chunk["start"]) * 1e3
                 later_round = chunk["stage"] >= len(stages)  # a virtual stage after the first: hatched
                 ax.broken_barh(
-                    [(start, width)], (p - 0.4, 0.8), facecolors=COLORS[chunk["kind"]], edgecolors="black",
-                    linewidth=0.4, hatch="//" if later_round else None,
-                )  # fmt: skip
+                    [(start, width)],
+                    (p - 0.4, 0.8),
+                    facecolors=COLORS[chunk["kind"]],
+                    edgecolors="black",
+                    linewidth=0.4,
+                    hatch="//" if later_round else None,
+                )
                 if chunk["kind"] != "L":
                     ax.text(start + width / 2, p, str(chunk["mb"]), ha="center", va="center", fontsize=7)
         measured = pipeline["measured_bubble"]

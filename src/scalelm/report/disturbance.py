@@ -62,9 +62,11 @@ def disturbance(
 ) -> str:
     """Why the run was disturbed, e.g. `other work took 1.04 of the 2 cores it was given on vm`; empty if it was not
     (or nothing was recorded)."""
-    reasons = [f"other work took {other:.2f} of the {given:g} cores it was given on {hosts}"
-               for hosts, other, given in other_work(host_load, ranks, threads, machine_of)
-               if given and other > share * given]  # fmt: skip
+    reasons = [
+        f"other work took {other:.2f} of the {given:g} cores it was given on {hosts}"
+        for hosts, other, given in other_work(host_load, ranks, threads, machine_of)
+        if given and other > share * given
+    ]
     return "; ".join(reasons)
 
 
@@ -102,8 +104,10 @@ def _whole(value: Any) -> int | None:
 def contaminated(row: dict[str, Any]) -> str:
     """Why a run's speed figures measure more than the run (a row of summary.csv, or of the results history): other
     work on its hosts, another run beside it; empty if neither."""
-    reasons = [row.get("disturbed") or "", f"not isolated (with {row['overlapped_by']})" if row.get("overlapped_by")
-               else ""]  # fmt: skip
+    reasons = [
+        row.get("disturbed") or "",
+        f"not isolated (with {row['overlapped_by']})" if row.get("overlapped_by") else "",
+    ]
     return "; ".join(r for r in reasons if r)
 
 
@@ -119,12 +123,18 @@ def figure_caveat(row: dict[str, Any], figure: str) -> str:
 def scaling_flag(row: dict[str, Any], baseline_runs: list[dict[str, Any]]) -> str:
     """What a reader must know about a run's speedup and efficiency: the `baseline_runs` it was compared with were
     disturbed, or the efficiency is implausible (above IMPLAUSIBLE_EFFICIENCY), with its likely cause."""
-    found = [f"baseline disturbed ({r['experiment']} seed {r['seed']})" for r in baseline_runs
-             if r is not row and contaminated(r)]  # fmt: skip
+    found = [
+        f"baseline disturbed ({r['experiment']} seed {r['seed']})"
+        for r in baseline_runs
+        if r is not row and contaminated(r)
+    ]
     efficiency = row.get("scaling_efficiency")
     if efficiency is not None and efficiency > IMPLAUSIBLE_EFFICIENCY:
-        cause = ("its disturbed baseline" if found else "a baseline run slower than its machine allows (other work "
-                 "on its hosts, a throttled device)")  # fmt: skip
+        cause = (
+            "its disturbed baseline"
+            if found
+            else "a baseline run slower than its machine allows (other work on its hosts, a throttled device)"
+        )
         found.append(f"implausible efficiency (above {IMPLAUSIBLE_EFFICIENCY:g}): likely {cause}")
     return "; ".join(found)
 
@@ -144,6 +154,9 @@ def seeds_caveat(summary: dict[str, Any], figure: str) -> str:
 def experiment_flags(summary: dict[str, Any]) -> str:
     """What a reader must not miss about an experiment's speed figures (a row of summary_by_experiment.csv): its
     disturbed seeds, its flagged speedups; empty if nothing."""
-    found = [f"{summary['disturbed_seeds']} of {summary['seeds']} seed(s) disturbed"] if summary.get(
-        "disturbed_seeds") else []  # fmt: skip
-    return ", ".join(found + ([summary["scaling_flag"]] if summary.get("scaling_flag") else []))
+    found = []
+    if summary.get("disturbed_seeds"):
+        found.append(f"{summary['disturbed_seeds']} of {summary['seeds']} seed(s) disturbed")
+    if summary.get("scaling_flag"):
+        found.append(summary["scaling_flag"])
+    return ", ".join(found)

@@ -15,7 +15,7 @@ without hand-written limits:
         expect: {min_tokens_per_s_per_device: {history: median_of_last, n: 5, tolerance: 0.1}}
 
 the median, over the last `n` earlier studies of the experiment with the same settings on the same site and device
-(scalelm.report.history.reference), of each study's mean; its own `tolerance` wins over the experiment's. Before
+(scalelm.report.history_compare.reference), of each study's mean; its own `tolerance` wins over the experiment's. Before
 there is such a study the check has no reference: the study's runs are recorded, and the next one has one.
 
 A check of a figure of time whose mean includes a disturbed seed (other work on its hosts, another run beside it),
@@ -48,8 +48,18 @@ from scalelm.report.figures import LIMITS, finite_number
 
 DEFAULT_TOLERANCE = 0.05
 HISTORY_METHODS = ("median_of_last",)
-COLUMNS = ["experiment", "expectation", "value", "limit", "reference", "tolerance", "threshold", "seeds", "status",
-           "disturbed"]  # fmt: skip
+COLUMNS = [
+    "experiment",
+    "expectation",
+    "value",
+    "limit",
+    "reference",
+    "tolerance",
+    "threshold",
+    "seeds",
+    "status",
+    "disturbed",
+]
 
 
 class ExpectationsMissed(ScaleLMError):
@@ -145,11 +155,13 @@ def resolve(
     expected: list[Expectation], reference: Callable[[str, str, int], tuple[float | None, str]] | None
 ) -> list[Expectation]:
     """The limits from the history filled in: `reference(experiment, figure, n)` gives a value (None: none found)
-    and where it came from (scalelm.report.history.reference). Without a history, such a limit is an error."""
+    and where it came from (scalelm.report.history_compare.reference). Without a history, such a limit is an error."""
     if reference is None and any(e.from_history for e in expected):
         names = ", ".join(f"{e.experiment}.{e.key}" for e in expected if e.from_history)
-        raise ConfigError(f"expect: {names} take their limit from the results history: give the aggregation one "
-                          "(--history FILE; the workflow always does)")  # fmt: skip
+        raise ConfigError(
+            f"expect: {names} take their limit from the results history: give the aggregation one "
+            "(--history FILE; the workflow always does)"
+        )
     resolved = []
     for e in expected:
         if e.from_history:
@@ -205,11 +217,20 @@ def check(expectations: list[Expectation], summaries: list[dict[str, Any]]) -> l
             )
         summary = by_name[e.experiment]
         value = summary[f"{e.figure}_mean"]
-        checks.append({
-            "experiment": e.experiment, "expectation": e.key, "value": value, "limit": e.limit,
-            "reference": e.reference, "tolerance": e.tolerance, "threshold": e.threshold, "seeds": summary["seeds"],
-            "status": e.status(value), "disturbed": seeds_caveat(summary, e.figure),
-        })  # fmt: skip
+        checks.append(
+            {
+                "experiment": e.experiment,
+                "expectation": e.key,
+                "value": value,
+                "limit": e.limit,
+                "reference": e.reference,
+                "tolerance": e.tolerance,
+                "threshold": e.threshold,
+                "seeds": summary["seeds"],
+                "status": e.status(value),
+                "disturbed": seeds_caveat(summary, e.figure),
+            }
+        )
     return checks
 
 
@@ -263,11 +284,17 @@ def main(argv: list[str] | None = None) -> None:
     missed = [c for c in checks if c["status"] != "met"]
     unchecked = [c for c in missed if c["status"] == "no reference"]
     if missed:
-        first = (" This study's runs are in the results history now, so the next study has the reference it lacked; "
-                 "a first study passes with expect_strict: false.") if unchecked else ""  # fmt: skip
+        first = ""
+        if unchecked:
+            first += (
+                " This study's runs are in the results history now, so the next study has the reference it lacked; "
+                "a first study passes with expect_strict: false."
+            )
         if any(c.get("disturbed") for c in missed):
-            first += (" A miss on disturbed runs may be the disturbance's: train those runs again on quiet hosts "
-                      "before changing anything.")  # fmt: skip
+            first += (
+                " A miss on disturbed runs may be the disturbance's: train those runs again on quiet hosts "
+                "before changing anything."
+            )
         raise ExpectationsMissed(
             f"{len(missed)} of {len(checks)} expectations missed (expect_strict): "
             + "; ".join(describe(c) for c in missed)

@@ -17,8 +17,19 @@ from scalelm.report.disturbance import DEFAULT_SHARE, baseline_disturbance
 from scalelm.report.tables import fmt, markdown_table
 from scalelm.site import MachineReferences
 
-COLUMNS = ["nodes", "procs_per_node", "hosts", "device", "scope", "op", "ranks", "bytes", "time_s", "algbw_gbps",
-           "busbw_gbps"]  # fmt: skip
+COLUMNS = [
+    "nodes",
+    "procs_per_node",
+    "hosts",
+    "device",
+    "scope",
+    "op",
+    "ranks",
+    "bytes",
+    "time_s",
+    "algbw_gbps",
+    "busbw_gbps",
+]
 CHECK_COLUMNS = ["nodes", "figure", "value", "reference", "share", "threshold", "status"]
 
 
@@ -39,11 +50,16 @@ def read_baselines(paths: list[Path], share: float = DEFAULT_SHARE) -> list[dict
 def rows(baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """machine.csv: every collective at every size, with the node count it ran on."""
     return [
-        {"nodes": b["nodes"], "procs_per_node": b["procs_per_node"], "hosts": " ".join(b["hosts"]),
-         "device": b["device"], **row}
+        {
+            "nodes": b["nodes"],
+            "procs_per_node": b["procs_per_node"],
+            "hosts": " ".join(b["hosts"]),
+            "device": b["device"],
+            **row,
+        }
         for b in baselines
         for row in b["collectives"]
-    ]  # fmt: skip
+    ]
 
 
 def check(baselines: list[dict[str, Any]], references: MachineReferences) -> list[dict[str, Any]]:
@@ -58,21 +74,39 @@ def check(baselines: list[dict[str, Any]], references: MachineReferences) -> lis
             if reference is None or figure not in measured:
                 continue
             value, threshold = measured[figure], reference * (1 - references.tolerance)
-            checks.append({"nodes": b["nodes"], "figure": figure, "value": value, "reference": reference,
-                           "share": value / reference, "threshold": threshold,
-                           "status": "met" if value >= threshold else "missed"})  # fmt: skip
+            checks.append(
+                {
+                    "nodes": b["nodes"],
+                    "figure": figure,
+                    "value": value,
+                    "reference": reference,
+                    "share": value / reference,
+                    "threshold": threshold,
+                    "status": "met" if value >= threshold else "missed",
+                }
+            )
     return checks
 
 
 def flags(nodes: int, checks: list[dict[str, Any]]) -> list[str]:
     """A run's flags from the baseline of its node count: each reference its machine missed."""
-    return [f"machine below reference ({c['figure']} {c['share']:.0%})" for c in checks
-            if c["nodes"] == nodes and c["status"] == "missed"]  # fmt: skip
+    return [
+        f"machine below reference ({c['figure']} {c['share']:.0%})"
+        for c in checks
+        if c["nodes"] == nodes and c["status"] == "missed"
+    ]
 
 
 def disturbed(baselines: list[dict[str, Any]], nodes: int) -> str:
     """Why the baseline of `nodes` nodes was disturbed; empty if it was not, or there is none."""
     return next((b.get("disturbed") or "" for b in baselines if b["nodes"] == nodes), "")
+
+
+def check_cell(check: dict[str, Any], column: str) -> str:
+    """A reference check's cell in summary.md: the status in bold, the share as a percentage."""
+    if column == "status":
+        return f"**{check[column]}**"
+    return f"{check[column]:.0%}" if column == "share" else fmt(check[column])
 
 
 def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> list[str]:
@@ -82,26 +116,36 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
         return []
     at_largest = [largest(b) for b in baselines]
     keys = sorted({key for found in at_largest for key in found})
-    table = [[str(b["nodes"]), str(b["procs_per_node"]), ", ".join(b["hosts"]), fmt(b["matmul_tflops_min"]),
-              *(fmt(found[key]["busbw_gbps"]) if key in found else "" for key in keys)]
-             for b, found in zip(baselines, at_largest)]  # fmt: skip
+    table = [
+        [
+            str(b["nodes"]),
+            str(b["procs_per_node"]),
+            ", ".join(b["hosts"]),
+            fmt(b["matmul_tflops_min"]),
+            *(fmt(found[key]["busbw_gbps"]) if key in found else "" for key in keys),
+        ]
+        for b, found in zip(baselines, at_largest)
+    ]
     sizes = sorted({row["bytes"] for found in at_largest for row in found.values()})
-    lines = ["", "## The machine", "",
-             "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
-             "(the slowest rank's TFLOP/s) and each collective's bus bandwidth (nccl-tests' convention) at the largest "
-             f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
-             "(`node_`).", ""]  # fmt: skip
+    lines = [
+        "",
+        "## The machine",
+        "",
+        "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
+        "(the slowest rank's TFLOP/s) and each collective's bus bandwidth (nccl-tests' convention) at the largest "
+        f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
+        "(`node_`).",
+        "",
+    ]
     lines += markdown_table(["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)], table)
     troubled = [f"on {b['nodes']} node(s) {b['disturbed']}" for b in baselines if b.get("disturbed")]
     if troubled:
-        lines += ["", "**Disturbed baseline**: measured beside other work, so its rates, the references they are "
-                  "checked against and the step times planned from them measure that work too: "
-                  + "; ".join(troubled) + "."]  # fmt: skip
+        lines += [
+            "",
+            "**Disturbed baseline**: measured beside other work, so its rates, the references they are "
+            "checked against and the step times planned from them measure that work too: " + "; ".join(troubled) + ".",
+        ]
     if checks:
         lines += ["", "Against the site's references (site.yaml `references:`):", ""]
-        lines += markdown_table(
-            CHECK_COLUMNS,
-            [[f"**{c[k]}**" if k == "status" else f"{c[k]:.0%}" if k == "share" else fmt(c[k]) for k in CHECK_COLUMNS]
-             for c in checks],
-        )  # fmt: skip
+        lines += markdown_table(CHECK_COLUMNS, [[check_cell(c, k) for k in CHECK_COLUMNS] for c in checks])
     return lines

@@ -20,7 +20,8 @@ from typing import Any
 
 from scalelm.report.disturbance import contaminated, experiment_flags
 from scalelm.report.figures import TIMED, RunSummary
-from scalelm.report.history import TREND_FIGURES, TrendPoint
+from scalelm.report.history_compare import TrendPoint
+from scalelm.report.history_store import TREND_FIGURES
 
 # tab20's dark hues, then their light partners: neighbours in the matrix never differ only in shade
 TAB20_ORDER = (*range(0, 20, 2), *range(1, 20, 2))
@@ -30,8 +31,17 @@ DISTURBED = "red"  # the ring around what other work disturbed, the hatch of its
 
 def ring(ax, x, y) -> None:
     """A red ring around a disturbed point, outside any legend."""
-    ax.plot(x, y, linestyle="", marker="o", markersize=15, markerfacecolor="none", markeredgecolor=DISTURBED,
-            markeredgewidth=1.5, zorder=5)  # fmt: skip
+    ax.plot(
+        x,
+        y,
+        linestyle="",
+        marker="o",
+        markersize=15,
+        markerfacecolor="none",
+        markeredgecolor=DISTURBED,
+        markeredgewidth=1.5,
+        zorder=5,
+    )
 
 
 def wrapped(fig, lines: list[str]) -> str:
@@ -97,10 +107,11 @@ def loss_figure(runs: list[RunSummary], x_key: str, x_label: str):
         # the layout: dp_replicate x dp_shard x tp x pp (x cp where > 1)
         label = f"{name} ({first['layout']}, {seeds}{', disturbed' if disturbed else ''})"
         colour, marker = styles[name]
+        line = "--" if disturbed else "-"
         for ax, split in zip(axes, ("train", "validation")):
             x, mean, low, high = across_seeds(runs, x_key, split)
-            ax.plot(x, mean, color=colour, marker=None if split == "train" else marker, markersize=4, label=label,
-                    linestyle="--" if disturbed else "-")  # fmt: skip
+            shape = None if split == "train" else marker
+            ax.plot(x, mean, color=colour, marker=shape, markersize=4, label=label, linestyle=line)
             if len(runs) > 1:
                 ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0)
             if disturbed and x:
@@ -114,8 +125,8 @@ def loss_figure(runs: list[RunSummary], x_key: str, x_label: str):
     axes[0].set_ylabel("cross-entropy (nats/token)")
     legend_beside(fig, axes[1])
     if notes:
-        note_under(fig, ["Disturbed (dashed, red ring at the end): its time measures other work too: "
-                         + "; ".join(notes) + "."])  # fmt: skip
+        why = "; ".join(notes)
+        note_under(fig, [f"Disturbed (dashed, red ring at the end): its time measures other work too: {why}."])
     return fig
 
 
@@ -130,8 +141,8 @@ def legend_beside(fig, ax) -> None:
     """The legend right of the axes (one column up to 20 entries), outside the data, the figure widened for it."""
     fig.tight_layout()
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
-              ncol=1 if len(labels) <= 20 else 2)  # fmt: skip
+    columns = 1 if len(labels) <= 20 else 2
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, ncol=columns)
 
 
 def plot_scaling(summaries: list[dict[str, Any]], path: Path) -> None:
@@ -153,9 +164,10 @@ def scaling_figure(summaries: list[dict[str, Any]]):
     # throughput as horizontal bars: one row per experiment, so 15 names never run into each other
     fig, axes = plt.subplots(1, 3, figsize=(18, max(4.8, 0.32 * len(summaries) + 1.8)))
     labels = [f"{s['experiment']} ({s['layout']})" for s in summaries]  # dp_replicate x dp_shard x tp x pp (x cp)
-    bars = axes[0].barh(labels, [s["tokens_per_s_mean"] or 0.0 for s in summaries],
-                        xerr=[s["tokens_per_s_std"] or 0.0 for s in summaries], capsize=3,
-                        color=[styles[s["experiment"]][0] for s in summaries])  # fmt: skip
+    speeds = [s["tokens_per_s_mean"] or 0.0 for s in summaries]
+    spreads = [s["tokens_per_s_std"] or 0.0 for s in summaries]
+    colours = [styles[s["experiment"]][0] for s in summaries]
+    bars = axes[0].barh(labels, speeds, xerr=spreads, capsize=3, color=colours)
     for bar, s in zip(bars, summaries):
         if s.get("disturbed_seeds"):
             bar.set_hatch("///")
@@ -181,10 +193,10 @@ def scaling_figure(summaries: list[dict[str, Any]]):
             name, mean, std = s["experiment"], s[f"{figure}_mean"], s[f"{figure}_std"] or 0.0
             colour, marker = styles[name]
             face = "none" if s["scaling"] == "weak" else colour
-            ax.errorbar(positions[name], mean, yerr=std, fmt=marker, capsize=3, color=colour, markerfacecolor=face,
-                        label=f"{name} {s['layout']} ({s['scaling']})")  # fmt: skip
+            x, label = positions[name], f"{name} {s['layout']} ({s['scaling']})"
+            ax.errorbar(x, mean, yerr=std, fmt=marker, capsize=3, color=colour, markerfacecolor=face, label=label)
             if experiment_flags(s):
-                ring(ax, positions[name], mean)
+                ring(ax, x, mean)
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set_xticks(devices, [str(d) for d in devices])
@@ -238,14 +250,16 @@ def trend_figure(points: dict[str, list[TrendPoint]]):
             ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
             ax.tick_params(axis="x", labelsize=7)
         notes += [f"{experiment} of {p.recorded:%Y-%m-%d %H:%M} ({p.disturbed} run(s))" for p in study if p.disturbed]
-    note = wrapped(fig, ["Disturbed (red ring: their speed measures other work too, and is no reference): "
-                         + "; ".join(notes) + "."]) if notes else ""  # fmt: skip
+    note = ""
+    if notes:
+        text = f"Disturbed (red ring: their speed measures other work too, and is no reference): {'; '.join(notes)}."
+        note = wrapped(fig, [text])
     # the note at the bottom, the legend of the environments above it, the axes above both
     note_height = (note.count("\n") + 1) * 8 * 1.3 / 72 / fig.get_figheight() if note else 0.0
     if note:
         fig.text(0.01, 0.005, note, ha="left", va="bottom", fontsize=8, color=DISTURBED)
     handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours[env]) for env in environments]
-    fig.legend(handles, environments, loc="lower center", bbox_to_anchor=(0.5, note_height), fontsize=7,
-               ncol=min(len(environments), 2))  # fmt: skip
+    columns = min(len(environments), 2)
+    fig.legend(handles, environments, loc="lower center", bbox_to_anchor=(0.5, note_height), fontsize=7, ncol=columns)
     fig.tight_layout(rect=(0, note_height + 0.04 + 0.02 * ((len(environments) + 1) // 2), 1, 1))
     return fig

@@ -16,8 +16,13 @@ from scalelm.report.disturbance import contaminated
 from scalelm.report.figures import SHARED, STATISTICS
 
 SPREAD = ("mean", "std", "min", "max")
-COLUMNS = [*SHARED, "seeds", "disturbed_seeds", "scaling_flag",
-           *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD)]  # fmt: skip
+COLUMNS = [
+    *SHARED,
+    "seeds",
+    "disturbed_seeds",
+    "scaling_flag",
+    *(f"{figure}_{stat}" for figure in STATISTICS for stat in SPREAD),
+]
 
 
 def spread(values: list[float | None]) -> dict[str, float | None]:
@@ -47,8 +52,9 @@ def by_experiment(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for runs in group_by_experiment(rows).values():
         summary = {key: runs[0].get(key) for key in SHARED} | {"seeds": len(runs)}
         summary["disturbed_seeds"] = sum(bool(contaminated(r)) for r in runs)
-        summary["scaling_flag"] = "; ".join(dict.fromkeys(f for r in runs for f in (r.get("scaling_flag") or "")
-                                                          .split("; ") if f))  # fmt: skip
+        summary["scaling_flag"] = "; ".join(
+            dict.fromkeys(f for r in runs for f in (r.get("scaling_flag") or "").split("; ") if f)
+        )
         for figure in STATISTICS:
             for stat, value in spread([r.get(figure) for r in runs]).items():
                 summary[f"{figure}_{stat}"] = value

@@ -65,8 +65,11 @@ def error_cell(row: dict[str, Any]) -> str:
     """The error as a percentage, and what disturbed it: e.g. `+242% (machine baseline disturbed)`."""
     if error(row) is None:
         return ""
-    disturbed = [what for what, reason in (("machine baseline", row.get("machine_disturbed")),
-                                           ("run", contaminated(row))) if reason]  # fmt: skip
+    disturbed = [
+        what
+        for what, reason in (("machine baseline", row.get("machine_disturbed")), ("run", contaminated(row)))
+        if reason
+    ]
     return f"{error(row):+.0%}" + (f" ({' and '.join(disturbed)} disturbed)" if disturbed else "")
 
 
@@ -76,11 +79,16 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     if not timed:
         return []
     columns = ["experiment", "seed", "layout", "step_time_s", *PLANNED]
-    lines = ["", "## Step time: measured and planned", "",
-             "The planned step of each layout on its machine (docs/plan.md's step-time model, with the speeds of the "
-             "machine's baseline on the run's node count): matrix products and elementwise work (compute), the "
-             "collectives the step waits for (comm), the pipeline's bubble. Error: measured over planned, less 1; "
-             "where other work disturbed the machine's baseline or the run, the error measures that work too, and "
-             "says so.", ""]  # fmt: skip
+    lines = [
+        "",
+        "## Step time: measured and planned",
+        "",
+        "The planned step of each layout on its machine (docs/plan.md's step-time model, with the speeds of the "
+        "machine's baseline on the run's node count): matrix products and elementwise work (compute), the "
+        "collectives the step waits for (comm), the pipeline's bubble. Error: measured over planned, less 1; "
+        "where other work disturbed the machine's baseline or the run, the error measures that work too, and "
+        "says so.",
+        "",
+    ]
     lines += markdown_table([*columns, "error"], [[fmt(r.get(c)) for c in columns] + [error_cell(r)] for r in timed])
     return lines

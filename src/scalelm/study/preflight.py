@@ -56,24 +56,36 @@ def preflight_seq_len(matrix: list[Experiment], seq_len: int) -> int:
     return seq_len
 
 
-def preflight_settings(training: dict, dims: ParallelDims, batch: int, seq_len: int, data_dir: str,
-                       run_dir: str) -> dict:  # fmt: skip
+def preflight_settings(
+    training: dict, dims: ParallelDims, batch: int, seq_len: int, data_dir: str, run_dir: str
+) -> dict:
     """An experiment's training settings for the wiring check: its layout as explicit degrees (one node holds all
     its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences of `seq_len` tokens on the
     sliced data (not staged)."""
     parallel = {k: v for k, v in training["parallel"].items() if k not in ("cpu_offload", "strategy")}
     settings = {k: v for k, v in training.items() if k != "parallel"}
-    return deep_merge(settings, {
-        "run_dir": run_dir,
-        "device": "cpu",
-        # a slice of the data in results: no staging to check
-        "data": {"prepared_dir": data_dir, "stage": "none", "seq_len": seq_len},
-        "model": {"dropout": 0.0},
-        "batch": {"mode": "global", "size": batch, "micro_size": None, "lr_scaling": "none"},
-        "train": {"max_steps": PREFLIGHT_STEPS, "epochs": 1, "log_every": 1, "eval_every": None, "precision": "fp32",
-                  "monitor_interval_s": 0, "comm_profile_steps": 0, "wandb": False},
-        "checkpoint": {"every": None},
-    }) | {"parallel": parallel | dims.to_dict()}  # fmt: skip
+    return deep_merge(
+        settings,
+        {
+            "run_dir": run_dir,
+            "device": "cpu",
+            # a slice of the data in results: no staging to check
+            "data": {"prepared_dir": data_dir, "stage": "none", "seq_len": seq_len},
+            "model": {"dropout": 0.0},
+            "batch": {"mode": "global", "size": batch, "micro_size": None, "lr_scaling": "none"},
+            "train": {
+                "max_steps": PREFLIGHT_STEPS,
+                "epochs": 1,
+                "log_every": 1,
+                "eval_every": None,
+                "precision": "fp32",
+                "monitor_interval_s": 0,
+                "comm_profile_steps": 0,
+                "wandb": False,
+            },
+            "checkpoint": {"every": None},
+        },
+    ) | {"parallel": parallel | dims.to_dict()}
 
 
 def preflight_runs(matrix: list[Experiment], results: str) -> dict[str, dict[str, Any]]:
@@ -106,17 +118,26 @@ def compare(pairs: dict[str, tuple[Path, Path]], out: Path) -> list[dict[str, An
         record = read_record(run)
         complete = len(mine) == len(theirs) == PREFLIGHT_STEPS
         gap = max(gaps) if gaps else math.inf
-        rows.append({
-            "experiment": name, "layout": record.results.layout, "world_size": record.world_size,
-            "reference": reference.name, "steps": len(mine), "max_relative_gap": gap,
-            "matches": complete and gap <= LOSS_TOLERANCE,
-        })  # fmt: skip
+        rows.append(
+            {
+                "experiment": name,
+                "layout": record.results.layout,
+                "world_size": record.world_size,
+                "reference": reference.name,
+                "steps": len(mine),
+                "max_relative_gap": gap,
+                "matches": complete and gap <= LOSS_TOLERANCE,
+            }
+        )
     with out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    wrong = [f"{r['experiment']} (layout {r['layout']}: {r['steps']} steps, largest gap {r['max_relative_gap']:.2e})"
-             for r in rows if not r["matches"]]  # fmt: skip
+    wrong = [
+        f"{r['experiment']} (layout {r['layout']}: {r['steps']} steps, largest gap {r['max_relative_gap']:.2e})"
+        for r in rows
+        if not r["matches"]
+    ]
     if wrong:
         raise PreflightError(
             f"the loss of {', '.join(wrong)} departs from one process's beyond a relative {LOSS_TOLERANCE:g} "

@@ -63,8 +63,10 @@ class MachineSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.max_mb <= 4096 or self.iterations < 1:
-            raise ConfigError(f"machine: max_mb must be in (0, 4096] and iterations 1 or more, got {self.max_mb} "
-                              f"and {self.iterations}")  # fmt: skip
+            raise ConfigError(
+                f"machine: max_mb must be in (0, 4096] and iterations 1 or more, got {self.max_mb} "
+                f"and {self.iterations}"
+            )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import psutil
 from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime, is_uri
 from scalelm.launch.slurm import check_node_counts
-from scalelm.report import aggregate, history
+from scalelm.report import aggregate, history_store
 from scalelm.report.expectations import parse_expectations, to_arguments
 from scalelm.report.scaling import choose_baseline
 from scalelm.settings_yaml import shown
@@ -75,7 +75,7 @@ class Study:
         data = self.settings.data
         replaced = [data.raw_dir, data.prepared_dir, f"{self.results}/preflight", *(run.path for run in self.runs)]
         default = f"{self.results}/history.sqlite (the default)"
-        history.check_location(self.history, written, replaced, "history:", default)
+        history_store.check_location(self.history, written, replaced, "history:", default)
 
     # ---------------------------------------------------------------------------------------- the runs
     def experiment(self, wildcards) -> Experiment:
@@ -137,8 +137,11 @@ class Study:
     def preflight_args(self) -> str:
         """`compare`'s arguments: each experiment's run directory with its reference's."""
         run_dir = {name: run["settings"]["run_dir"] for name, run in self.preflight.items()}
-        pairs = [f"{name}={run_dir[name]}:{run_dir[run['reference']]}" for name, run in self.preflight.items()
-                 if run["reference"]]  # fmt: skip
+        pairs = [
+            f"{name}={run_dir[name]}:{run_dir[run['reference']]}"
+            for name, run in self.preflight.items()
+            if run["reference"]
+        ]
         return shlex.join([arg for pair in pairs for arg in ("--run", pair)])
 
     # ------------------------------------------------------------------------------ command arguments
@@ -166,8 +169,8 @@ class Study:
     def baseline_args(self, wildcards) -> str:
         """The baseline's options: the settings of the experiment it stands in for (its matrix products)."""
         machine = self.settings.machine
-        args = ["--config", self.baseline_config(wildcards), "--max-bytes", str(int(machine.max_mb * 2**20)),
-                "--iterations", str(machine.iterations)]  # fmt: skip
+        config, max_bytes = self.baseline_config(wildcards), int(machine.max_mb * 2**20)
+        args = ["--config", config, "--max-bytes", str(max_bytes), "--iterations", str(machine.iterations)]
         return shlex.join([*args, *(["--interconnect", self.site.interconnect] if self.site.interconnect else [])])
 
     def baseline_config(self, wildcards) -> str:

@@ -1,4 +1,4 @@
 from scalelm.parallel.env import exit_after
-from scalelm.train.trainer import main
+from scalelm.train.run import main
 
 exit_after(main)

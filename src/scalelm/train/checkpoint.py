@@ -209,8 +209,14 @@ class Checkpointer:
             no_dist=not is_distributed(),
         )
         if self.env.is_main:
-            trainer = {"format": FORMAT, "state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rngs,
-                       "seed": self.origin.seed, "lineage": self.origin.lineage}  # fmt: skip
+            trainer = {
+                "format": FORMAT,
+                "state": asdict(state),
+                "scheduler": scheduler.state_dict(),
+                "rng": rngs,
+                "seed": self.origin.seed,
+                "lineage": self.origin.lineage,
+            }
             torch.save(trainer, partial / TRAINER_FILE)
         barrier()  # every shard is on disk before the marker says so
         if self.env.is_main:

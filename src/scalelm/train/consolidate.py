@@ -62,8 +62,13 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     }
     with atomic_path(out) as partial:
         torch.save(payload, partial)
-    meta = {"model": str(out), "sha256": sha256(out), "checkpoint": str(checkpoint), "step": state.step,
-            "vocab_size": model.vocab_size}  # fmt: skip
+    meta = {
+        "model": str(out),
+        "sha256": sha256(out),
+        "checkpoint": str(checkpoint),
+        "step": state.step,
+        "vocab_size": model.vocab_size,
+    }
     atomic_write_text(f"{out}.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -73,8 +78,11 @@ def check_out(run: RunDir, out: Path) -> None:
     if out.resolve() in (run.path.resolve(), *run.path.resolve().parents):
         name = "is" if out.resolve() == run.path.resolve() else "holds"
         raise CheckpointError(f"--out {out} {name} the run directory {run.path}; choose another --out")
-    others = [p for p in (run.train_config, run.plan, *run.attempt, run.previous, run.path / ".lock")
-              if p not in (run.model, run.model_meta)]  # fmt: skip
+    others = [
+        p
+        for p in (run.train_config, run.plan, *run.attempt, run.previous, run.path / ".lock")
+        if p not in (run.model, run.model_meta)
+    ]
     for written in (out, Path(f"{out}.json")):
         check_file_output(written)
         check_apart(written, {f"the run's {p.name}": p for p in others})

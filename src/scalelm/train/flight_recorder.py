@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from scalelm.files import atomic_path
@@ -25,13 +26,19 @@ GENERIC_FR_PREFIX = "fr_trace_generic_rank_"  # the generic recorder's (gloo's) 
 NCCL_DUMP, GENERIC_DUMP = "_dump_nccl_trace", "_dump_fr_trace"  # torch._C._distributed_c10d's; the generic from 2.8
 
 
+def buffer_size_variable(torch_version: str = torch.__version__) -> str:
+    """The variable that sizes the Flight Recorder's buffer: TORCH_FR_BUFFER_SIZE from torch 2.8 on, which still reads
+    the older name but warns on every run that it is deprecated; TORCH_NCCL_TRACE_BUFFER_SIZE before."""
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", torch_version).groups())
+    return "TORCH_FR_BUFFER_SIZE" if (major, minor) >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
 def flight_recorder_env(autopsy_dir: Path) -> dict[str, str]:
     """PyTorch's Flight Recorder keeps every rank's last collectives (NCCL's, and gloo's where the torch records
     them) for the autopsy to read, and NCCL dumps them itself on a timeout (the environment is read when a process
-    group starts; the trainer sets it)."""
+    group starts; the trainer sets it). The buffer is sized explicitly: before torch 2.11 it is empty unless told."""
     return {
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the name before torch 2.8
+        buffer_size_variable(): "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(autopsy_dir / FR_PREFIX),
     }

@@ -15,32 +15,27 @@ seed, each data-parallel rank's TrainBatches (same permutations, same share, sam
 schedule (scalelm.train.optim), clipping to the global norm, checkpoints (scalelm.train.checkpoint, so the workflow's
 consolidate turns the last one into the same model.pt), the exact evaluation, metrics.jsonl and run.json.
 
-So that `ddp_lightning` and `ddp` differ in the loop only, the model Lightning trains is scalelm's: activation
-checkpointing and compilation (train.activation_checkpointing, train.compile) applied as scalelm's trainer applies
-them, before the DDP wrapper, and that wrapper has scalelm's DDP options (DDP_OPTIONS). Each optimizer step runs
-under the hang watchdog (scalelm.train.watchdog) and is measured by the same Instruments (MFU, energy, memory, data
-time, the communication profile of the last steps).
+So that `ddp_lightning` and `ddp` differ in the loop only, both engines share one base (scalelm.train.engine): the
+model Lightning trains is the one scalelm builds (Parallel.build, with activation checkpointing and compilation,
+less the DDP wrapper, which Lightning's strategy adds with scalelm's DDP options, DDP_OPTIONS), and after each
+optimizer step Lightning's hooks call the base's `after_step`: the same cadence, log line, finite checks, hang
+watchdog and measurements. What Lightning cannot take is refused by name before the run (scalelm.config.setting's
+`lightning_refuses`, checked with the layout).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
+import warnings
 from typing import Any
 
 import torch
 
-from scalelm.config import dump_config, resolve_precision
+from scalelm.config import resolve_precision
 from scalelm.errors import ConfigError
-from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.data import DDP_OPTIONS  # Lightning's defaults would make `ddp_lightning` measure other terms
-from scalelm.parallel.env import backend_for, global_reduce
-from scalelm.train import provenance
-from scalelm.train.metrics import Stopwatch, reset_peak_memory
-from scalelm.train.preemption import Preempted, StopRequested
-from scalelm.train.record import RunRecord, write_record
-from scalelm.train.trainer import TrainerBase, TrainingError, due
+from scalelm.parallel.env import backend_for
+from scalelm.train.engine import Engine
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
@@ -53,35 +48,40 @@ def require_lightning():
     return lightning
 
 
-class LightningTrainer(TrainerBase):
-    """The scalelm Trainer's interface (`fit`, `close`) over lightning.Trainer; built on every rank."""
+class LightningTrainer(Engine):
+    """The engine whose steps lightning.Trainer runs; built on every rank."""
 
-    def __init__(self, config, env, parallel, data, batches, staging):
+    wraps_replicas = True
+
+    def __init__(self, *args, **kwargs):
         self.L = require_lightning()
-
-        def build() -> torch.nn.Module:  # the initial weights of a single process with this seed
-            torch.manual_seed(config.seed)
-            model = TransformerLM(config.model, data.vocab_size).to(env.device)
-            parallel.apply_recompute_and_compile(model)  # scalelm's order: checkpointing, compile, then DDP
-            return model
-
-        super().__init__(config, env, parallel, data, batches, staging, build)
+        self.label = f"lightning {self.L.__version__}"
+        super().__init__(*args, **kwargs)
         self.in_step: contextlib.ExitStack | None = None  # the running optimizer step's watchdog and instruments
-        self.validation: dict[str, Any] | None = None
-        self.preempted = False
+        self.step_loss = torch.zeros((), device=self.env.device)
 
-    # -------------------------------------------------------------------------------------- the loop
+    def train_steps(self) -> None:
+        self.lightning_trainer().fit(Module(self), train_dataloaders=self.micro_batches())
+
     def micro_batches(self):
-        """This rank's micro-batches of every remaining step, one after the other: Lightning accumulates them."""
-        state = self.state
-        steps = itertools.islice(self.batches.from_position(state.epoch, state.step_in_epoch),
-                                 self.total_steps - state.step)  # fmt: skip
-        for step in steps:
+        """The micro-batches of every remaining step, one after the other: Lightning accumulates them."""
+        for step in self.remaining_steps():
             yield from step
 
     def lightning_trainer(self):
+        from lightning.fabric.utilities.warnings import PossibleUserWarning
         from lightning.pytorch.plugins.environments import LightningEnvironment, TorchElasticEnvironment
         from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        # torchrun starts these processes, inside the Slurm step on a cluster (module docstring): not srun's job
+        message = "The `srun` command is available on your system but is not used"
+        warnings.filterwarnings("ignore", message=message, category=PossibleUserWarning)
+        # Lightning 2.6 (the newest) builds torch's deprecated LeafSpec for every batch: nothing of ours to change
+        leaf_spec, pytree = (
+            r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+            r"lightning\.pytorch\.utilities\._pytree",
+        )
+        warnings.filterwarnings("ignore", message=leaf_spec, category=FutureWarning, module=pytree)
 
         env = self.env
         # torchrun's world, never Slurm's: torchrun started these processes inside the job step (module docstring)
@@ -111,41 +111,11 @@ class LightningTrainer(TrainerBase):
             default_root_dir=str(self.run_dir.path),
         )
 
-    def fit(self) -> RunRecord:
-        config, env = self.config, self.env
-        if env.is_main:
-            dump_config(config, self.run_dir.config)
-            print(f"training {self.parallel.name} with lightning {self.L.__version__} ({self.parallel.dims.layout}) "
-                  f"on {env.world_size} x {env.device.type}: {self.total_steps} steps", flush=True)  # fmt: skip
-        self.where = provenance.collect(config.to_dict(), env.world_size)
-        self.clock = Stopwatch(env.device)
-        self.instruments.start()
-        self.loss_acc, self.steps_acc = torch.zeros((), device=env.device), 0
-        if self.state.step < self.total_steps:
-            batches = self.instruments.batches(self.micro_batches())
-            self.lightning_trainer().fit(Module(self), train_dataloaders=batches)
-        try:
-            if self.preempted:
-                raise StopRequested("stop signal during training")
-            if self.validation is None:  # resumed after the last step
-                self.validation = self.evaluate_split("validation")
-            test = self.evaluate_split("test")
-            self.stop.close()
-        except StopRequested:
-            with self.clock.paused(), self.instruments.paused():
-                path = self.save()
-            raise Preempted(
-                f"stopped by a signal at step {self.state.step}; checkpoint {path}; rerun to resume"
-            ) from None
-        return self.finish(test, self.save())
-
     def begin_step(self) -> None:
-        """Before each micro-batch: the first of an optimizer step starts it under the watchdog and the
-        instruments, as scalelm's trainer runs its `train_step`."""
+        """Before each micro-batch: the first of an optimizer step enters the base's `watched_step`."""
         if self.in_step is None:
             self.in_step = contextlib.ExitStack()
-            self.in_step.enter_context(self.watchdog.watching(self.state.step + 1))
-            self.in_step.enter_context(self.instruments.step(self.state.step + 1))
+            self.in_step.enter_context(self.watched_step())
 
     def end_step(self, error: BaseException | None = None) -> None:
         """After the optimizer step (or the `error` that ended it): the step is no longer watched or measured."""
@@ -155,78 +125,12 @@ class LightningTrainer(TrainerBase):
         elif in_step is not None:  # the watchdog leaves a step that raised unwatched, as scalelm's loop does
             in_step.__exit__(type(error), error, error.__traceback__)
 
-    def after_step(self, trainer, grad_norm: torch.Tensor) -> None:
-        """Bookkeeping after each optimizer step, on every rank: logs, evaluations, checkpoints, the stop flag."""
+    def stepped(self, trainer, grad_norm: torch.Tensor) -> None:
+        """After each optimizer step: the base's bookkeeping; Lightning's loop ends if the ranks agreed to stop."""
         self.end_step()
-        config, state = self.config, self.state
-        epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
-        last = state.step == self.total_steps
-        if last or due(state.step, config.train.log_every):
-            self.log_train(grad_norm, self.clock.lap())
-        try:
-            with self.clock.paused(), self.instruments.paused():
-                if last or epoch_ended or due(state.step, config.train.eval_every):
-                    self.validation = self.evaluate_split("validation")
-                if epoch_ended or due(state.step, config.checkpoint.every):
-                    self.save()
-            self.preempted = self.stop.raised()
-        except StopRequested:  # every rank agreed, between evaluation batches
-            self.preempted = True
-        if self.preempted:
+        step_loss, self.step_loss = self.step_loss, torch.zeros_like(self.step_loss)
+        if self.after_step(step_loss, grad_norm):
             trainer.should_stop = True
-
-    def log_train(self, grad_norm: torch.Tensor, elapsed: float) -> None:
-        values = torch.stack([self.loss_acc / self.steps_acc, grad_norm.detach().float().to(self.env.device)])
-        loss, norm = (global_reduce(values) / self.env.world_size).tolist()
-        steps = self.steps_acc
-        self.loss_acc.zero_()
-        self.steps_acc = 0
-        interval = self.instruments.interval(self.state.step - steps + 1, self.state.step, elapsed,
-                                             steps * self.tokens_per_step)  # fmt: skip
-        if not math.isfinite(loss):
-            raise TrainingError(
-                f"non-finite training loss ({loss}) at step {self.state.step}; the last good checkpoint stays in "
-                f"{self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
-            )
-        self.state.spent(elapsed, interval["energy_j"])
-        self.last_loss = loss
-        step_time = elapsed / steps
-        reset_peak_memory(self.env.device)  # each interval's peak is its own
-        self.metrics.log({
-            "kind": "train", "step": self.state.step, "epoch": self.state.epoch, "tokens": self.state.tokens_seen,
-            "loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm, "step_time_s": step_time,
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
-            "mfu": self.instruments.mfu(self.tokens_per_step / step_time), **interval,
-            "global_batch": self.batches.global_batch, "tokens_per_step": self.tokens_per_step,
-            "world_size": self.env.world_size,
-        })  # fmt: skip
-
-    def save(self):
-        """A checkpoint of this step, once: refused, as scalelm's engine's, if a weight or the loss not yet logged
-        is not finite (Checkpointer.save)."""
-        if self.checkpointer.latest_step != self.state.step:
-            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, self.loss_acc)
-        return self.checkpointer.latest_path
-
-    def finish(self, test: dict[str, Any], checkpoint) -> RunRecord:
-        state = self.state
-        record = RunRecord(
-            **self.where,
-            end_time=provenance.now(),
-            wall_time_s=self.clock.wall(),
-            host_load=self.instruments.host_loads(),
-            parallel={**self.parallel.describe(self.model), "engine": f"lightning {self.L.__version__}"},
-            results=self.results(
-                self.validation,
-                test,
-                checkpoint,
-                **self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j),
-            ),  # fmt: skip
-        )
-        if self.env.is_main:
-            write_record(self.run_dir.path, record)
-        return record
 
 
 def ddp_strategy(device: torch.device):
@@ -248,7 +152,7 @@ def Module(engine: LightningTrainer):
         def training_step(self, batch, batch_idx):
             inputs, targets = batch
             loss = self.model(inputs, targets)  # the mean cross-entropy; Lightning divides by the accumulation
-            engine.loss_acc += loss.detach() / engine.batches.accumulation
+            engine.step_loss += loss.detach() / engine.batches.accumulation
             return loss
 
         def configure_optimizers(self):
@@ -264,10 +168,7 @@ def Module(engine: LightningTrainer):
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
             optimizer.step(closure=optimizer_closure)
             engine.scheduler.step()
-            engine.instruments.note_state(
-                self.model, optimizer
-            )  # gradients are zeroed at the next step's first backward
-            engine.steps_acc += 1
+            engine.instruments.note_state(self.model, optimizer)  # gradients are zeroed at the next step's backward
             self.stepped = True
 
     return ScaleLMModule()
@@ -290,6 +191,6 @@ def Bookkeeping(engine: LightningTrainer):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if getattr(pl_module, "stepped", False):
                 pl_module.stepped = False
-                engine.after_step(trainer, pl_module.grad_norm)
+                engine.stepped(trainer, pl_module.grad_norm)
 
     return ScaleLMCallback()

@@ -33,42 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelm.config import Config
+from scalelm.config import Config, identity_settings
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text, remove
-
-# Settings that change where a run writes, how often it reports or saves, or how long it waits, but never what it
-# trains: a run moved to another directory, or rerun with other such settings, resumes instead of starting afresh.
-NOT_IDENTITY = (
-    "run_dir",
-    "data.prepared_dir",  # the data's checksums stand for it
-    "data.stage",  # a copy of the same data, elsewhere
-    "data.stage_dir",
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_batch_size",
-    "train.eval_batch_tokens",
-    "train.peak_tflops",
-    "train.monitor_interval_s",
-    "train.comm_profile_steps",
-    "train.wandb",
-    "train.hang_factor",
-    "train.hang_floor_s",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "parallel.timeout_s",
-    "parallel.host_reuse_below_mb",
-)
-
 
 # What says how the ranks share the work, not what they train: a checkpoint loads into any layout and world size.
 LAYOUT = ("world_size", "settings.parallel")
 
 
 def identity(config: Config, data_checksums: dict[str, str], world_size: int) -> dict[str, Any]:
-    """What determines the trained model: the settings (less NOT_IDENTITY), the data's content and the world size."""
-    settings = without(config.to_dict(), NOT_IDENTITY)
-    return {"settings": settings, "data": data_checksums, "world_size": world_size}
+    """What determines the trained model: the settings that say they do (scalelm.config.setting), the data's content
+    and the world size."""
+    return {"settings": identity_settings(config.to_dict()), "data": data_checksums, "world_size": world_size}
 
 
 def without(tree: dict[str, Any], dotted_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -100,9 +76,8 @@ class RunDir:
     path: Path
 
     train_config = _entry("train.yaml")
-    plan = _entry(
-        "plan.json"
-    )  # scalelm.plan's figures for the layout, written before the training (scalelm.study.preflight)
+    # scalelm.plan's figures for the layout, written before the training (scalelm.study.preflight)
+    plan = _entry("plan.json")
     config = _entry("config.yaml")
     identity = _entry("identity.json")
     metrics = _entry("metrics.jsonl")
@@ -185,8 +160,10 @@ class RunDir:
             else:
                 for path in self.attempt:
                     remove(path)
-                print(f"settings changed since the last attempt in {self.path}, which stopped before its first step: "
-                      "it was dropped")  # fmt: skip
+                print(
+                    f"settings changed since the last attempt in {self.path}, which stopped before its first step: "
+                    "it was dropped"
+                )
             if earlier:
                 for path in parked.iterdir():
                     path.rename(self.path / path.name)
@@ -221,8 +198,8 @@ class RunDir:
 
 
 def read_identity(path: Path) -> dict[str, Any] | None:
-    """A run's identity.json, less the settings an older scalelm counted in it (NOT_IDENTITY today); an unreadable
-    one is an identity no run has."""
+    """A run's identity.json, less the settings an older scalelm counted in it that are not identity today (staging,
+    compile, ...); an unreadable one is an identity no run has."""
     if not path.is_file():
         return None
     try:
@@ -231,4 +208,4 @@ def read_identity(path: Path) -> dict[str, Any] | None:
         return {"unreadable": str(path)}
     if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
         return recorded
-    return {**recorded, "settings": without(recorded["settings"], NOT_IDENTITY)}
+    return {**recorded, "settings": identity_settings(recorded["settings"])}

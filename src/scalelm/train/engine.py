@@ -1,0 +1,354 @@
+"""What every engine of the training loop shares (`Engine`): scalelm's own loop (scalelm.train.trainer) and
+Lightning's (scalelm.train.lightning_engine) differ only in how they run a step.
+
+The base builds the run (the model with the seed's initial weights on the layout, each rank's dropout streams, AdamW
+and its schedule, the checkpoints and the state resumed from them, the metrics, the measurements, the hang watchdog,
+the stop flag) and owns what happens around the steps: `fit` runs the engine's `train_steps`, which call
+`after_step` once per optimizer step; the `Cadence` says when a step is logged (the log line, with its finite check),
+validated and checkpointed (`save`, which refuses non-finite weights); a stop signal ends the steps at the next one
+with a checkpoint; the exact evaluation and run.json (`finish`) close the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalelm import seeds
+from scalelm.config import Config, dump_config
+from scalelm.data.prepared import PreparedData
+from scalelm.data.stage import Staged
+from scalelm.data.windows import TrainBatches
+from scalelm.errors import ScaleLMError
+from scalelm.measure.device import Stopwatch, reset_peak_memory
+from scalelm.measure.instruments import Instruments
+from scalelm.model.transformer import TransformerLM
+from scalelm.parallel.env import DistEnv, global_reduce
+from scalelm.parallel.runtime import ModelOptions, Parallel, pipeline_of
+from scalelm.plan.memory import Workload
+from scalelm.train import provenance
+from scalelm.train.checkpoint import Checkpointer, Origin, TrainerState, ranks_where
+from scalelm.train.evaluation import evaluate
+from scalelm.train.metrics import MetricsLogger
+from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
+from scalelm.train.preemption import Preempted, StopFlag, StopRequested
+from scalelm.train.record import Results, RunRecord, write_record
+from scalelm.train.rundir import RunDir, identity, lineage
+from scalelm.train.wandb_offline import WandbRun
+from scalelm.train.watchdog import Watchdog
+
+
+class TrainingError(ScaleLMError):
+    pass
+
+
+def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
+    keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
+    return {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+
+
+def total_steps(config: Config, batches: TrainBatches) -> int:
+    """The run's optimizer steps: its epochs', or train.max_steps where fewer."""
+    total = config.train.epochs * batches.steps_per_epoch
+    return min(total, config.train.max_steps) if config.train.max_steps else total
+
+
+def origin(config: Config, run_identity: dict[str, Any], batches: TrainBatches) -> Origin:
+    """What this run's checkpoints record of it, and what it expects of those it resumes."""
+    return Origin(seed=config.seed, lineage=lineage(run_identity), steps=total_steps(config, batches))
+
+
+def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
+    """This rank's training batches: each data-parallel rank takes its share of the global batch, the ranks of a TP
+    group share theirs (the layout's checks passed: the batch splits over its ranks and micro-batches). The split
+    lives on the training device, where each batch is then gathered: no host work or copy per step, for a few MiB
+    (WikiText-2's train split in int32 on a GPU)."""
+    global_batch, micro_batch = config.batch.sizes(parallel.dims.dp_size)
+    return TrainBatches(
+        tokens=data.splits["train"].to(parallel.env.device),
+        seq_len=config.data.seq_len,
+        stride=config.data.stride or config.data.seq_len,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        rank=parallel.dp_rank,
+        world_size=parallel.dims.dp_size,
+        seed=config.seed,
+    )
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, validates and checkpoints (train.log_every, train.eval_every, checkpoint.every): the last
+    step is always logged and validated, and every epoch's end validated and checkpointed."""
+
+    total_steps: int
+    log_every: int
+    eval_every: int | None
+    checkpoint_every: int | None
+
+    @classmethod
+    def of(cls, config: Config, total: int) -> Cadence:
+        return cls(total, config.train.log_every, config.train.eval_every, config.checkpoint.every)
+
+    def logs(self, step: int) -> bool:
+        return step == self.total_steps or due(step, self.log_every)
+
+    def validates(self, step: int, epoch_ended: bool) -> bool:
+        return step == self.total_steps or epoch_ended or due(step, self.eval_every)
+
+    def checkpoints(self, step: int, epoch_ended: bool) -> bool:
+        return epoch_ended or due(step, self.checkpoint_every)
+
+
+def due(step: int, every: int | None) -> bool:
+    return bool(every) and step % every == 0
+
+
+class Engine:
+    """The run an engine trains, and what happens around its steps (module docstring). A subclass runs the steps
+    (`train_steps`, calling `after_step` after each); `wraps_replicas`: the engine wraps DDP's replicas itself."""
+
+    label = ""  # how the engine names itself in the log and in run.json's layout, beside scalelm's own
+    wraps_replicas = False
+
+    def __init__(
+        self,
+        config: Config,
+        env: DistEnv,
+        parallel: Parallel,
+        data: PreparedData,
+        batches: TrainBatches,
+        staging: Staged | None = None,
+    ):
+        self.config, self.env, self.parallel, self.data, self.batches = config, env, parallel, data, batches
+        self.staging = staging or Staged(data.path)
+        self.run_dir = RunDir(Path(config.run_dir))
+        self.tokens_per_step = batches.global_batch * config.data.seq_len
+        self.total_steps = total_steps(config, batches)
+        self.cadence = Cadence.of(config, self.total_steps)
+
+        if config.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.shape = model_shape(config, data.vocab_size)
+        # the initial weights of a single process with this seed, whatever the layout
+        make = lambda: TransformerLM(config.model, data.vocab_size)  # noqa: E731
+        options = ModelOptions.of(config.train)
+        self.model = parallel.build(make, config.seed, options, replicate=not self.wraps_replicas)
+        torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))
+        lr = scaled_lr(config.optim, config.batch, parallel.dims.dp_size)
+        self.optimizer = build_optimizer(self.model, config.optim, lr, compiled=config.train.compile_optimizer)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
+
+        run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches)
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, run_origin)
+        resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
+        if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
+            torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
+        self.state = resumed or TrainerState(model_shape=self.shape, energy_j=0.0)
+        wandb = None
+        if config.train.wandb and env.is_main:
+            group = f"{self.run_dir.experiment}/{self.run_dir.path.name}"  # an experiment's seed, all its attempts
+            wandb = WandbRun(self.run_dir.wandb, group, config.to_dict())
+        self.metrics = MetricsLogger(
+            self.run_dir.metrics,
+            env.is_main,
+            resumed.step if resumed else 0,  # afresh: an attempt before that saved no checkpoint logged in vain
+            self.run_dir.tensorboard,
+            wandb,
+            evaluations_redone=resumed is not None and resumed.step == self.total_steps,
+        )
+        if resumed and env.is_main:
+            print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
+        self.stop = StopFlag()
+        workload = Workload(config, data.vocab_size, env.device.type)
+        self.instruments = Instruments(
+            config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
+        )
+        train = config.train
+        self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, train.hang_factor, train.hang_floor_s)
+        # between logged steps: the summed step losses of this rank, and how many steps they are
+        self.loss_acc, self.steps_acc = torch.zeros((), device=env.device), 0
+        self.last_loss = math.nan
+        self.validation: dict[str, Any] | None = None  # the last step's
+        self.stop_requested = False
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.metrics.close()
+
+    # ------------------------------------------------------------------------------------------ the run
+    def train_steps(self) -> None:
+        """Run the remaining steps (`remaining_steps`), calling `after_step` after each; return early when it says
+        stop."""
+        raise NotImplementedError
+
+    def fit(self) -> RunRecord:
+        config, env, dims = self.config, self.env, self.parallel.dims
+        if env.is_main:
+            dump_config(config, self.run_dir.config)
+            engine = f" with {self.label}" if self.label else ""
+            print(
+                f"training {self.parallel.name}{engine} ({' x '.join(dims.written_degrees)} = {dims.layout}) on "
+                f"{env.world_size} x {env.device.type}: {self.total_steps} steps ({self.batches.steps_per_epoch}"
+                f"/epoch), global batch {self.batches.global_batch} x {config.data.seq_len} tokens, accumulation "
+                f"{self.batches.accumulation}",
+                flush=True,
+            )
+        where = provenance.collect(config.to_dict(), env.world_size)
+        self.clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
+        self.instruments.start()
+        try:
+            if self.state.step < self.total_steps:
+                self.train_steps()
+            if self.stop_requested:
+                raise StopRequested("stop signal during training")
+            if self.validation is None:  # resumed after the last step
+                self.validation = self.evaluate_split("validation")
+            test = self.evaluate_split("test")
+            self.stop.close()
+        except StopRequested:  # every rank agreed: between steps or between evaluation batches
+            with self.clock.paused(), self.instruments.paused():
+                path = self.save()
+            raise Preempted(
+                f"stopped by a signal at step {self.state.step}; checkpoint {path}; rerun to resume"
+            ) from None
+        return self.finish(where, test, self.save())
+
+    def remaining_steps(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The micro-batches of every step left, from where the run stands, measured for their data time."""
+        state = self.state
+        steps = self.batches.from_position(state.epoch, state.step_in_epoch)
+        return self.instruments.batches(itertools.islice(steps, self.total_steps - state.step))
+
+    @contextlib.contextmanager
+    def watched_step(self) -> Iterator[None]:
+        """Around one optimizer step: the hang watchdog, and the instruments' timing of it."""
+        step = self.state.step + 1
+        with self.watchdog.watching(step), self.instruments.step(step):
+            yield
+
+    def after_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """After each optimizer step, on every rank: the step counted, then logged, validated and checkpointed as
+        the cadence says; True if the ranks agreed to stop (a signal, now or during the validation)."""
+        state, cadence = self.state, self.cadence
+        self.loss_acc += step_loss
+        self.steps_acc += 1
+        epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
+        if cadence.logs(state.step):
+            self.log_train(grad_norm, self.clock.lap())
+        try:
+            with self.clock.paused(), self.instruments.paused():
+                if cadence.validates(state.step, epoch_ended):
+                    self.validation = self.evaluate_split("validation")
+                if cadence.checkpoints(state.step, epoch_ended):
+                    self.save()
+            self.stop_requested = self.stop.raised()
+        except StopRequested:
+            self.stop_requested = True
+        return self.stop_requested
+
+    # --------------------------------------------------------------------------------- bookkeeping
+    def log_train(self, grad_norm: torch.Tensor, elapsed: float) -> None:
+        """The interval's line: its loss averaged over steps and ranks (the gradient norm: its last step's); the only
+        host-device sync of the hot loop. A non-finite loss stops the run, the last good checkpoint kept."""
+        steps = self.steps_acc
+        values = torch.stack([self.loss_acc / steps, grad_norm.detach().float().to(self.loss_acc.device)])
+        # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
+        divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
+        loss, norm = (global_reduce(values) / divisors).tolist()
+        if not math.isfinite(loss):
+            bad = ranks_where(~self.loss_acc.isfinite(), self.env)
+            raise TrainingError(
+                f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; the last good "
+                f"checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
+            )
+        self.loss_acc.zero_()
+        self.steps_acc = 0
+        state = self.state
+        interval = self.instruments.interval(state.step - steps + 1, state.step, elapsed, steps * self.tokens_per_step)
+        reset_peak_memory(self.env.device)  # each interval's peak is its own
+        state.spent(elapsed, interval["energy_j"])
+        self.last_loss = loss
+        step_time = elapsed / steps
+        self.metrics.log(
+            {
+                "kind": "train",
+                "step": state.step,
+                "epoch": state.epoch,
+                "tokens": state.tokens_seen,
+                "loss": loss,
+                "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": norm,
+                "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time,
+                "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
+                "mfu": self.instruments.mfu(self.tokens_per_step / step_time),
+                **interval,
+                "global_batch": self.batches.global_batch,
+                "tokens_per_step": self.tokens_per_step,
+                "world_size": self.env.world_size,
+            }
+        )
+
+    def evaluate_split(self, split: str) -> dict[str, Any]:
+        result = evaluate(
+            self.model,
+            self.data.splits[split],
+            self.config.data.seq_len,
+            self.config.train.eval_batch_size,
+            self.env.device,
+            self.parallel,
+            should_stop=self.stop.raised,
+            max_tokens=self.config.train.eval_batch_tokens,
+        )
+        self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
+        return result
+
+    def save(self) -> Path:
+        """A checkpoint of this step, once (the last step's is asked for at the end, and maybe at its epoch's end or
+        on a stop signal); Checkpointer.save refuses non-finite weights or a non-finite loss not yet logged."""
+        if self.checkpointer.latest_step != self.state.step:
+            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, self.loss_acc)
+        return self.checkpointer.latest_path
+
+    def finish(self, where: dict[str, Any], test: dict[str, Any], checkpoint: Path) -> RunRecord:
+        """run.json (written by rank 0; a collective): `where` (scalelm.train.provenance) and the results."""
+        state = self.state
+        measured = self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j)
+        results = Results(
+            **measured,
+            strategy=self.parallel.name,
+            layout=self.parallel.dims.layout,
+            steps=state.step,
+            epochs_completed=state.epoch,
+            tokens_seen=state.tokens_seen,
+            global_batch=self.batches.global_batch,
+            tokens_per_step=self.tokens_per_step,
+            train_time_s=state.train_seconds,
+            tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
+            final_train_loss=self.last_loss,
+            validation=self.validation,
+            test=test,
+            checkpoint=str(checkpoint),
+            staging=self.staging.record(),
+        )
+        parallel = self.parallel.describe(self.model)
+        record = RunRecord(
+            **where,
+            end_time=provenance.now(),
+            wall_time_s=self.clock.wall(),
+            host_load=self.instruments.host_loads(),
+            parallel={**parallel, "engine": self.label} if self.label else parallel,
+            results=results,
+        )
+        if self.env.is_main:
+            write_record(self.run_dir.path, record)
+        return record
