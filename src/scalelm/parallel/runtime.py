@@ -10,10 +10,10 @@ and every layout starts from the same point. With pipeline stages it builds this
 parallelized the same way, and returns them as one module (pipeline.StageParts). The trainer then sees the model
 and a handful of hooks of `Parallel` (forward_backward, no_sync, clip_grad_norm, ...), and never a strategy's name:
 a pipeline differs only inside `forward_backward` and `forward`, where its schedule (the `pipeline` of the
-StageParts that `build` returned) runs the micro-batches. `Parallel` holds the layout, the mesh, the parallel and
-precision options and the resolved precision; building a model changes the model, never `Parallel`. What is
-applied to the blocks besides the layout (activation checkpointing, compilation) is the model's `ModelOptions`,
-passed to `build`.
+StageParts that `build` returned) runs the micro-batches. `Parallel` holds the layout, its named meshes, the
+parallel options and the resolved precision; building a model changes the model, never `Parallel`. What is applied
+to the blocks besides the layout (activation checkpointing, compilation) is the model's `ModelOptions`, passed to
+`build`.
 
 Two of the single-GPU levers of docs/benchmarks.md live here: `train.attention_kernels: auto` puts cuDNN's attention
 first around every forward on Hopper (`forward_context`), and `train.precision: bf16_params` on one process builds

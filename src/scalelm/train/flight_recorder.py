@@ -160,8 +160,10 @@ def read_dumps(autopsy_dir: Path) -> dict[int, list[dict[str, Any]]]:
             for entry in entries:
                 group = tuple(entry.get("process_group") or ("?", "?"))
                 labelled = {**entry, "backend": backend_of(entry), "group_ranks": _group_ranks(pg_config, group[0])}
-                merged.setdefault((labelled["backend"], group, entry.get("record_id"), entry.get("profiling_name"),
-                                   entry.get("collective_seq_id"), entry.get("p2p_seq_id")), labelled)  # fmt: skip
+                numbers = (
+                    entry.get(name) for name in ("record_id", "profiling_name", "collective_seq_id", "p2p_seq_id")
+                )
+                merged.setdefault((labelled["backend"], group, *numbers), labelled)
         if merged:
             dumps[rank] = sorted(
                 merged.values(), key=lambda e: (e.get("time_created_ns") or 0, e.get("record_id") or 0)
@@ -232,8 +234,13 @@ def waiting_in(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             first = min(pending, key=mine.index)
         number = "p2p_seq_id" if is_p2p(first) else "collective_seq_id"
-        found += [e for e in mine if e.get("process_group") == first.get("process_group")
-                  and is_p2p(e) == is_p2p(first) and e.get(number) == first.get(number)]  # fmt: skip
+        found += [
+            e
+            for e in mine
+            if e.get("process_group") == first.get("process_group")
+            and is_p2p(e) == is_p2p(first)
+            and e.get(number) == first.get(number)
+        ]
     return found
 
 
@@ -261,10 +268,17 @@ def _peer_side(rank: int, peer: int, direction: str, entry: dict[str, Any], peer
     group = (entry.get("process_group") or ("?", "?"))[1]
     peer_in = waiting_in(peer_entries)
     for other in peer_in:
-        if (is_p2p(other) and _op(other) != "coalesced" and (other.get("process_group") or ("?", "?"))[1] == group
-                and peer_of(other)[0] == opposite and peer_of(other)[1] == rank):  # fmt: skip
-            return (f"rank {peer} is in the matching {opposite} rank {rank} (p2p op #{other.get('p2p_seq_id')}, "
-                    f"{other.get('state')}): both wait, the transfer does not complete")  # fmt: skip
+        if (
+            is_p2p(other)
+            and _op(other) != "coalesced"
+            and (other.get("process_group") or ("?", "?"))[1] == group
+            and peer_of(other)[0] == opposite
+            and peer_of(other)[1] == rank
+        ):
+            return (
+                f"rank {peer} is in the matching {opposite} rank {rank} (p2p op #{other.get('p2p_seq_id')}, "
+                f"{other.get('state')}): both wait, the transfer does not complete"
+            )
     where = describe(peer_in[0]) if peer_in else f"its last op {describe(peer_entries[-1])}"
     return f"rank {peer} is not in the matching {opposite} rank {rank}: it is behind, in {where}"
 

@@ -108,9 +108,19 @@ class RunDir:
     @property
     def attempt(self) -> tuple[Path, ...]:
         return (
-            self.checkpoints, self.metrics, self.tensorboard, self.wandb, self.monitor, self.autopsy, self.config,
-            self.identity, self.record, self.model, self.model_meta, self.test_result,
-        )  # fmt: skip
+            self.checkpoints,
+            self.metrics,
+            self.tensorboard,
+            self.wandb,
+            self.monitor,
+            self.autopsy,
+            self.config,
+            self.identity,
+            self.record,
+            self.model,
+            self.model_meta,
+            self.test_result,
+        )
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

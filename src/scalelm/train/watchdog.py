@@ -127,8 +127,10 @@ def issued_per_backend(group: Any, errors: list[str] | None = None) -> dict[str,
             counts[f"{device}:{name}" if name in counts else name] = int(backend._get_sequence_number_for_group())
         except Exception as error:  # a backend without sequence numbers, or absent for that device
             if errors is not None:
-                errors.append(f"cannot read process group {getattr(group, 'group_desc', '?')}'s sequence number "
-                              f"on {device or 'its'} {name} backend ({first_line(error)})")  # fmt: skip
+                errors.append(
+                    f"cannot read process group {getattr(group, 'group_desc', '?')}'s sequence number "
+                    f"on {device or 'its'} {name} backend ({first_line(error)})"
+                )
     return counts
 
 
@@ -168,9 +170,12 @@ def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
     silent = silent_ranks(progress, now)
     for rank in silent:
         last = progress[rank]
-        when = "never published its progress" if last is None else (
-            f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}, "
-            f"on {last['host']} (pid {last.get('pid', '?')})")  # fmt: skip
+        when = "never published its progress"
+        if last is not None:
+            when = (
+                f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}, "
+                f"on {last['host']} (pid {last.get('pid', '?')})"
+            )
         findings.append(f"rank {rank} {when} (a stopped or dead process, or a lost node)")
     counters: dict[tuple[str, str], dict[int, int]] = {}
     descs: dict[str, str] = {}
@@ -216,8 +221,12 @@ def stopped_beside() -> list[psutil.Process]:
         return []
     for process in siblings:
         try:
-            if (process.pid != me.pid and process.status() == psutil.STATUS_STOPPED
-                    and process.cmdline()[:2] == command and process.exe() == me.exe()):  # fmt: skip
+            if (
+                process.pid != me.pid
+                and process.status() == psutil.STATUS_STOPPED
+                and process.cmdline()[:2] == command
+                and process.exe() == me.exe()
+            ):
                 stopped.append(process)
         except psutil.Error:  # gone meanwhile, or not ours to look at
             continue
@@ -271,8 +280,15 @@ class BoundedStore:
 
 
 class Watchdog:
-    def __init__(self, rank: int, autopsy_dir: Path, factor: float, floor_s: float, store: Any = None,
-                 world_size: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        autopsy_dir: Path,
+        factor: float,
+        floor_s: float,
+        store: Any = None,
+        world_size: int | None = None,
+    ):
         self.rank, self.autopsy_dir, self.factor, self.floor_s = rank, autopsy_dir, factor, floor_s
         self.store = BoundedStore(store) if store is not None else None
         if world_size is None:
@@ -321,8 +337,14 @@ class Watchdog:
         groups = sequence_numbers(unread)
         for what in unread:
             self.note(what)
-        return {"step": self.step, "in_step_s": in_step, "groups": groups, "time": time.time(), "host": self.host,
-                "pid": os.getpid()}  # fmt: skip
+        return {
+            "step": self.step,
+            "in_step_s": in_step,
+            "groups": groups,
+            "time": time.time(),
+            "host": self.host,
+            "pid": os.getpid(),
+        }
 
     def note(self, what: str) -> None:
         """Say once what the watchdog cannot do; it goes on with the rest."""
@@ -400,8 +422,9 @@ class Watchdog:
             if published and hasattr(self.store.store, "multi_get"):  # every rank has: one call for all
                 values = self.store.ask("multi_get", keys)
             else:
-                values = [self.store.ask("get", key) if published or self.store.ask("check", [key]) else None
-                          for key in keys]  # fmt: skip
+                values = [
+                    self.store.ask("get", key) if published or self.store.ask("check", [key]) else None for key in keys
+                ]
         except Unanswered:
             return None
         return {rank: None if value is None else json.loads(value) for rank, value in enumerate(values)}
@@ -437,8 +460,10 @@ class Watchdog:
             + f". Stacks: {self.autopsy_dir}/rank*.txt. The last complete checkpoint is kept: rerun to resume."
         )
         if stopped:
-            message += (f" Stopped beside rank {self.rank}, killed (SIGKILL; torchrun's SIGTERM would reach it only "
-                        f"once continued): {named(stopped, progress)}.")  # fmt: skip
+            message += (
+                f" Stopped beside rank {self.rank}, killed (SIGKILL; torchrun's SIGTERM would reach it only "
+                f"once continued): {named(stopped, progress)}."
+            )
         message += self._flight_recorder_text(dumps)
         if self._first_to_tell():
             append_text(self.autopsy_dir / "summary.txt", message + "\n")
@@ -473,8 +498,10 @@ class Watchdog:
 
     def _unanswered(self) -> list[str]:
         unanswered = self.store.unanswered_s() if self.store is not None else 0.0
-        return [f"the job's store (torchrun's; rank 0's under the spawn launcher) has not answered for "
-                f"{unanswered:.0f} s: the process that holds it is stopped, or its node lost"]  # fmt: skip
+        return [
+            f"the job's store (torchrun's; rank 0's under the spawn launcher) has not answered for "
+            f"{unanswered:.0f} s: the process that holds it is stopped, or its node lost"
+        ]
 
     def _first_to_tell(self) -> bool:
         """Whether this rank is the first whose watchdog fired (the others' would only repeat its findings)."""
