@@ -10,12 +10,12 @@ import torch.distributed as dist
 
 from scalelm.parallel.context import _seed_tensor, _unsplit
 from scalelm.parallel.ring_blocks import _acc, _Dropout, _scores
-from scalelm.parallel.ring_transport import _size_rank
+from scalelm.parallel.ring_transport import size_rank
 
 
 def gather_sequence(part: torch.Tensor, dim: int, group, load_balance: bool) -> torch.Tensor:
     """The whole sequence along `dim` from every rank's part (shard_sequence's inverse; not differentiable)."""
-    n, _ = _size_rank(group)
+    n, _ = size_rank(group)
     if n == 1:
         return part
     parts = [torch.empty_like(part, memory_format=torch.contiguous_format) for _ in range(n)]

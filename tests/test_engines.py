@@ -1,6 +1,7 @@
 """Every training setting acts in every engine that accepts it, or is refused by name where layouts are checked,
 before the run directory is touched (issue 41); both engines run on one base (scalelm.train.engine)."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -39,6 +40,14 @@ CHANGED = {
 }
 
 
+def steps_without_max(run) -> int:
+    from scalelm.train.engine import total_steps
+
+    config = copy.deepcopy(run.engine.config)
+    config.train.max_steps = None
+    return total_steps(config, run.engine.batches)
+
+
 def evals(run) -> list[tuple[str, int]]:
     return [(r["split"], r["step"]) for r in read_metrics(run.dir) if r["kind"] == "eval"]
 
@@ -46,7 +55,8 @@ def evals(run) -> list[tuple[str, int]]:
 # How each setting shows that it acted, read off the finished run: `run.engine` the engine object, `run.record` its
 # run.json, `run.applied` what reached the functions that apply a setting. A setting missing here fails the test.
 PROBES = {
-    "epochs": lambda run: run.engine.total_steps == min(2 * run.engine.batches.steps_per_epoch, 4),
+    # train.max_steps (4) binds in the run: the epochs' steps are the run's without it
+    "epochs": lambda run: steps_without_max(run) == 2 * run.engine.batches.steps_per_epoch,
     "max_steps": lambda run: run.record.results.steps == 4,
     "log_every": lambda run: [r["step"] for r in read_metrics(run.dir) if r["kind"] == "train"] == [2, 4],
     "eval_every": lambda run: evals(run) == [("validation", 3), ("validation", 4), ("test", 4)],
@@ -162,6 +172,11 @@ def test_every_training_setting_acts_in_every_engine_or_is_refused_by_name(tiny_
     [
         ("parallel.cpu_offload=true", "cpu", r"parallel.cpu_offload .* needs CUDA; .* set parallel.cpu_offload=false"),
         ("train.compile=true", "cuda", r"train.compile on CUDA needs a C compiler"),
+        (
+            "train.compile_optimizer=true",
+            "cuda",
+            r"train.compile_optimizer on CUDA needs a C compiler .* or set train.compile_optimizer: false",
+        ),
     ],
 )
 def test_what_only_the_device_decides_is_refused_before_the_run_directory(

@@ -26,23 +26,33 @@ def train_steps(run: RunDir) -> list[int]:
 
 
 def test_a_finished_run_rerun_for_staging_or_logging_keeps_its_record_and_retrains_nothing(run_copy, tmp_path, capsys):
-    """data.stage and data.stage_dir only copy the same data elsewhere: outside the identity (also in an identity.json
-    an older scalelm wrote with them). A rerun of the finished run with them, the logging cadence, compilation or
-    activation checkpointing changed is a no-op: run.json byte for byte (its start, end, wall time and environment), metrics.jsonl untouched, nothing in
-    previous/; and so when Snakemake removed run.json before rerunning the job. Without the kept record (a stop
-    during the final evaluation, a run of an older scalelm) the end's evaluations are redone once, not doubled."""
+    """data.stage and data.stage_dir only copy the same data elsewhere, and compiled or recomputed checkpoints are
+    interchangeable with eager ones: outside the identity, also for a run an older scalelm trained, whose
+    identity.json counted them and whose checkpoints carry that identity's lineage. A rerun of the finished run with
+    them or the logging cadence changed is a no-op: run.json byte for byte (its start, end, wall time and
+    environment), metrics.jsonl untouched, nothing in previous/; and so when Snakemake removed run.json before
+    rerunning the job. Without the kept record (a stop during the final evaluation) the end's evaluations are redone
+    once, not doubled, from the older scalelm's checkpoint; it consolidates too."""
+    from scalelm.train.checkpoint import TRAINER_FILE
+    from scalelm.train.rundir import lineage
+
     run = RunDir(run_dir_of(run_copy))
     record, metrics = run.record.read_text(), run.metrics.read_text()
-    identity = json.loads(run.identity.read_text())
-    identity["settings"]["data"].update(stage="shm", stage_dir="/dev/shm/elsewhere")  # as an older scalelm wrote it
+    identity = json.loads(run.identity.read_text())  # as an older scalelm wrote it, and its checkpoints
+    identity["settings"]["data"].update(stage="shm", stage_dir="/dev/shm/elsewhere")
+    identity["settings"]["train"].update(compile=False, activation_checkpointing="none", engine="scalelm")
     run.identity.write_text(json.dumps(identity))
+    for checkpoint in complete_checkpoints(run.checkpoints):
+        trainer = torch.load(checkpoint / TRAINER_FILE, weights_only=True)
+        torch.save({**trainer, "lineage": lineage(identity)}, checkpoint / TRAINER_FILE)
+        drills.reseal(checkpoint)
 
     # compiled and eager checkpoints are interchangeable (scalelm.parallel.compile), and so are recomputed ones
     changed = ("train.log_every=7", "train.compile=true", "train.activation_checkpointing=full")
     train_here(run_copy, "data.stage=local", f"data.stage_dir={tmp_path / 'stage'}", *changed)
     out = capsys.readouterr().out
     assert "finished at step 20" in out and "nothing to train or evaluate" in out, out[-2000:]
-    assert not run.previous.exists() and "stage" not in json.loads(run.identity.read_text())["settings"]["data"]
+    assert not run.previous.exists() and json.loads(run.identity.read_text()) == identity  # its lineage kept known
     assert run.record.read_text() == record and run.metrics.read_text() == metrics
 
     run.record.unlink()  # what Snakemake does before it reruns a job whose settings changed
@@ -56,6 +66,7 @@ def test_a_finished_run_rerun_for_staging_or_logging_keeps_its_record_and_retrai
     redone = train_here(run_copy)
     assert evaluations(run).count(("validation", 20)) == 1 and evaluations(run).count(("test", 20)) == 1
     assert train_steps(run) == list(range(1, 21)) and redone.results.test == json.loads(record)["results"]["test"]
+    assert consolidate(run)["step"] == 20
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume_and_a_damaged_one_is_named(run_copy, capsys):

@@ -29,7 +29,8 @@ def setting(default: Any, *, identity: bool, lightning_refuses: tuple[Any, str] 
     and so belongs to a run's identity (`identity_settings`): a run rerun with other values of the rest (where it
     writes, stages, reports, checkpoints, waits; how it compiles or recomputes, whose results are interchangeable)
     resumes or restores its end instead of training afresh. `lightning_refuses`: the value train.engine=lightning
-    refuses by name, and why (`refusals`); every other setting acts in both engines."""
+    refuses by name, and why (`refusals`); every other train.* setting acts in both engines (tests/test_engines.py).
+    A layout's options act with their degree (parallel.sequence_parallel with tp, ...)."""
     metadata: dict[str, Any] = {"identity": identity}
     if lightning_refuses is not None:
         metadata["refused_by"] = {"lightning": lightning_refuses}
@@ -445,7 +446,7 @@ def validate(config: Config) -> None:
 
 
 def check_speed_settings(train: TrainConfig) -> None:
-    """The levers of a compiled, single-GPU step (docs/benchmarks.md): each acts, or is refused here by name."""
+    """compile_mode without compile, refused by name (an engine's refusals are its settings' fields': `refusals`)."""
     if train.compile_mode != "default" and not train.compile:
         raise ConfigError(
             f"train.compile_mode={train.compile_mode} tunes what torch.compile builds, and train.compile is off: "
@@ -491,7 +492,7 @@ def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict
         item = fields.get(key)
         if item is not None and dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             kept[key] = identity_settings(value, hints[key])
-        elif item is None or item.metadata["identity"]:
+        elif item is None or item.metadata.get("identity", True):
             kept[key] = value
     return kept
 

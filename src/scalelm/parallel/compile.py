@@ -24,12 +24,13 @@ from scalelm.errors import ConfigError
 DEVEL_IMAGE = "docker://pytorch/pytorch:2.9.0-cuda12.8-cudnn9-devel"
 
 
-def check_c_compiler() -> None:
+def check_c_compiler(settings: tuple[str, ...] = ("train.compile",)) -> None:
+    """The `settings` that compile on CUDA: Triton builds each kernel's launcher with a C compiler."""
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         raise ConfigError(
-            "train.compile on CUDA needs a C compiler (Triton builds its kernels' launchers with one) and none is "
-            f"on PATH: build the image from a -devel base (container.base_image: {DEVEL_IMAGE}), install gcc, or "
-            "set train.compile: false"
+            f"{' and '.join(settings)} on CUDA needs a C compiler (Triton builds its kernels' launchers with one) and "
+            f"none is on PATH: build the image from a -devel base (container.base_image: {DEVEL_IMAGE}), install gcc, "
+            f"or set {', '.join(f'{s}: false' for s in settings)}"
         )
 
 

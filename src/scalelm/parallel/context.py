@@ -46,7 +46,7 @@ from scalelm.parallel.ring_blocks import (
     _rows,
     fused_kernel,
 )
-from scalelm.parallel.ring_transport import _group_named, _LocalRing, _MessageRing, _size_rank
+from scalelm.parallel.ring_transport import LocalRing, MessageRing, group_named, size_rank
 
 Tensor = torch.Tensor
 
@@ -178,10 +178,10 @@ def _rank_backward(d_out, q, out, lse, ring, plan: _Plan, drop: _Dropout, kernel
 
 def _setup(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
     """The ring's messages, its rank's blocks, the dropout masks' maker and the kernel of one call."""
-    group = _group_named(group_name)
-    n, rank = _size_rank(group)
+    group = group_named(group_name)
+    n, rank = size_rank(group)
     batch, heads, length, _ = q.shape
-    ring = _MessageRing(group, n, rank, torch.stack([k, v]))
+    ring = MessageRing(group, n, rank, torch.stack([k, v]))
     drop = _Dropout(dropout_p, seed, batch, heads, (batch_offset, head_offset), q.device)
     return ring, _plan(length, n, rank, load_balance), drop, None if dropout_p else fused_kernel(q)
 
@@ -304,7 +304,7 @@ def ring_attention(
 
 
 class _Simulation:
-    """Every rank's blocks of a cp-way split of whole sequences on one device, with _LocalRing in place of messages."""
+    """Every rank's blocks of a cp-way split of whole sequences on one device, with LocalRing in place of messages."""
 
     def __init__(self, q, k, v, cp: int, load_balance: bool, dropout_p: float, seed):
         self.cp, self.load_balance = cp, load_balance
@@ -317,7 +317,7 @@ class _Simulation:
     def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every rank's output and log-sum-exp."""
         ranks = [
-            _rank_forward(self.qs[r], _LocalRing(self.kvs, None, r), self.plans[r], self.drop, self.kernel)
+            _rank_forward(self.qs[r], LocalRing(self.kvs, None, r), self.plans[r], self.drop, self.kernel)
             for r in range(self.cp)
         ]
         return [out for out, _ in ranks], [lse for _, lse in ranks]
@@ -332,7 +332,7 @@ class _Simulation:
                 self.qs[r],
                 outs[r],
                 lses[r],
-                _LocalRing(self.kvs, dkvs, r),
+                LocalRing(self.kvs, dkvs, r),
                 self.plans[r],
                 self.drop,
                 self.kernel,
@@ -384,7 +384,7 @@ class SequenceSplit:
 
     def __init__(self, group, load_balance: bool):
         self.group, self.load_balance = group, load_balance
-        self.size, self.rank = _size_rank(group)
+        self.size, self.rank = size_rank(group)
         self.group_name = None if group is None else group.group_name  # what the ring operator takes
         self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
 

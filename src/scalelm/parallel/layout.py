@@ -105,11 +105,15 @@ def check_bf16_params(precision: str, dims: ParallelDims) -> None:
         )
 
 
+def fsdp_of_one(precision: str, world_size: int) -> bool:
+    """train.precision=bf16_params in one process: FSDP on a mesh of one rank, whose policy casts the parameters."""
+    return precision == "bf16_params" and world_size == 1
+
+
 def check_cpu_offload(config: Config, dims: ParallelDims) -> None:
     """parallel.cpu_offload keeps FSDP's parameters in host memory: a layout with FSDP (or one process casting its
     parameters through FSDP's policy, train.precision=bf16_params); elsewhere it would be silently ignored."""
-    one = config.train.precision == "bf16_params" and dims.world_size == 1
-    if config.parallel.cpu_offload and not (dims.sharded or one):
+    if config.parallel.cpu_offload and not (dims.sharded or fsdp_of_one(config.train.precision, dims.world_size)):
         raise ConfigError(
             f"parallel.cpu_offload moves FSDP's parameters to host memory, and the {dims.name} layout ({dims.layout}) "
             "has no FSDP: shard (parallel.dp_shard), or set parallel.cpu_offload=false"

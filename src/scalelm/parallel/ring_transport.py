@@ -1,8 +1,8 @@
 """The ring's communication (scalelm.parallel.context schedules the ring, scalelm.parallel.ring_blocks computes its
 blocks): where a rank's key/value blocks, and their dk/dv accumulators, come from at each step.
 
-`_MessageRing` is a real ring over a process group: each rank sends to rank + 1 and receives from rank - 1, the next
-block in flight while this one computes. `_LocalRing` hands every rank's blocks out of shared lists on one device
+`MessageRing` is a real ring over a process group: each rank sends to rank + 1 and receives from rank - 1, the next
+block in flight while this one computes. `LocalRing` hands every rank's blocks out of shared lists on one device
 (simulated_ring_attention). Both answer the same three calls: `kv(step)`, `dkv(step)`, `done(step)`.
 
 Communication per attention call on a rank, with a local block of B x H x L x D elements of e bytes (q's dtype):
@@ -18,14 +18,14 @@ import torch.distributed as dist
 from scalelm.parallel.ring_blocks import _acc_dtype
 
 
-def _size_rank(group) -> tuple[int, int]:
+def size_rank(group) -> tuple[int, int]:
     """group None stands for no context parallelism: one rank, whether or not a process group exists."""
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _group_named(name: str | None):
+def group_named(name: str | None):
     """The process group an operator got by name (operators take no process groups)."""
     if name is None:
         return None
@@ -44,7 +44,7 @@ class _Transfer:
         return self.buffer
 
 
-class _MessageRing:
+class MessageRing:
     """Where a rank's blocks come from in a real ring: sends to the next rank of the group and receives from the one
     before (by global rank, as P2POp wants), the next block in flight while this one computes."""
 
@@ -89,7 +89,7 @@ class _MessageRing:
         return self._incoming.wait() if self._incoming is not None else self._dkv
 
 
-class _LocalRing:
+class LocalRing:
     """Every rank's blocks on one device (simulated_ring_attention): rank `rank`'s view of shared lists."""
 
     def __init__(self, kvs: list[torch.Tensor], dkvs: list[torch.Tensor] | None, rank: int):

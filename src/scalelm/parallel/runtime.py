@@ -45,7 +45,7 @@ from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv, all_gather_object, backend_for
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
-from scalelm.parallel.layout import Layout, resolve_layout
+from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
 from scalelm.parallel.tensor import apply_tp
 
@@ -62,11 +62,6 @@ def attention_backends(setting: str, device: torch.device) -> list[SDPBackend] |
         if torch.cuda.get_device_capability(device) in CUDNN_FIRST_CAPABILITIES:
             return CUDNN_FIRST
     return None
-
-
-def fsdp_of_one(train: TrainConfig, world_size: int) -> bool:
-    """train.precision=bf16_params in one process: FSDP on a mesh of one rank, whose policy casts the parameters."""
-    return train.precision == "bf16_params" and world_size == 1
 
 
 def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
@@ -156,7 +151,7 @@ class Parallel:
         self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         matmul_precision(env.device, self.compute_dtype)
         self.attention_backends = attention_backends(train.attention_kernels, env.device)
-        self.uses_fsdp = dims.sharded or fsdp_of_one(train, env.world_size)
+        self.uses_fsdp = dims.sharded or fsdp_of_one(train.precision, env.world_size)
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and options.loss_parallel
         self.dp_rank = dims.dp_rank(env.rank)
@@ -170,7 +165,7 @@ class Parallel:
         layout = resolve_layout(config, env.world_size, env.procs_per_node, vocab_size)
         dims = layout.dims
         check_on_device(config, env.device)
-        one = fsdp_of_one(config.train, env.world_size)
+        one = fsdp_of_one(config.train.precision, env.world_size)
         if one:
             start_group_of_one(env.device, config.parallel)
         hosts = all_gather_object((env.hostname, env.node_rank))  # every rank's host and torchrun node
@@ -214,7 +209,8 @@ class Parallel:
         replicate: bool = True,
     ) -> nn.Module:
         """The model of `make()` with its seed's initial weights, parallelized, with `model_options` applied; this rank
-        holds only its part. `replicate`: False leaves DDP's wrapper to the caller (Lightning's strategy adds its own)."""
+        holds only its part. `replicate`: False leaves DDP's wrapper to the caller (Lightning's strategy adds its
+        own)."""
         options, device = self.options, self.env.device
         if device.type == "cpu":
             keep_freed_memory(reuse_threshold(options.host_reuse_below_mb, self.uses_fsdp))
@@ -398,16 +394,18 @@ def _fsdp_no_sync(model: nn.Module):
 
 
 def check_on_device(config: Config, device: torch.device) -> None:
-    """What only the device decides, refused before a process group or a run directory is started: bf16 on CPU,
-    FSDP's CPU offload without a GPU, compilation on CUDA without a C compiler."""
+    """What only the device decides, refused before the run directory is touched (and, in one process, before a
+    process group is started): bf16 on CPU, FSDP's CPU offload without a GPU, compilation (of the blocks or the
+    optimizer's step) on CUDA without a C compiler."""
     resolve_precision(config.train.precision, device.type)
     if config.parallel.cpu_offload and device.type != "cuda":
         raise ConfigError(
             "parallel.cpu_offload moves FSDP's parameters from GPU to CPU memory and needs CUDA; this run's device is "
             f"{device.type}: set parallel.cpu_offload=false"
         )
-    if config.train.compile and device.type == "cuda":
-        check_c_compiler()
+    compiled = tuple(f"train.{key}" for key in ("compile", "compile_optimizer") if getattr(config.train, key))
+    if compiled and device.type == "cuda":
+        check_c_compiler(compiled)
 
 
 def check_groups_within_nodes(dims: ParallelDims, hosts: list[tuple[str, int]]) -> None:

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from scalelm.config import identity_settings
 from scalelm.errors import ConfigError, DataError
 from scalelm.report.figures import FIGURES, RunSummary, finite_number
 
@@ -59,8 +60,12 @@ COMPARED = {*DIRECTIONS, *TREND_FIGURES}
 
 def settings_hash(run: RunSummary) -> str:
     """The run's identity (scalelm.train.rundir.identity: the settings that determine the model, the data's
-    checksums, the world size), hashed."""
-    return hashlib.sha256(json.dumps(run.identity, sort_keys=True).encode()).hexdigest()[:16]
+    checksums, the world size), hashed as this scalelm counts identity: an older run's identity.json may hold
+    settings no longer counted (scalelm.config.identity_settings)."""
+    identity = run.identity
+    if isinstance(identity, dict) and isinstance(identity.get("settings"), dict):
+        identity = {**identity, "settings": identity_settings(identity["settings"])}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint(run: RunSummary) -> dict[str, Any]:

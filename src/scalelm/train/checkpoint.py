@@ -159,6 +159,8 @@ class Origin:
     seed: int | None
     lineage: str | None
     steps: int | None = None
+    # lineages also taken for this run's (scalelm.train.rundir.RunDir.lineages: the same run, an older scalelm's)
+    accepts: frozenset[str] = frozenset()
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -424,7 +426,7 @@ def check_origin(path: Path, trainer: dict[str, Any], origin: Origin) -> None:
             f"out of {path.parent} (to the run directory of seed {seed})"
         )
     written_by = trainer.get("lineage")
-    if None not in (written_by, origin.lineage) and written_by != origin.lineage:
+    if None not in (written_by, origin.lineage) and written_by not in {origin.lineage, *origin.accepts}:
         raise CheckpointError(
             f"checkpoint {path} was written by a run of other settings or data (lineage {written_by}, this run's "
             f"{origin.lineage}): move it out of {path.parent}, or run with the settings it was written with"

@@ -94,7 +94,8 @@ def checked_state(run: RunDir, checkpoint: Path, seed: int) -> TrainerState:
     trainer = read_trainer(checkpoint)
     run_identity = read_identity(run.identity)
     known = isinstance(run_identity, dict) and "settings" in run_identity  # a run directory scalelm trained in
-    check_origin(checkpoint, trainer, Origin(seed=seed, lineage=lineage(run_identity) if known else None))
+    accepts = run.lineages(run_identity) if known else frozenset()
+    check_origin(checkpoint, trainer, Origin(seed, lineage(run_identity) if known else None, accepts=accepts))
     state = trainer_state(trainer, checkpoint)
     recorded = read_record(run.path).results.steps if run.record.is_file() else state.step
     if recorded != state.step:

@@ -61,9 +61,10 @@ def total_steps(config: Config, batches: TrainBatches) -> int:
     return min(total, config.train.max_steps) if config.train.max_steps else total
 
 
-def origin(config: Config, run_identity: dict[str, Any], batches: TrainBatches) -> Origin:
+def origin(config: Config, run_identity: dict[str, Any], batches: TrainBatches, run_dir: RunDir) -> Origin:
     """What this run's checkpoints record of it, and what it expects of those it resumes."""
-    return Origin(seed=config.seed, lineage=lineage(run_identity), steps=total_steps(config, batches))
+    steps, accepts = total_steps(config, batches), run_dir.lineages(run_identity)
+    return Origin(seed=config.seed, lineage=lineage(run_identity), steps=steps, accepts=accepts)
 
 
 def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> TrainBatches:
@@ -147,7 +148,7 @@ class Engine:
         self.optimizer = build_optimizer(self.model, config.optim, lr, compiled=config.train.compile_optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
-        run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches)
+        run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches, self.run_dir)
         self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, run_origin)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams

@@ -36,7 +36,8 @@ def buffer_size_variable(torch_version: str = torch.__version__) -> str:
 def flight_recorder_env(autopsy_dir: Path) -> dict[str, str]:
     """PyTorch's Flight Recorder keeps every rank's last collectives (NCCL's, and gloo's where the torch records
     them) for the autopsy to read, and NCCL dumps them itself on a timeout (the environment is read when a process
-    group starts; the trainer sets it). The buffer is sized explicitly: before torch 2.11 it is empty unless told."""
+    group starts; scalelm.train.run sets it). The buffer is sized explicitly: before torch 2.11 it is empty unless
+    told."""
     return {
         buffer_size_variable(): "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -61,7 +61,13 @@ class LightningTrainer(Engine):
         self.step_loss = torch.zeros((), device=self.env.device)
 
     def train_steps(self) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
         self.lightning_trainer().fit(Module(self), train_dataloaders=self.micro_batches())
+        # Lightning's teardown moves the model and the optimizer's state to the CPU (Strategy.teardown); the base's
+        # evaluations and last checkpoint run on this rank's device, the state moved back as Lightning's setup moves it
+        self.model.to(self.env.device)
+        _optimizers_to_device([self.optimizer], self.env.device)
 
     def micro_batches(self):
         """The micro-batches of every remaining step, one after the other: Lightning accumulates them."""
@@ -125,7 +131,7 @@ class LightningTrainer(Engine):
         elif in_step is not None:  # the watchdog leaves a step that raised unwatched, as scalelm's loop does
             in_step.__exit__(type(error), error, error.__traceback__)
 
-    def stepped(self, trainer, grad_norm: torch.Tensor) -> None:
+    def after_optimizer_step(self, trainer, grad_norm: torch.Tensor) -> None:
         """After each optimizer step: the base's bookkeeping; Lightning's loop ends if the ranks agreed to stop."""
         self.end_step()
         step_loss, self.step_loss = self.step_loss, torch.zeros_like(self.step_loss)
@@ -169,7 +175,7 @@ def Module(engine: LightningTrainer):
             optimizer.step(closure=optimizer_closure)
             engine.scheduler.step()
             engine.instruments.note_state(self.model, optimizer)  # gradients are zeroed at the next step's backward
-            self.stepped = True
+            self.optimizer_stepped = True
 
     return ScaleLMModule()
 
@@ -189,8 +195,8 @@ def Bookkeeping(engine: LightningTrainer):
             engine.end_step(exception)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if getattr(pl_module, "stepped", False):
-                pl_module.stepped = False
-                engine.stepped(trainer, pl_module.grad_norm)
+            if getattr(pl_module, "optimizer_stepped", False):
+                pl_module.optimizer_stepped = False
+                engine.after_optimizer_step(trainer, pl_module.grad_norm)
 
     return ScaleLMCallback()

@@ -79,7 +79,7 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
         if env.is_main:
             run_dir.start(run_identity)
         barrier()
-        finished = finished_before(run_dir, origin(config, run_identity, batches)) if env.is_main else None
+        finished = finished_before(run_dir, origin(config, run_identity, batches, run_dir)) if env.is_main else None
         finished = all_gather_object(finished)[0]  # rank 0's answer, on every rank
         if finished is not None:
             return finished

@@ -179,8 +179,18 @@ class RunDir:
                     path.rename(self.path / path.name)
                 remove(parked)
                 print(f"the attempt with these settings is back from {self.previous}: it resumes")
-        atomic_write_text(self.identity, json.dumps(run_identity, indent=1) + "\n")
+        if read_identity(self.identity) != run_identity:  # the same run's, as recorded, keeps its earlier lineage
+            atomic_write_text(self.identity, json.dumps(run_identity, indent=1) + "\n")
         self.record.unlink(missing_ok=True)
+
+    def lineages(self, run_identity: dict[str, Any]) -> frozenset[str]:
+        """The lineages this run's checkpoints may carry: its identity's, and that of the identity.json recorded here
+        when it is this run's under an older rule of what identity holds (checkpoints an older scalelm wrote)."""
+        recorded = recorded_identity(self.identity)
+        known = {lineage(run_identity)}
+        if isinstance(recorded, dict) and read_identity(self.identity) == run_identity:
+            known.add(lineage(recorded))
+        return frozenset(known)
 
     def holds_work(self) -> bool:
         """Whether the attempt here got anywhere: a checkpoint, a logged step or a result."""
@@ -207,15 +217,20 @@ class RunDir:
             )
 
 
-def read_identity(path: Path) -> dict[str, Any] | None:
-    """A run's identity.json, less the settings an older scalelm counted in it that are not identity today (staging,
-    compile, ...); an unreadable one is an identity no run has."""
+def recorded_identity(path: Path) -> Any:
+    """A run's identity.json as written; an unreadable one is an identity no run has."""
     if not path.is_file():
         return None
     try:
-        recorded = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {"unreadable": str(path)}
+
+
+def read_identity(path: Path) -> dict[str, Any] | None:
+    """A run's identity.json, less the settings an older scalelm counted in it that are not identity today (staging,
+    compile, ...); an unreadable one is an identity no run has."""
+    recorded = recorded_identity(path)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
         return recorded
     return {**recorded, "settings": identity_settings(recorded["settings"])}

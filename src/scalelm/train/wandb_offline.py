@@ -4,7 +4,8 @@ Offline mode needs no API key and writes none: compute nodes have no network, an
 would leak. Upload later, from a machine with network and your own login, with
 `wandb sync <run_dir>/wandb/offline-run-*`. Each attempt of a run (a resume after a stop) is a W&B run of its own
 in the same group, so that W&B never sees a step go backwards. Needs the `wandb` package (`pip install
-'scalelm[wandb]'`), checked when the config is loaded.
+'scalelm[wandb]'`), checked by the training before its run directory is touched (the settings load
+anywhere, a login node without wandb included).
 """
 
 from __future__ import annotations
