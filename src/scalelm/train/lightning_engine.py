@@ -134,8 +134,9 @@ class LightningTrainer(Engine):
     def after_optimizer_step(self, trainer, grad_norm: torch.Tensor) -> None:
         """After each optimizer step: the base's bookkeeping; Lightning's loop ends if the ranks agreed to stop."""
         self.end_step()
-        step_loss, self.step_loss = self.step_loss, torch.zeros_like(self.step_loss)
-        if self.after_step(step_loss, grad_norm):
+        stop = self.after_step(self.step_loss, grad_norm)  # added into the interval's sum: reused for the next step
+        self.step_loss.zero_()
+        if stop:
             trainer.should_stop = True
 
 
