@@ -456,7 +456,7 @@ def compiled_block(probe: Probe) -> str:
     config = ModelConfig(d_model=128, n_heads=4, n_layers=1, d_ff=512, dropout=0.1, max_seq_len=64)
     with torch.device(probe.device):
         torch.manual_seed(0)
-        block = Block(config)
+        block = Block(config, 0)
     x = torch.randn(8, 64, 128, device=probe.device)
     torch._dynamo.reset()
     with probe.autocast():

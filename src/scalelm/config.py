@@ -24,14 +24,20 @@ from scalelm.settings_yaml import dump_settings, load_error, parse_settings, rea
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
 
-def setting(default: Any, *, identity: bool, lightning_refuses: tuple[Any, str] | None = None) -> Any:
+def setting(
+    default: Any, *, identity: bool, lightning_refuses: tuple[Any, str] | None = None, added: bool = False
+) -> Any:
     """A setting's field, declaring what it is beside its default. `identity`: whether it changes what is trained,
     and so belongs to a run's identity (`identity_settings`): a run rerun with other values of the rest (where it
     writes, stages, reports, checkpoints, waits; how it compiles or recomputes, whose results are interchangeable)
     resumes or restores its end instead of training afresh. `lightning_refuses`: the value train.engine=lightning
     refuses by name, and why (`refusals`); every other train.* setting acts in both engines (tests/test_engines.py).
-    A layout's options act with their degree (parallel.sequence_parallel with tp, ...)."""
+    A layout's options act with their degree (parallel.sequence_parallel with tp, ...). `added`: a setting added
+    after runs were recorded, whose default changes nothing they trained: left out of the identity at its default,
+    so that those runs keep theirs and resume."""
     metadata: dict[str, Any] = {"identity": identity}
+    if added:
+        metadata["added"] = True
     if lightning_refuses is not None:
         metadata["refused_by"] = {"lightning": lightning_refuses}
     return field(default=default, metadata=metadata)
@@ -50,6 +56,23 @@ class DataConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture of experts in place of the feed-forward network of some blocks (scalelm.model.moe): a router sends
+    each token to its top_k experts (ties to the lower index, so the choice never depends on the layout) and every
+    token is computed (dropless: no capacity limit), so that every layout computes the same function."""
+
+    experts: int = setting(4, identity=True)
+    top_k: int = setting(2, identity=True)
+    every: int = setting(1, identity=True)  # block i is a mixture where (i + 1) % every == 0: 1 every block, 2 odd
+    d_ff: int | None = setting(None, identity=True)  # each expert's hidden width; None: model.d_ff
+    # the load-balancing loss's weight in the training loss (scalelm.model.loss); 0: none, the balance still measured
+    aux_loss_coef: float = setting(0.01, identity=True)
+
+    def is_moe_block(self, index: int) -> bool:
+        return (index + 1) % self.every == 0
+
+
+@dataclass
 class ModelConfig:
     d_model: int = setting(128, identity=True)
     n_heads: int = setting(4, identity=True)
@@ -59,6 +82,10 @@ class ModelConfig:
     max_seq_len: int = setting(1024, identity=True)  # size of the positional table; data.seq_len must not exceed it
     norm: Literal["post", "pre"] = setting("post", identity=True)
     tie_weights: bool = setting(False, identity=True)
+    moe: MoEConfig | None = setting(None, identity=True, added=True)  # None: every block dense
+
+    def expert_width(self) -> int:
+        return self.moe.d_ff or self.d_ff if self.moe else self.d_ff
 
 
 @dataclass
@@ -179,6 +206,9 @@ class ParallelConfig:
     pp: int | None = setting(None, identity=True)  # pipeline stages: the blocks split into groups on successive ranks
     # context parallelism: every sequence split across cp ranks, attention by a ring
     cp: int | None = setting(None, identity=True)
+    # expert parallelism: model.moe's experts split over ep ranks, borrowed from dp_shard (as torchtitan), tokens sent
+    # to their experts' ranks and back by all-to-all; None: 1
+    ep: int | None = setting(None, identity=True, added=True)
     # cp: each rank holds chunks r and 2 cp - 1 - r of 2 cp (the causal mask's work even across ranks); False: one
     # contiguous part each (the last rank then does most of the attention's work)
     cp_load_balance: bool = setting(True, identity=True)
@@ -255,6 +285,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if annotation is Any:
         return value
+    if dataclasses.is_dataclass(annotation):  # an optional section, given
+        return from_mapping(annotation, value, f"{key}.")
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
@@ -437,12 +469,37 @@ def validate(config: Config) -> None:
     if not 0 <= config.seed < SEED_LIMIT:
         raise ConfigError(f"seed must be an integer from 0 to {SEED_LIMIT - 1}, got {config.seed}")
     check_optim(config.optim)
+    if config.model.moe is not None:
+        check_moe(config.model.moe, config.model.n_layers)
     if config.batch.mode == "global" and config.batch.lr_scaling != "none":
         raise ConfigError(
             "batch.lr_scaling applies to batch.mode=per_device only: with a global batch the learning rate "
             "needs no scaling; set batch.lr_scaling=none"
         )
     check_speed_settings(config.train)
+
+
+def check_moe(moe: MoEConfig, n_layers: int) -> None:
+    """A mixture of experts' settings against each other and the model's blocks."""
+    for key in ("experts", "top_k", "every"):
+        if getattr(moe, key) <= 0:
+            raise ConfigError(f"model.moe.{key} must be a positive integer, got {getattr(moe, key)}")
+    if moe.d_ff is not None and moe.d_ff <= 0:
+        raise ConfigError(f"model.moe.d_ff must be positive or null (model.d_ff), got {moe.d_ff}")
+    if moe.top_k > moe.experts:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}: a token goes to top_k distinct "
+            "experts; lower top_k or add experts"
+        )
+    if moe.every > n_layers:
+        raise ConfigError(
+            f"model.moe.every={moe.every} leaves all of model.n_layers={n_layers} blocks dense (block i is a mixture "
+            "where (i + 1) % every == 0); lower every, or drop model.moe"
+        )
+    if moe.aux_loss_coef < 0:
+        raise ConfigError(
+            f"model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive, got {moe.aux_loss_coef}"
+        )
 
 
 def check_speed_settings(train: TrainConfig) -> None:
@@ -493,7 +550,8 @@ def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict
         if item is not None and dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             kept[key] = identity_settings(value, hints[key])
         elif item is None or item.metadata.get("identity", True):
-            kept[key] = value
+            if not (item is not None and item.metadata.get("added") and value == item.default):
+                kept[key] = value
     return kept
 
 

@@ -1,5 +1,6 @@
 """The model's parameters as data, without torch: each one's name, shape and FSDP unit, the model's tensor-parallel
-plan (how each of a block's matrices is split), its training FLOPs per token, and the fused CPU loss's chunk.
+plan (how each of a block's matrices is split), which are experts (split over expert-parallel ranks), the parameters
+in all and those a token uses (`parameter_counts`), its training FLOPs per token, and the fused CPU loss's chunk.
 scalelm.model.transformer builds exactly these parameters (tests/test_plan.py compares a built model with them),
 scalelm.parallel.tensor applies the plan, scalelm.plan counts their bytes, and MFU (scalelm.measure.peak) divides the
 FLOPs: one declaration for all, importable where torch is not (the workflow's planning, the report).
@@ -37,12 +38,16 @@ class Parameter:
     shape: tuple[int, ...]
     unit: str  # "embed", "blocks.<i>", "root" (the final norm), "head"
     tp_dim: int | None
+    expert: bool = False  # one slice per expert along dim 0, which expert parallelism splits
 
-    def numel(self, tp: int = 1, shard: int = 1) -> int:
-        """Elements on one rank: split by `tp` along tp_dim, then FSDP's first dimension by `shard` (rounded up)."""
+    def numel(self, tp: int = 1, shard: int = 1, ep: int = 1) -> int:
+        """Elements on one rank: split by `tp` along tp_dim, an expert's by `ep` along its experts, then FSDP's first
+        dimension by `shard` (rounded up)."""
         shape = list(self.shape)
         if tp > 1 and self.tp_dim is not None:
             shape[self.tp_dim] //= tp
+        if self.expert:
+            shape[0] //= ep
         shape[0] = -(-shape[0] // shard)
         return math.prod(shape)
 
@@ -64,6 +69,24 @@ def norm(name: str, d: int, unit: str) -> list[Parameter]:
     return [Parameter(f"{prefix}.weight", (d,), unit, None), Parameter(f"{prefix}.bias", (d,), unit, None)]
 
 
+def mixture(model: ModelConfig, unit: str) -> list[Parameter]:
+    """A mixture of experts' parameters (scalelm.model.moe.MoE): the router, then every expert's FFN stacked along
+    dim 0; tensor parallelism leaves them whole (each rank of a group computes the layer alike)."""
+    d, f, experts = model.d_model, model.expert_width(), model.moe.experts
+    prefix = f"{unit}.ffn"
+    return [
+        Parameter(f"{prefix}.router.weight", (experts, d), unit, None),
+        Parameter(f"{prefix}.experts.up_weight", (experts, f, d), unit, None, expert=True),
+        Parameter(f"{prefix}.experts.up_bias", (experts, f), unit, None, expert=True),
+        Parameter(f"{prefix}.experts.down_weight", (experts, d, f), unit, None, expert=True),
+        Parameter(f"{prefix}.experts.down_bias", (experts, d), unit, None, expert=True),
+    ]
+
+
+def is_moe_block(model: ModelConfig, index: int) -> bool:
+    return model.moe is not None and model.moe.is_moe_block(index)
+
+
 def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Parameter]:
     """Every parameter of scalelm.model.transformer.TransformerLM, in its order, with the split tensor parallelism
     gives it (the head's by vocabulary with loss_parallel)."""
@@ -72,7 +95,10 @@ def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False)
     for i in range(model.n_layers):
         unit = f"blocks.{i}"
         tensors += linear("attn.qkv", 3 * d, d, unit) + linear("attn.out", d, d, unit)
-        tensors += linear("ffn.up", f, d, unit) + linear("ffn.down", d, f, unit)
+        if is_moe_block(model, i):
+            tensors += mixture(model, unit)
+        else:
+            tensors += linear("ffn.up", f, d, unit) + linear("ffn.down", d, f, unit)
         tensors += norm("norm1", d, unit) + norm("norm2", d, unit)
     tensors += norm("norm", d, "root")
     vocab_split = 0 if loss_parallel else None
@@ -82,9 +108,32 @@ def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False)
     return tensors
 
 
+def parameter_counts(model: ModelConfig, vocab_size: int) -> dict[str, int]:
+    """The model's parameters in all, and those one token uses (`active`): a mixture's router and its top_k experts,
+    not the others (a dense model's are all of them)."""
+    tensors = parameters(model, vocab_size)
+    total = sum(t.numel() for t in tensors)
+    idle = 0
+    if model.moe is not None:
+        unused = model.moe.experts - model.moe.top_k
+        idle = sum(t.numel() // model.moe.experts * unused for t in tensors if t.expert)
+    return {"total": total, "active": total - idle}
+
+
+def ffn_matmul_params(config: ModelConfig, index: int) -> int:
+    """The weights of block `index`'s feed-forward products one token goes through: the dense FFN's, or a
+    mixture's router and top_k experts."""
+    d = config.d_model
+    if not is_moe_block(config, index):
+        return 2 * d * config.d_ff
+    return d * config.moe.experts + config.moe.top_k * 2 * d * config.expert_width()
+
+
 def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate."""
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate; a
+    mixture counts the experts a token goes through (its active parameters)."""
     d, layers = config.d_model, config.n_layers
-    matmul_params = layers * (4 * d * d + 2 * d * config.d_ff) + d * vocab_size
+    ffn = sum(ffn_matmul_params(config, i) for i in range(layers))
+    matmul_params = layers * 4 * d * d + ffn + d * vocab_size
     attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
     return 6 * matmul_params + attention

@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelm.config import ModelConfig
+from scalelm.model.architecture import is_moe_block
 from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, stream_attention
 from scalelm.model.gpu_ops import aligned_linear
 from scalelm.model.loss import lm_loss
+from scalelm.model.moe import GroupedExperts, MoE
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -74,11 +76,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.pre_norm = config.norm == "pre"
         self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
-        self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout)
+        if is_moe_block(config, index):
+            moe_layers = sum(is_moe_block(config, i) for i in range(config.n_layers))
+            self.ffn = MoE(config.d_model, config.expert_width(), config.moe, moe_layers)
+        else:
+            self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout)
         self.norm1 = nn.LayerNorm(config.d_model)
         self.norm2 = nn.LayerNorm(config.d_model)
         self.drop = Dropout(config.dropout)
@@ -111,7 +117,7 @@ class TransformerLM(nn.Module):
         self.drop = Dropout(config.dropout)
         # keyed by index: a pipeline stage keeps its own blocks under their names (blocks.3.attn...), so every
         # stage's checkpoint speaks the whole model's names
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.head = OutputHead(config.d_model, vocab_size)
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
@@ -132,7 +138,8 @@ class TransformerLM(nn.Module):
         keep the stream the group shares, and so the same masks on every rank."""
         for block in self.blocks.values():
             block.attn.dropout_stream = stream
-            block.ffn.drop.stream = stream
+            if isinstance(block.ffn, FeedForward):  # (a mixture's experts have no inner dropout)
+                block.ffn.drop.stream = stream
             if sequence_parallel:
                 block.drop.stream = stream
         if sequence_parallel and self.embed is not None:
@@ -144,10 +151,13 @@ class TransformerLM(nn.Module):
 
     def reset_parameters(self) -> None:
         for name, param in self.named_parameters():
-            if param.dim() > 1:
+            if param.dim() == 2:
                 nn.init.xavier_uniform_(param)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
+        for module in self.modules():
+            if isinstance(module, GroupedExperts):
+                module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.

@@ -26,10 +26,18 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reshard_after_forward: bool, cpu_offload: bool
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+    ignored: set[nn.Parameter] = frozenset(),
 ) -> nn.Module:
+    """FSDP (HSDP on a 2D mesh) over each block, the embedding, the head and the rest; `ignored` parameters (a
+    mixture's experts under expert parallelism, which reduces their gradients itself) stay as they are."""
     options = {
         "mesh": dp_mesh,
+        "ignored_params": set(ignored),
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),

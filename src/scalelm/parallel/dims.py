@@ -9,6 +9,10 @@ A layout is five integers whose product is the world size (torchtitan's conventi
     cp            ranks that split every sequence, attention included (context parallelism: ring attention); they
                   share a batch, and FSDP shards the parameters over dp_shard x cp, which averages their gradients
 
+Expert parallelism takes no ranks of its own: `ep` divides dp_shard, whose ranks it groups by ep consecutive ones
+(torchtitan's choice), each group holding a mixture's experts once (scalelm.parallel.expert). The layout shows it
+inside dp_shard: 1x4[ep2]x1x1 is FSDP over 4 ranks, the experts split over pairs of them.
+
 At most one degree may be -1, "the rest of the world size". The strategy names of earlier configs are shorthands
 that fill in the degrees a config does not set itself: `fsdp` with `tp: 2` on 4 ranks is dp_shard 2 x tp 2.
 
@@ -28,7 +32,7 @@ from scalelm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")  # the order a layout is written in (cp only where > 1)
-SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp")
+SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp", "ep")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # a divisor of dp_shard: not a degree of the world's (module docstring)
 
     @property
     def world_size(self) -> int:
@@ -63,7 +68,10 @@ class ParallelDims:
     def layout(self) -> str:
         """dp_replicate x dp_shard x tp x pp, and x cp where cp > 1: e.g. 2x2x1x1 for HSDP on 2 nodes of 2, 1x2x1x1x2
         for FSDP 2 x CP 2 (the four-part form of the layouts without context parallelism is kept)."""
-        return "x".join(str(getattr(self, d)) for d in self.written_degrees)
+        written = {d: str(getattr(self, d)) for d in self.written_degrees}
+        if self.ep > 1:
+            written["dp_shard"] += f"[ep{self.ep}]"
+        return "x".join(written.values())
 
     @property
     def written_degrees(self) -> tuple[str, ...]:
@@ -81,6 +89,7 @@ class ParallelDims:
             "cp" if self.cp > 1 else "",
             "tp" if self.tp > 1 else "",
             "pp" if self.pp > 1 else "",
+            "ep" if self.ep > 1 else "",
         ]
         return "_".join(p for p in parts if p)
 
@@ -102,11 +111,13 @@ class ParallelDims:
 
     def groups(self, dim: str) -> list[list[int]]:
         """The ranks of every group along `dim` ("dp" = dp_replicate and dp_shard together, "dp_shard_cp" = dp_shard
-        and cp: FSDP's), each in rank order."""
-        along = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}.get(dim, (dim,))
+        and cp: FSDP's, "ep": ep consecutive ranks of dp_shard), each in rank order."""
+        along = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "ep": ()}.get(dim, (dim,))
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
+            if dim == "ep":
+                c["dp_shard"] //= self.ep
             groups.setdefault(tuple(c[d] for d in MESH_DIMS if d not in along), []).append(rank)
         return list(groups.values())
 
@@ -127,6 +138,7 @@ def shorthand_degrees(strategy: str, nodes: int, procs_per_node: int) -> dict[st
         "fsdp_tp": {"dp_shard": -1, "tp": procs_per_node},
         "pp": {"pp": -1},
         "cp": {"cp": -1},
+        "ep": {"dp_shard": -1},  # and ep = dp_shard (resolve_dims)
     }[strategy]
 
 
@@ -154,10 +166,11 @@ def check_degrees(explicit: dict[str, int | None]) -> None:
 
 
 def resolve_dims(
-    strategy: str | None, explicit: dict[str, int | None], world_size: int, procs_per_node: int
+    strategy: str | None, explicit: dict[str, int | None], world_size: int, procs_per_node: int, ep: int | None = None
 ) -> ParallelDims:
     """The layout for `world_size` ranks on nodes of `procs_per_node`: the degrees set explicitly, the strategy's
-    shorthand for the others, 1 for the rest; -1 takes what is left. Every inconsistency is a ConfigError."""
+    shorthand for the others, 1 for the rest; -1 takes what is left; `ep` (parallel.ep; -1 or the ep strategy: all of
+    dp_shard) divides dp_shard. Every inconsistency is a ConfigError."""
     check_strategy(strategy)
     check_degrees(explicit)
     if world_size % procs_per_node:
@@ -173,7 +186,7 @@ def resolve_dims(
             f"strategy 'single' runs one process, but it was started with WORLD_SIZE={world_size}; "
             "use parallel.strategy=ddp, fsdp, hsdp, tp, fsdp_tp, pp or cp (or set the degrees), or start one process"
         )
-    if strategy is None and not given and world_size > 1:
+    if strategy is None and not given and world_size > 1 and ep is None:
         raise ConfigError(
             f"started with WORLD_SIZE={world_size}, but the config sets no parallel layout (that is one process); "
             f"set parallel.strategy ({', '.join(SHORTHANDS[1:])}) or the degrees, or start one process"
@@ -196,7 +209,7 @@ def resolve_dims(
                 "change the degrees or the number of processes"
             )
         degrees[rest[0]] = world_size // known
-    dims = ParallelDims(**degrees)
+    dims = ParallelDims(**degrees, ep=expert_degree(ep, strategy, degrees["dp_shard"]))
     if dims.world_size != world_size:
         raise ConfigError(
             f"parallel: {_written(degrees)} = {dims.world_size} processes, but the world size is {world_size}; "
@@ -208,6 +221,23 @@ def resolve_dims(
             "would span nodes (it communicates in every layer); choose tp dividing the processes per node"
         )
     return dims
+
+
+def expert_degree(ep: int | None, strategy: str | None, dp_shard: int) -> int:
+    """parallel.ep against the resolved dp_shard, whose ranks it borrows: -1 (or the ep strategy, ep unset) takes
+    them all."""
+    if ep is None:
+        return dp_shard if strategy == "ep" else 1
+    if ep == 0 or ep < -1:
+        raise ConfigError(f"parallel.ep must be a positive integer or -1 (all of dp_shard), got {ep}")
+    if ep == -1:
+        return dp_shard
+    if dp_shard % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide parallel.dp_shard={dp_shard}: expert parallelism borrows its ranks "
+            "from the data-parallel shards, in groups of ep; choose an ep dividing dp_shard, or raise dp_shard"
+        )
+    return ep
 
 
 def _written(degrees: dict[str, int]) -> str:

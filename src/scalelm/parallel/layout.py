@@ -48,7 +48,8 @@ class Layout:
 
 def resolve_layout(config: Config, world_size: int, procs_per_node: int, vocab_size: int | None = None) -> Layout:
     """The config's layout on `world_size` ranks in nodes of `procs_per_node`, checked (`check_layout`)."""
-    dims = resolve_dims(config.parallel.strategy, degrees_of(config), world_size, procs_per_node)
+    options = config.parallel
+    dims = resolve_dims(options.strategy, degrees_of(config), world_size, procs_per_node, options.ep)
     layout = Layout.of(dims, config.parallel)
     check_layout(config, layout, vocab_size)
     return layout
@@ -61,6 +62,7 @@ def check_layout(config: Config, layout: Layout, vocab_size: int | None = None) 
     check_tp(dims.tp, config.model, vocab_size, options.loss_parallel, config.data.seq_len, options.sequence_parallel)
     check_pipeline(dims.pp, options, config.model)
     check_cp(dims, options, config.data.seq_len)
+    check_experts(config, dims)
     check_engine(config, dims)
     check_bf16_params(config.train.precision, dims)
     check_cpu_offload(config, dims)
@@ -92,6 +94,33 @@ def check_tp(
         raise ConfigError(
             f"parallel.loss_parallel splits the vocabulary of {vocab_size} words across parallel.tp={tp} ranks, "
             "which does not divide it; switch loss_parallel off or choose another tp"
+        )
+
+
+def check_experts(config: Config, dims: ParallelDims) -> None:
+    """A mixture of experts (model.moe) and expert parallelism (parallel.ep) against the layout."""
+    moe = config.model.moe
+    if dims.ep > 1 and moe is None:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} splits a mixture's experts over ranks, and this model has none: set model.moe "
+            "(e.g. {experts: 4, top_k: 2}), or leave parallel.ep unset"
+        )
+    if moe is None:
+        return
+    if moe.experts % dims.ep:
+        raise ConfigError(
+            f"model.moe.experts={moe.experts} is not divisible by parallel.ep={dims.ep}: every expert-parallel rank "
+            "holds an equal share of the experts; choose a multiple of ep experts, or another ep"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"model.moe balances its experts' load per sequence, and parallel.cp={dims.cp} splits every sequence "
+            "across ranks: leave parallel.cp unset for a mixture of experts, or drop model.moe"
+        )
+    if config.train.engine == "lightning":
+        raise ConfigError(
+            "model.moe is scalelm's engine only (its load-balancing loss and load measurements are not wired into "
+            "Lightning's strategy); set train.engine=scalelm, or drop model.moe"
         )
 
 

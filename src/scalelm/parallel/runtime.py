@@ -38,12 +38,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
 from scalelm.errors import ConfigError
+from scalelm.model.loss import weighted
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile, check_c_compiler
 from scalelm.parallel.context import SequenceSplit, apply_cp
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv, all_gather_object, backend_for
+from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters, reduce_expert_gradients
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
@@ -104,7 +106,7 @@ class Meshes:
     """The named sub-meshes of a layout, cut from the world mesh once (torchtitan's ParallelDims does the same):
     `dp` the data-parallel ranks (replicas x shards, flattened), `fsdp` what FSDP shards over (dp_shard, with the
     context-parallel ranks, which hold the same parameters, flattened in) and replicates over (dp_replicate, for
-    HSDP), `replicate` DDP's replicas, and the `tp`, `pp` and `cp` groups."""
+    HSDP), `replicate` DDP's replicas, the `tp`, `pp` and `cp` groups, and expert parallelism's."""
 
     dp: DeviceMesh
     fsdp: DeviceMesh
@@ -112,6 +114,7 @@ class Meshes:
     tp: DeviceMesh
     pp: DeviceMesh
     cp: DeviceMesh
+    experts: ExpertMeshes | None = None  # expert parallelism's groups (scalelm.parallel.expert); None without it
 
     @classmethod
     def of(cls, world: DeviceMesh, dims: ParallelDims) -> Meshes:
@@ -130,6 +133,7 @@ class Meshes:
             tp=world["tp"],
             pp=world["pp"],
             cp=world["cp"],
+            experts=ExpertMeshes.of(world.device_type, dims) if dims.ep > 1 else None,
         )
 
 
@@ -190,7 +194,9 @@ class Parallel:
             "name": self.name,
             "layout": self.dims.layout,
             **self.dims.to_dict(),
-            "groups": {dim: self.dims.groups(dim) for dim in ("tp", "dp", "pp", "cp")},
+            "groups": {
+                dim: self.dims.groups(dim) for dim in ("tp", "dp", "pp", "cp", "ep")[: 5 if self.dims.ep > 1 else 4]
+            },
             "node_of_rank": [node for _, node in self.hosts],
             **({"pipeline": pipeline.describe()} if pipeline else {}),
         }
@@ -257,11 +263,15 @@ class Parallel:
             apply_tp(model, self.meshes.tp, self.loss_parallel, options.sequence_parallel)
         if self.sequence_split is not None:
             apply_cp(model, self.sequence_split, self.dims.coordinates(self.env.rank)["tp"], self.dims.tp)
+        experts = self.meshes.experts
+        if experts is not None:
+            apply_ep(model, experts)
         model_options.apply(model, device)
         if self.uses_fsdp:
             # one rank frees nothing by resharding: it would only copy the weights again for the backward
             reshard = options.reshards(self.dims.pp) if self.env.world_size > 1 else bool(options.reshard_after_forward)
-            model = apply_fsdp(model, self.meshes.fsdp, self.compute_dtype, reshard, options.cpu_offload)
+            ignored = expert_parameters(model) if experts is not None else set()
+            model = apply_fsdp(model, self.meshes.fsdp, self.compute_dtype, reshard, options.cpu_offload, ignored)
         return model
 
     # ----------------------------------------------------------------------------------- the step's hooks
@@ -272,14 +282,21 @@ class Parallel:
         weighted mean loss (zero on pipeline ranks without the last stage)."""
         inputs, targets = self.local_part(inputs), self.local_part(targets)
         pipeline = pipeline_of(model)
-        if pipeline is not None:
-            with self.forward_context():  # the schedule runs the forwards (and backwards) inside
-                return pipeline.step(inputs, targets, scale, step)
-        with self.forward_context():
-            # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
-            loss = model(inputs, targets) * scale
-        loss.backward()
+        with weighted(scale):  # the weight of the model's auxiliary losses too (scalelm.model.loss)
+            if pipeline is not None:
+                with self.forward_context():  # the schedule runs the forwards (and backwards) inside
+                    return pipeline.step(inputs, targets, scale, step)
+            with self.forward_context():
+                # the model's mean cross-entropy (in fp32), fused with the output projection on CPU
+                loss = model(inputs, targets) * scale
+            loss.backward()
         return loss.detach()
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """After a step's last backward, the gradients the layout reduces itself (FSDP and DDP reduce theirs in the
+        backward): a mixture's experts' under expert parallelism."""
+        if self.meshes is not None and self.meshes.experts is not None:
+            reduce_expert_gradients(model, self.meshes.experts)
 
     def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         """Logits of this rank's part of each sequence (`local_part`) for evaluation, on the ranks that compute the

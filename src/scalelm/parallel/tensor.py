@@ -14,6 +14,9 @@ Options:
 - `loss_parallel`: the output projection is split by vocabulary and the cross-entropy computed without gathering
   the logits (torch's loss_parallel).
 
+A mixture of experts (model.moe) stays whole: every rank of a group routes and computes it alike, on the whole
+sequence (under SP gathered before it and split again after it).
+
 Embedding, norms (without SP) and the head (without loss_parallel) are replicated: every rank of a TP group computes
 them on the same activations and so gets the same gradients. A dropout on activations every rank of the group holds
 draws the same masks on all of them (their RNG states are equal); one on a rank's own slice (its heads, its FFN
@@ -28,12 +31,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from scalelm.model.architecture import BLOCK_TP_PLAN
+from scalelm.model.moe import MoE
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
@@ -48,8 +53,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         )
         plan |= {"attn": gather, "ffn": gather}
         plan |= {"norm1": SequenceParallel(use_local_output=True), "norm2": SequenceParallel(use_local_output=True)}
+    mixture_plan = {name: style for name, style in plan.items() if not name.startswith("ffn")}
+    if sequence_parallel:
+        mixture_plan["ffn"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
     for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, mixture_plan if isinstance(block.ffn, MoE) else plan)
     model.split_dropout_streams(tp_mesh.get_local_rank() + 1, sequence_parallel)  # 0 is the stream the group shares
 
     top = {}

@@ -35,6 +35,7 @@ class Trainer(Engine):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
                 loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
+        self.parallel.reduce_gradients(self.model)
         grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer_step()
         self.scheduler.step()

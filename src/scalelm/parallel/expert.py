@@ -1,0 +1,126 @@
+"""Expert parallelism: a mixture's experts split over `ep` ranks borrowed from the data-parallel shards (torchtitan's
+choice), each token sent to its experts' ranks and back by all-to-all.
+
+    ranks       dp_shard's ranks in groups of ep consecutive ones; a group holds every expert once, a rank
+                experts / ep of them (a DTensor sharded along the experts over the `ep` mesh), and each rank's
+                tokens go to whichever rank of its group holds their experts
+    dispatch    every rank tells each rank of its group how many rows it sends to each of that rank's experts (an
+                all-to-all of counts), then sends the rows (an all-to-all with those splits), which the receiver
+                groups by expert, runs through them, and sends back in the order they came (the same splits swapped)
+    gradients   the all-to-all's backward carries the gradients back, so an expert's gradient on its rank sums the
+                group's tokens; `reduce_expert_gradients` sums it over the ranks holding the same experts (the
+                other shard groups and the replicas) and divides by the data-parallel ranks, as FSDP and DDP average
+                the rest. FSDP shards everything but the experts (`expert_parameters` are its ignored parameters).
+
+Every row is computed by its expert alone and a token's outputs are summed in the order of its choices, so the
+layout changes only how rows are batched: an ep run computes what one process does (tests/test_training.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from scalelm.model.moe import GroupedExperts, mixtures
+from scalelm.parallel.dims import ParallelDims
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits, differentiable: the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, received: list[int], sent: list[int], group) -> torch.Tensor:
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        out = rows.new_empty((sum(received), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.sent, ctx.received, ctx.group), None, None, None
+
+
+def all_to_all(rows: torch.Tensor, received: list[int], sent: list[int], group) -> torch.Tensor:
+    """Send sent[r] rows (in order) to rank r of `group`, receive received[r] from each."""
+    return _AllToAll.apply(rows, received, sent, group)
+
+
+@dataclass
+class ExpertDispatch:
+    """A mixture's `dispatch` under expert parallelism: the routed rows of every expert to the rank holding it."""
+
+    group: dist.ProcessGroup
+    ranks: int  # ep
+    local_experts: int  # experts / ep
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        # counts[e]: rows of this rank for expert e; rank r of the group holds experts r x local_experts, ...
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        incoming = incoming.view(self.ranks, self.local_experts)  # [source rank, local expert]
+        sent = counts.view(self.ranks, self.local_experts).sum(dim=1).tolist()
+        received = incoming.sum(dim=1).tolist()
+        rows = all_to_all(routed, received, sent, self.group)
+        # the rows came by source rank, each source's by expert: regroup them by expert, in source order
+        expert_of_row = torch.arange(self.local_experts, device=rows.device).repeat(self.ranks)
+        by_expert = expert_of_row.repeat_interleave(incoming.flatten()).argsort(stable=True)
+        out = experts(rows[by_expert], incoming.sum(dim=0).tolist())
+        back = torch.empty_like(out).index_copy_(0, by_expert, out)
+        return all_to_all(back, sent, received, self.group)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The groups of expert parallelism: `ep` (the ranks that share their experts out) and `replicas` (those that hold
+    the same experts: the other shard groups and the data-parallel replicas, at the same place in every other
+    dimension)."""
+
+    ep: DeviceMesh
+    replicas: DeviceMesh
+    data_parallel_ranks: int  # dp_replicate x dp_shard: what the experts' summed gradients are divided by
+
+    @classmethod
+    def of(cls, device_type: str, dims: ParallelDims) -> ExpertMeshes:
+        """Cut from the world's ranks (laid out as scalelm.parallel.dims says, dp_shard = outer x ep): every rank takes
+        part in building every group, as torch requires."""
+        ranks = torch.arange(dims.world_size).view(
+            dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.cp, dims.tp
+        )
+        grid = ranks.permute(0, 4, 5, 1, 2, 3).reshape(-1, dims.dp_replicate * dims.dp_shard // dims.ep, dims.ep)
+        mesh = DeviceMesh(device_type, grid, mesh_dim_names=("elsewhere", "expert_replicas", "ep"))
+        return cls(ep=mesh["ep"], replicas=mesh["expert_replicas"], data_parallel_ranks=dims.dp_size)
+
+
+def apply_ep(model: nn.Module, meshes: ExpertMeshes) -> None:
+    """Split every mixture's experts over `meshes.ep` (a model or pipeline stage on the meta device) and send their
+    rows there."""
+    ranks = meshes.ep.size()
+    for moe in mixtures(model).values():
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.dispatch = ExpertDispatch(meshes.ep.get_group(), ranks, moe.experts_count // ranks)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The experts' parameters, in the model's order (the same on every rank: their reductions pair up)."""
+    return [p for _, moe in sorted(mixtures(model).items()) for p in moe.experts.parameters()]
+
+
+def reduce_expert_gradients(model: nn.Module, meshes: ExpertMeshes) -> None:
+    """After a step's last backward: each expert's gradient summed over the ranks holding it and divided by the
+    data-parallel ranks, the average FSDP gives the other parameters."""
+    group = meshes.replicas.get_group() if meshes.replicas.size() > 1 else None
+    for param in expert_parameters(model):
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        grad.div_(meshes.data_parallel_ranks)
