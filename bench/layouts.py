@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scalelm.config import ModelConfig  # noqa: E402
+from scalelm.config import from_dict  # noqa: E402
 from scalelm.model.architecture import flops_per_token  # noqa: E402
 from scalelm.model.transformer import (
     TransformerLM,  # noqa: E402
@@ -52,6 +52,10 @@ MODELS: dict[str, dict[str, Any]] = {
     # a long sequence of a small model, where context parallelism pays
     "long4k": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "max_seq_len": 4096},
                "seq_len": 4096, "batch": 1},
+    # the course model with a mixture of 4 experts of half the FFN's width, top 2, in each block: the dense model's
+    # active parameters per token (bench/moe.py)
+    "course_moe": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048,
+                             "moe": {"experts": 4, "top_k": 2, "d_ff": 1024}}, "seq_len": 32, "batch": 128},
 }  # fmt: skip
 PROFILED = 2  # the last steps, under the profiler for the communication share
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
@@ -65,6 +69,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
     "fsdp_tp_2x2": (4, {"strategy": "fsdp", "tp": 2}),
     "cp": (2, {"strategy": "cp"}),
     "cp_contiguous": (2, {"strategy": "cp", "cp_load_balance": False}),
+    "ep": (2, {"strategy": "ep"}),  # a mixture's experts over dp_shard's 2 ranks (model course_moe)
 }
 
 
@@ -163,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prepared = make_prepared(Path(tmp) / "prepared")
         for model in args.models.split(","):
-            config = ModelConfig(**MODELS[model]["model"])
+            config = from_dict({"model": MODELS[model]["model"]}).model
             params = count_parameters(TransformerLM(config, VOCAB))
             flops = flops_per_token(config, VOCAB, MODELS[model]["seq_len"])
             print(f"{model}: {params / 1e6:.1f} M parameters, {flops / 1e6:.0f} MFLOP per token", flush=True)

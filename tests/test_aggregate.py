@@ -30,10 +30,12 @@ from scalelm.train.rundir import RunDir
 
 
 def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_time=0.1, tokens_per_step=512,
-             test_loss=5.0, peak_mem_mb=100.0, hour=10, numpy="2.4.6", threads="2", other_cores=None):  # fmt: skip
+             test_loss=5.0, peak_mem_mb=100.0, hour=10, numpy="2.4.6", threads="2", other_cores=None,
+             moe=False):  # fmt: skip
     """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
     `step_time` long, validation at steps 10 and 20; with `other_cores`, its host's load: 2 CPUs, the run's ranks
-    busy on 1.9 of them, other work on `other_cores`."""
+    busy on 1.9 of them, other work on `other_cores`; with `moe`, a mixture of 4 experts whose load evens out (from
+    3 to 1.2 times the mean, tokens per expert), its all-to-all a fifth of the profiled steps."""
     run = RunDir.of(results, experiment, seed)
     run.path.mkdir(parents=True)
     lines = []
@@ -53,6 +55,9 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
                     "loss": 7.0 - 0.1 * step,
                 }
             )
+    if moe:
+        for line in (line for line in lines if line["kind"] == "train"):
+            line |= {"aux_loss": 1.0 + 0.1 / line["step"], "expert_load_max_over_mean": 1.0 + 4.0 / line["step"]}
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run.identity.write_text(json.dumps({"settings": {"seed": seed, "batch": {"mode": mode}}, "world_size": world_size}))
     record = {
@@ -73,6 +78,13 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             "peak_flops_per_device": None, "flops_per_token": 6000, "final_train_loss": 6.0, "validation": {"loss": 5.5},
         },
     }  # fmt: skip
+    if moe:
+        record["config"]["model"] = {"moe": {"experts": 4, "top_k": 2}}
+        record["results"] |= {
+            "parameters": {"total": 3000, "active": 2000},
+            "experts": {"aux_loss": 1.005, "expert_load_max_over_mean": 1.5, "expert_token_share": [0.25] * 4},
+            "comm": {"share": 0.5, "all_to_all_share": 0.2},
+        }
     if other_cores is not None:
         record["host_load"] = {f"{experiment}-{seed}": {"cpus": 2, "busy_cores": 1.9 + other_cores, "run_cores": 1.9,
                                                         "other_cores": other_cores}}  # fmt: skip
@@ -133,6 +145,26 @@ def test_two_seeds_give_one_row_per_run_and_mean_std_min_max_per_experiment(tmp_
     assert "| single | strong | 1 | 2 | 4608 ± 724.1 (4096–5120) |" in summary
     for png in ("loss_vs_tokens.png", "loss_vs_time.png", "scaling.png", "utilisation.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_mixture_of_experts_shows_its_load_balance_and_all_to_all_beside_the_dense_runs(tmp_path):
+    dense, moe = fake_run(tmp_path, "dense", 1), fake_run(tmp_path, "moe_ep", 1, world_size=2, moe=True)
+    aggregate([dense], tmp_path / "dense")
+    assert "## Mixture of experts" not in (tmp_path / "dense/summary.md").read_text()  # no mixture, no section
+
+    out = tmp_path / "summary"
+    aggregate([dense, moe], out)
+    rows = {r["experiment"]: r for r in read_csv(out / "summary.csv")}
+    figures = ("experts", "params_total", "params_active", "aux_loss", "expert_load_max_over_mean", "all_to_all_share")
+    assert [rows["moe_ep"][f] for f in figures] == ["4", "3000", "2000", "1.005", "1.5", "0.2"]
+    assert [rows["dense"][f] for f in figures] == [""] * 6  # an older run.json: no parameters recorded either
+    by_name = {r["experiment"]: r for r in read_csv(out / "summary_by_experiment.csv")}
+    assert float(by_name["moe_ep"]["expert_load_max_over_mean_mean"]) == 1.5 and by_name["moe_ep"]["experts"] == "4"
+    summary = (out / "summary.md").read_text()
+    section = summary.split("## Mixture of experts")[1].split("\n## ")[0]
+    assert "| moe_ep | 1 | 2x1x1x1 | 2 | 4 | 3000 | 2000 | 5120 | 0.5 | 0.2 | 1.5 | 1.005 | 5 |" in section
+    assert "| dense | 1 | 1x1x1x1 | 1 |  |  |  | 5120 |  |  |  |  | 5 |" in section
+    assert (out / "experts.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):

@@ -36,6 +36,8 @@ OTHER_EXPERIMENTS = (
     "3d",
     "cp",
     "cp_long",
+    "moe",
+    "moe_ep",
 )
 
 

@@ -208,20 +208,22 @@ def test_slurm_style_signal_to_the_whole_job_checkpoints_exits_75_and_resumes_bi
 TRIALS = 10
 
 
-# Every layout writes and reads the same DCP checkpoint; FSDP's is the sharded case. One stop of DDP, TP and FSDP x TP
-# each: tests/test_training.py.
-@pytest.mark.parametrize("strategy", ["fsdp"])
+# Every layout writes and reads the same DCP checkpoint; expert parallelism's is the most sharded case: FSDP's shards
+# of the dense parameters and the experts split over ep. One stop of DDP, TP and FSDP x TP each: tests/test_training.py.
+@pytest.mark.parametrize("strategy", ["ep"])
 def test_ten_preemptions_at_random_steps_end_bitwise_equal_to_an_uninterrupted_run(tiny_config, tmp_path, strategy):
     """One run stopped ten times, at random steps, by the signal Slurm sends; each restart resumes where it stopped.
 
-    Dropout on, 2 ranks: the weights, optimizer, schedule, data position and every rank's RNG must all be restored
-    for the final weights to be bitwise equal. SCALELM_TRIAL_SEED replays a failing draw.
+    Dropout on, 2 ranks of a mixture of experts (FSDP over both, each holding 2 of the 4 experts): the weights,
+    optimizer, schedule, data position and every rank's RNG must all be restored for the final weights to be bitwise
+    equal. SCALELM_TRIAL_SEED replays a failing draw.
     """
     seed = int(os.environ.get("SCALELM_TRIAL_SEED", time.time_ns() % 100_000))
     targets = sorted(random.Random(seed).sample(range(2, 110), TRIALS))
     settings = {
         "model__dropout": 0.1,
         "parallel__strategy": strategy,
+        "model__moe": {"experts": 4, "top_k": 2},
         "train__max_steps": 120,
         "checkpoint__every": 1000,
     }

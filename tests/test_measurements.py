@@ -1,5 +1,6 @@
 """What the speed figures rest on: steady state after warm-up, isolation of timed runs, peak FLOP/s and MFU."""
 
+import copy
 import json
 import mmap
 import os
@@ -14,15 +15,18 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from torch import nn
 
 from conftest import board_scalars, run_dir_of, run_train
-from scalelm.config import ModelConfig
+from scalelm.config import ModelConfig, MoEConfig
 from scalelm.data.prepared import load_prepared
 from scalelm.measure import peak
-from scalelm.measure.comm import clip, union_seconds
+from scalelm.measure.comm import CommProfile, clip, union_seconds
+from scalelm.measure.experts import ExpertLoad
 from scalelm.measure.hostload import HostLoad
 from scalelm.measure.instruments import Instruments
-from scalelm.model.architecture import flops_per_token
+from scalelm.model.architecture import flops_per_token, parameter_counts
+from scalelm.model.moe import MoE
 from scalelm.report.timing import default_warmup, overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, summarise
 from scalelm.train.record import read_metrics
@@ -55,6 +59,106 @@ def test_collective_time_counts_overlapping_collectives_once_and_only_inside_the
     assert union_seconds(collectives) == 7.0
     assert clip(collectives, steps) == [(0.5, 2.0), (1.0, 3.0), (9.0, 10.0)]
     assert union_seconds(clip(collectives, steps)) == 3.5
+
+
+def profiled_event(name, start_us, end_us, device="CPU", id=0, linked=0, parent=None):
+    """One of the profiler's events, as scalelm.measure.comm reads them."""
+    return SimpleNamespace(
+        name=name,
+        time_range=SimpleNamespace(start=start_us, end=end_us),
+        device_type=SimpleNamespace(name=device),
+        id=id,
+        linked_correlation_id=linked,
+        cpu_parent=parent,
+    )
+
+
+def test_the_all_to_all_is_counted_apart_on_gloo_and_on_nccl():
+    """gloo names it; NCCL's all-to-all runs in the send and receive kernel a pipeline's transfers use too, told
+    apart by the collective that launched it."""
+    steps = [profiled_event("scalelm:train_step", 0, 1000), profiled_event("scalelm:train_step", 2000, 3000)]
+    gloo = CommProfile(2, 2, 0, torch.device("cpu"), True).summarise(
+        [
+            *steps,
+            profiled_event("gloo:all_to_all", 100, 300),
+            profiled_event("gloo:all_to_all", 2100, 2200),
+            profiled_event("gloo:all_reduce", 200, 500),
+        ]
+    )
+    assert gloo["share"] == pytest.approx(0.25) and gloo["all_to_all_share"] == pytest.approx(0.15)
+    assert gloo["all_to_all_s_per_step"] == pytest.approx(150e-6)
+    assert set(gloo["ops_s_per_step"]) == {"gloo:all_to_all", "gloo:all_reduce"}
+
+    exchange = profiled_event("nccl:all_to_all", 90, 95, id=7)
+    launch = profiled_event("record_param_comms", 91, 94, id=8, parent=exchange)
+    send = profiled_event("nccl:send 0->1", 2050, 2060, id=9)
+    kernel = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    nccl = CommProfile(2, 2, 0, torch.device("cuda"), True).summarise(
+        [
+            *steps,
+            exchange,
+            launch,
+            send,
+            profiled_event(kernel, 100, 400, "CUDA", linked=8),
+            profiled_event(kernel, 2100, 2300, "CUDA", linked=9),
+        ]
+    )
+    assert set(nccl["ops_s_per_step"]) == {"nccl:all_to_all", kernel}
+    assert nccl["share"] == pytest.approx(0.25) and nccl["all_to_all_share"] == pytest.approx(0.15)
+
+
+def stage_of(config: ModelConfig, blocks: list[int]) -> nn.Module:
+    """A pipeline stage's mixtures as scalelm.model.moe.mixtures finds them: blocks.<i>.ffn, i their index in the
+    whole model."""
+    stage = nn.Module()
+    stage.blocks = nn.ModuleDict({str(i): nn.Module() for i in blocks})
+    for i in blocks:
+        stage.blocks[str(i)].ffn = MoE(config.d_model, config.d_ff, config.moe, config.n_layers)
+    return stage
+
+
+def test_the_experts_load_and_aux_loss_are_summed_over_stages_and_counted_once_per_tensor_parallel_group():
+    """Four ranks in one reduction: a pipeline's two stages (blocks 0-1, block 2), each on a tensor-parallel group of
+    two, whose ranks route the same tokens; the sum of their `take` is what the engine's all-reduce gives."""
+    config = ModelConfig(d_model=8, n_heads=2, n_layers=3, d_ff=16, moe=MoEConfig(experts=4, top_k=2))
+    assert ExpertLoad.of(stage_of(config, [0]), ModelConfig(n_layers=1), 1, {}) is None  # dense: nothing measured
+    micro_batches = {  # per block: each micro-batch's tokens per expert and aux loss
+        0: [([2, 2, 2, 2], 1.0), ([2, 2, 2, 2], 1.2)],  # even: 1
+        1: [([4, 2, 1, 1], 1.4), ([4, 2, 1, 1], 1.6)],  # 8 / mean 4: 2, the worst layer
+        2: [([3, 1, 3, 1], 1.1), ([3, 1, 3, 1], 1.3)],  # 1.5
+    }
+    totals = [{} for _ in range(4)]  # each rank's TrainerState.experts
+    ranks = [ExpertLoad.of(stage_of(config, b), config, 2, t) for b, t in zip(([0, 1], [0, 1], [2], [2]), totals)]
+
+    def interval(steps: int) -> dict:
+        for rank in ranks:
+            for layer, moe in rank.local.items():
+                for counts, aux in micro_batches[layer]:
+                    moe.count(torch.tensor(counts, dtype=torch.float), torch.tensor(aux))
+        taken = [rank.take(torch.device("cpu")) for rank in ranks]
+        assert {len(t) for t in taken} == {2 + 3 * 4}  # one length on every rank, whichever blocks it holds
+        summed = torch.stack(taken).sum(dim=0).tolist()
+        return [rank.interval(summed, steps) for rank in ranks][0]
+
+    first = interval(steps=2)
+    assert first["aux_loss"] == pytest.approx((1.0 + 1.2 + 1.4 + 1.6 + 1.1 + 1.3) / 6)
+    assert first["expert_load_max_over_mean"] == pytest.approx(2.0)
+    assert all(not rank.take(torch.device("cpu")).any() for rank in ranks)  # taken: counted once
+    micro_batches[1] = [([2, 2, 2, 2], 1.0)] * 2
+    micro_batches[2] = [([2, 2, 2, 2], 1.0)] * 2
+    assert interval(steps=1)["expert_load_max_over_mean"] == pytest.approx(1.0)
+
+    results = ranks[0].results()
+    assert results["layers"] == [0, 1, 2] and results["experts"] == 4 and results["steps"] == 3
+    assert results["aux_loss"] == pytest.approx((1.0 + 1.2 + 1.0 * 4) / 6)  # the last interval's
+    assert results["expert_load_max_over_mean"] == pytest.approx((2.0 * 2 + 1.0 * 1) / 3)  # over the steps
+    # tokens per expert over the run, the TP copies counted once: block 0 (8, 8, 8, 8), 1 (12, 8, 6, 6), 2 (10, 6, 10, 6)
+    assert totals[0]["counts"] == [[8.0] * 4, [12.0, 8.0, 6.0, 6.0], [10.0, 6.0, 10.0, 6.0]]
+    assert results["expert_token_share_per_layer"]["1"] == pytest.approx([12 / 32, 8 / 32, 6 / 32, 6 / 32])
+    assert results["expert_token_share"] == pytest.approx([30 / 96, 22 / 96, 24 / 96, 20 / 96])
+    # a resumed run starts from its checkpointed totals (the state's, as torch.save keeps them): the run's whole
+    resumed = ExpertLoad.of(stage_of(config, [0, 1]), config, 2, copy.deepcopy(totals[0]))
+    assert resumed.results() == results
 
 
 def test_runs_overlap_only_when_they_share_a_host_at_the_same_time():
@@ -197,6 +301,9 @@ def test_training_reports_mfu_against_the_device_peak_in_metrics_and_run_json(ti
     for line in (m for m in read_metrics(run_dir) if m["kind"] == "train"):
         assert line["mfu"] == pytest.approx(per_token * line["tokens_per_s"] / 1e9)
         assert 0 < line["data_share"] < 1  # host time producing batches, a share of the interval's training time
+        assert "aux_loss" not in line and "expert_load_max_over_mean" not in line  # a dense model: no experts
+    assert results["experts"] is None
+    assert results["parameters"] == parameter_counts(ModelConfig(**settings["model"]), vocab)  # total == active
     assert results["mfu"] == pytest.approx(per_token * results["tokens_per_s"] / 1e9)
     assert [step for step, _ in board_scalars(run_dir, "train/mfu")] == [2, 4, 6]
     assert [step for step, _ in board_scalars(run_dir, "validation/loss")]  # evaluations too

@@ -2,9 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scalelm.config import ModelConfig
+from scalelm.config import ModelConfig, MoEConfig
+from scalelm.model.architecture import parameter_counts, parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
 from scalelm.model.loss import IGNORE_INDEX
+from scalelm.model.moe import mixtures
 from scalelm.model.transformer import TransformerLM, count_parameters
 
 
@@ -115,3 +117,64 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_scaled_as_f_dropo
     assert torch.equal(x.grad, kept * scale)
     drop.eval()
     assert torch.equal(drop(x), x)
+
+
+# ----------------------------------------------------------------------------------------- mixture of experts
+MOE = ModelConfig(d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=0.0, moe=MoEConfig(experts=4, top_k=2))
+
+
+def test_a_mixture_is_causal_routes_ties_to_the_lower_expert_and_declares_its_parameters():
+    """The future changes no earlier output beyond float rounding (a changed token reroutes later rows, which changes
+    how the experts' rows are batched, not what any earlier row computes); equal router scores go to the lower
+    experts; the built parameters are those scalelm.model.architecture declares, total and active."""
+    torch.manual_seed(0)
+    model = TransformerLM(MOE, vocab_size=50).eval()
+    tokens = torch.randint(0, 50, (2, 12))
+    changed = tokens.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % 50
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[:, :8], model(changed)[:, :8], rtol=0, atol=1e-5)
+    assert [name for name, _ in model.named_parameters()] == [p.name for p in parameters(MOE, 50)]
+    counts = parameter_counts(MOE, 50)
+    expert = sum(p.numel() for p in model.blocks["0"].ffn.experts.parameters()) // 4
+    assert counts["total"] == count_parameters(model) and counts["active"] == counts["total"] - 2 * 2 * expert
+
+    moe = model.blocks["0"].ffn
+    with torch.no_grad():
+        moe.router.weight.zero_()  # every score equal
+    seen = []
+    moe.dispatch = lambda rows, counts, experts: seen.append(counts.tolist()) or experts(rows, counts.tolist())
+    with torch.no_grad():
+        moe(torch.randn(1, 5, 32))
+    assert seen == [[5, 5, 0, 0]]
+
+
+def _imbalance_after_training(aux_loss_coef: float) -> float:
+    """Tokens per expert, max over mean, over the last 10 of 40 AdamW steps of a mixture on random tokens."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        d_model=32,
+        n_heads=2,
+        n_layers=1,
+        d_ff=64,
+        dropout=0.0,
+        moe=MoEConfig(experts=8, top_k=1, aux_loss_coef=aux_loss_coef),
+    )
+    model = TransformerLM(config, vocab_size=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.randint(0, 64, (40, 8, 17), generator=torch.Generator().manual_seed(1)) % 16  # a skewed vocabulary
+    load = torch.zeros(8)
+    for step, batch in enumerate(data):
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        counts, _, _ = mixtures(model)[0].take_load()
+        if step >= 30:
+            load += counts
+    return (load.max() / load.mean()).item()
+
+
+def test_the_load_balancing_loss_evens_the_tokens_per_expert():
+    """Against coefficient 0, a coefficient of 0.1 measurably evens the tokens the experts get."""
+    unbalanced, balanced = _imbalance_after_training(0.0), _imbalance_after_training(0.1)
+    assert balanced < unbalanced - 0.3 and balanced < 1.5, (balanced, unbalanced)

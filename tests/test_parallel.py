@@ -166,3 +166,36 @@ def test_dropout_masks_are_shared_within_a_tp_group_and_differ_across_streams():
     assert not torch.equal(shared, own) and torch.equal(after, after_own)
     assert not torch.equal(shared, other_rank)  # another data-parallel rank (another seed)
     assert 0.45 < own.float().mean() < 0.55
+
+
+MOE = ["model.moe={experts: 4, top_k: 2}"]
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallel.ep=2", "parallel.dp_shard=2"], 2, "parallel.ep=2 splits a mixture's experts over ranks, and this model has none: set model.moe"),
+        ([*MOE, "parallel.ep=3", "parallel.dp_shard=4"], 4, "parallel.ep=3 does not divide parallel.dp_shard=4"),
+        (["model.moe={experts: 3, top_k: 1}", "parallel.strategy=ep"], 2, "model.moe.experts=3 is not divisible by parallel.ep=2"),
+        ([*MOE, "parallel.ep=0", "parallel.dp_shard=2"], 2, "parallel.ep must be a positive integer or -1"),
+        ([*MOE, "parallel.cp=2"], 2, "model.moe balances its experts' load per sequence, and parallel.cp=2"),
+        ([*MOE, "parallel.strategy=ddp", "train.engine=lightning"], 2, "model.moe is scalelm's engine only"),
+        (["model.moe={experts: 2, top_k: 3}"], 1, "model.moe.top_k=3 exceeds model.moe.experts=2"),
+        (["model.moe={every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),
+        (["model.moe={aux_loss_coef: -0.1}"], 1, "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive"),
+        (["model.moe={expert: 4}"], 1, "unknown setting 'model.moe.expert'; did you mean 'model.moe.experts'"),
+    ],
+)  # fmt: skip
+def test_a_mixture_or_expert_layout_that_cannot_run_is_refused_by_name(overrides, world, message):
+    """Each refused before any process group exists (the workflow resolves every experiment's layout before queueing
+    a job: scalelm.study.experiments)."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        resolve_layout(load_config(None, overrides), world, world)
+
+
+def test_expert_parallelism_borrows_consecutive_shard_ranks_and_says_so_in_the_layout():
+    dims = resolve_dims(None, {**NONE, "dp_shard": 4, "tp": 2}, 8, 8, ep=2)
+    assert (dims.layout, dims.name, dims.world_size) == ("1x4[ep2]x2x1", "fsdp_tp_ep", 8)
+    assert dims.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # tp innermost, then ep inside dp_shard
+    assert resolve_dims("ep", NONE, 2, 2).layout == "1x2[ep2]x1x1"
+    assert resolve_dims(None, {**NONE, "dp_shard": 4}, 4, 4, ep=-1).ep == 4

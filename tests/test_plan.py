@@ -11,23 +11,39 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from snakemake.utils import validate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import REPO
-from scalelm.config import Config, load_config
+from scalelm.config import Config, MoEConfig, from_dict, load_config
 from scalelm.errors import ConfigError
-from scalelm.model.architecture import BLOCK_TP_PLAN, flops_per_token, parameters
+from scalelm.model.architecture import BLOCK_TP_PLAN, flops_per_token, parameter_counts, parameters
 from scalelm.model.transformer import TransformerLM, count_parameters
+from scalelm.parallel.data import apply_fsdp
 from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters
+from scalelm.parallel.layout import resolve_layout
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
-from scalelm.plan.layouts import Machine, smallest_fsdp
-from scalelm.plan.memory import Workload, block_bytes_per_token, in_flight, plan_memory
+from scalelm.plan.layouts import Machine, candidates, smallest_fsdp
+from scalelm.plan.memory import (
+    Workload,
+    block_bytes_per_token,
+    held,
+    in_flight,
+    moe_block_bytes_per_token,
+    plan_memory,
+)
 from scalelm.plan.steptime import Speeds, efficiency, predict, stage_work
 from scalelm.selftest import write_corpus
+from scalelm.site import SiteConfig
 from scalelm.study import preflight
-from scalelm.study.experiments import apply_local_overlay, load_matrix
+from scalelm.study.experiments import Experiment, apply_local_overlay, load_matrix
+from scalelm.study.plan_check import plan_experiment
 from scalelm.study.settings import load_study
 from scalelm.study.workflow import Study
 from scalelm.train.record import Results, RunRecord, write_record
@@ -39,6 +55,14 @@ COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config
 def settings(*assignments: str) -> list[str]:
     """One `--set` flag per assignment."""
     return [word for assignment in assignments for word in ("--set", assignment)]
+
+
+MIXTURE = "model.moe={experts: 8, top_k: 2, d_ff: 1024}"  # config/config.yaml's moe experiment
+
+
+def mixture_work(*changes: str, device: str = "cuda") -> Workload:
+    """The course model with a mixture of 8 experts in every block (`changes`: more settings)."""
+    return Workload(load_config(None, ["model.n_layers=4", MIXTURE, *changes]), 28785, device)
 
 
 SEVEN_B = [
@@ -98,6 +122,176 @@ def test_sharding_divides_the_state_and_schedules_and_options_change_the_activat
     assert (
         plan_memory(replace(work, device="cpu"), ParallelDims()).bytes["activations"] < single.bytes["activations"] * 2
     )
+
+
+@pytest.mark.parametrize("moe", [MoEConfig(experts=4, top_k=2), MoEConfig(experts=6, top_k=1, every=2, d_ff=48)])
+def test_a_mixtures_parameters_are_those_its_architecture_declares(moe):
+    """A mixture's router and stacked experts, built as declared (names, order, shapes); in all as many as the model
+    has, and per token its router and top_k experts."""
+    model = replace(Config().model, d_model=32, n_heads=2, n_layers=2, d_ff=64, moe=moe)
+    built = TransformerLM(model, 100)
+    assert [(p.name, p.shape) for p in parameters(model, 100)] == [
+        (n, tuple(p.shape)) for n, p in built.named_parameters()
+    ]
+    counts = parameter_counts(model, 100)
+    experts = sum(p.numel() for n, p in built.named_parameters() if ".experts." in n)
+    assert counts["total"] == count_parameters(built)
+    assert counts["active"] == counts["total"] - experts * (moe.experts - moe.top_k) // moe.experts
+
+
+@pytest.fixture
+def fake_world():
+    """Rank 0 of four, all in this process (the fake backend: collectives do nothing, shapes are real)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "dims", [ParallelDims(dp_shard=4, ep=2), ParallelDims(dp_shard=4, ep=4), ParallelDims(dp_shard=4)]
+)
+def test_the_plan_holds_what_expert_parallelism_and_fsdp_leave_on_a_rank(fake_world, dims):
+    """Split as scalelm.parallel.runtime splits it (the experts over ep, FSDP over dp_shard ignoring them under ep;
+    with ep 1 FSDP shards the experts too), a rank's tensors have the elements the plan counts, tensor by tensor,
+    and its state is 16 bytes each."""
+    config = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.moe={experts: 4}"])
+    with torch.device("meta"):
+        model = TransformerLM(config.model, 100)
+    ignored = set()
+    if dims.ep > 1:
+        apply_ep(model, ExpertMeshes.of("cpu", dims))
+        ignored = set(expert_parameters(model))
+    model = apply_fsdp(model, init_device_mesh("cpu", (4,)), torch.float32, True, False, ignored)
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
+    declared = {t.name: held(t, dims) for t in parameters(config.model, 100)}
+    assert local == declared
+    assert plan_memory(Workload(config, 100), dims).state == 16 * sum(local.values())
+
+
+def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
+    """FSDP over 8 with ep 1 shards the experts 8 ways; with ep 4 a rank holds a quarter of them whole and the dense
+    parameters as before; a mixture's block keeps its routed rows, the experts' hidden activation and the router's
+    probabilities in place of the FFN's; the all-to-all's rows in flight and bf16 expert copies come on top."""
+    work = mixture_work()
+    model = work.config.model
+    experts = sum(t.numel() for t in parameters(model, 28785) if t.expert)
+    fsdp, ep = plan_memory(work, ParallelDims(dp_shard=8)), plan_memory(work, ParallelDims(dp_shard=8, ep=4))
+    assert ep.expert_bytes["params"] == 4 * experts // 4 and ep.expert_bytes["optimizer"] == 8 * experts // 4
+    assert fsdp.expert_bytes["params"] == 4 * experts // 8  # 8 experts, 1 per FSDP rank
+    assert ep.state - ep.expert_state == fsdp.state - fsdp.expert_state  # the dense parameters alike
+    assert ep.to_dict()["expert_bytes"] == ep.expert_bytes and ep.mb()["expert_state"] == ep.expert_state / 2**20
+    tokens, d, c, g, n, e = fsdp.micro_batch_tokens, 128, 2, 1024, 8, 2
+    moe, _ = moe_block_bytes_per_token(work, ParallelDims())
+    assert moe == e * (2 * d + 2 * d + 4 * d + c * (2 * d + g)) + 2 * d + 4 * n + 32 * c  # a GPU's dropout masks
+    dense = plan_memory(replace(work, config=load_config(None, ["model.n_layers=4"])), ParallelDims(dp_shard=8))
+    per_block, _ = block_bytes_per_token(work, ParallelDims())
+    assert fsdp.bytes["activations"] - dense.bytes["activations"] == int(4 * tokens * (moe - per_block))
+    copies = 4 * (experts // 4 // 4) * e  # each mixture's quarter of the experts cast to bf16, kept for the backward
+    assert ep.bytes["activations"] == fsdp.bytes["activations"] + copies
+    # the all-to-all's rows in flight (FSDP's largest unit, the head, the same in both)
+    assert ep.bytes["buffers"] == fsdp.bytes["buffers"] + 2 * tokens * c * d * e
+    assert dense.expert_bytes is None and "expert_bytes" not in dense.to_dict() and "expert_state" not in dense.mb()
+
+
+def test_expert_parallelisms_all_to_alls_and_gradients():
+    """Per mixture and pass: the counts, then the rows there and back; backward their gradients; (ep - 1)/ep of every
+    row leaves the rank (uniform routing). The experts' gradients are all-reduced over their replicas, FSDP moves
+    only the dense parameters; checkpointing runs the forward's all-to-alls again."""
+    work = mixture_work("batch.size=16")
+    tokens, d, c, e, blocks, ep = 16 * 32, 128, 2, 2, 4, 2
+    flows = {f.collective: f for f in traffic(work, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
+    counts, there, back = (
+        flows[f"all-to-all {name}"]
+        for name in ("row counts (EP)", "dispatch and combine (EP, forward)", "gradients (EP, backward)")
+    )
+    rows = blocks * tokens * c * d * e  # every mixture's routed rows, one way
+    assert there.bytes == back.bytes == 2 * rows * (ep - 1) // ep and there.messages == back.messages == 2 * blocks
+    assert (counts.bytes, counts.messages) == (blocks * 8 * 8 // 2, blocks)  # 8 experts' int64 counts
+    assert {there.op, there.dim, there.link, there.overlaps} == {"all_to_all", "ep", INTRA, None}
+    replicas = flows["all-reduce expert gradients (EP replicas)"]
+    experts = sum(held(t, ParallelDims(dp_shard=4, ep=ep)) for t in parameters(work.config.model, 28785) if t.expert)
+    assert replicas.bytes == int(2 * 1 / 2 * experts * 4) and replicas.messages == 4 * blocks
+    dense = {f.collective: f for f in traffic(work, ParallelDims(dp_shard=4), gpus_per_node=4)}
+    gathered = "all-gather weights (FSDP forward)"
+    every_expert = sum(t.numel() for t in parameters(work.config.model, 28785) if t.expert)
+    assert flows[gathered].bytes == pytest.approx(dense[gathered].bytes - 3 / 4 * every_expert * e, abs=2)  # none
+    assert not any("EP" in name for name in dense)
+    whole = {f.collective for f in traffic(work, ParallelDims(dp_shard=4, ep=4), gpus_per_node=4)}
+    assert "all-reduce expert gradients (EP replicas)" not in whole  # every rank's experts its own
+    recomputed = replace(work, activation_checkpointing="full")
+    again = {f.collective: f for f in traffic(recomputed, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
+    assert again["all-to-all gradients (EP, backward)"].bytes == 2 * back.bytes
+    assert again["all-to-all row counts (EP)"].messages == 2 * blocks
+
+
+def test_the_step_time_prices_a_mixtures_experts_and_all_to_alls():
+    """The matrix products of the experts a token goes through (MFU's FLOPs), and each all-to-all waited for at the
+    baseline's all-to-all figures, else its all-gather's."""
+    work = mixture_work("batch.mode=global", "batch.size=64")
+    config, tokens = work.config, 64 * work.config.data.seq_len
+    flops, _ = stage_work(work, ParallelDims())[0]
+    assert flops == flops_per_token(config.model, 28785, config.data.seq_len) * tokens
+    curves = {"all_reduce": [(4096, 1.0), (2**26, 20.0)], "all_gather": [(4096, 0.5), (2**26, 10.0)]}
+    speeds = Speeds(100.0, 1000.0, {INTRA: curves})
+    assert speeds.bus_gbps(INTRA, "all_to_all", 2**26) == 10.0
+    dims = ParallelDims(dp_shard=4, ep=4)
+    step = predict(work, dims, 4, speeds)
+    exchanged = [f for f in traffic(work, dims, 4) if f.op == "all_to_all"]
+    seconds = sum(f.bytes / (speeds.bus_gbps(INTRA, "all_gather", f.message_bytes) * 1e9) for f in exchanged)
+    assert len(exchanged) == 3 and step.all_to_all_s == pytest.approx(seconds) and step.to_dict()["all_to_all_s"] > 0
+    assert predict(work, ParallelDims(dp_shard=4), 4, speeds).all_to_all_s == 0.0
+
+
+def test_the_ladder_has_expert_parallelism_for_a_mixture_only(capsys):
+    """ep as wide as a node's GPUs and the experts allow, FSDP over every GPU; none for a dense model or where no ep
+    above 1 divides both; the config's own ep planned beside."""
+    machine = Machine(2, 4, 40)
+    assert [c for c in candidates(machine) if c.name == "ep"] == []
+    assert [c.dims for c in candidates(machine, 6) if c.name == "ep"] == [ParallelDims(dp_shard=8, ep=2)]
+    assert [c for c in candidates(machine, 3) if c.name == "ep"] == []
+    layouts = plan_json(
+        capsys, *COURSE, "--set", MIXTURE, *JURECA, "--set", "parallel.dp_shard=-1", "--set", "parallel.ep=2"
+    )
+    assert layouts["ep"]["layout"] == "1x8[ep4]x1x1" and layouts["ep"]["strategy"] is None
+    assert layouts["configured"]["layout"] == "1x8[ep2]x1x1"
+    assert layouts["ep"]["expert_bytes"]["params"] < layouts["single"]["expert_bytes"]["params"]
+    assert "cp" not in layouts  # refused with a mixture, by check_layout
+    plan_main([*COURSE, "--set", MIXTURE, "--nodes", "1", "--gpus-per-node", "4", "--gpu-memory-gb", "40"])
+    out = capsys.readouterr().out
+    assert "(expert state)" in out and "ep: expert parallelism's all-to-alls send" in out
+    assert re.search(r"ep +ep +1x4\[ep4\]x1x1", out) and "M active per token; 8 experts of width 1024" in out
+    # without speeds, where one GPU is too small: ep where it sends fewer bytes than FSDP's gathers of every expert
+    # (large experts, few tokens), FSDP where the routed rows outweigh the experts (the course model's 16,384 tokens)
+    wide = ["--set", "model.d_model=1024", "--set", "model.n_heads=8", "--set", "model.d_ff=4096"]
+    few = ["--set", "data.seq_len=256", "--set", "model.max_seq_len=256", "--set", "batch.size=1"]
+    node = ["--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "16"]
+    many = plan_json(capsys, "--vocab-size", "32000", *wide, "--set", "model.moe={experts: 64}", *few, *node)
+    assert many["ep"]["recommended"] and not many["single"]["fits"] and "fewer bytes" in many["ep"]["reason"]
+    course = plan_json(
+        capsys, *COURSE, "--set", MIXTURE, "--nodes", "1", "--gpus-per-node", "4", "--gpu-memory-gb", "7"
+    )
+    assert not course["single"]["fits"] and course["ep"]["fits"] and course["fsdp_no_reshard"]["recommended"]
+
+
+def test_a_mixtures_experiment_is_planned_and_wired_like_any_other():
+    """An ep experiment: planned on its GPUs with its experts' share, and checked before the queue against one
+    process of the same mixture with its degrees (ep included) spelt out."""
+    config = load_config(None, ["model.n_layers=4", MIXTURE, "parallel.strategy=ep"])
+    layout = resolve_layout(config, 2, 2)
+    moe_ep = Experiment("moe_ep", "ep", 1, 2, 1, config, layout)
+    plan = plan_experiment(moe_ep, SiteConfig(gpus_per_node=2, gpu_memory_gb=40), 28785)
+    assert plan["fits"] and plan["layout"] == "1x2[ep2]x1x1" and plan["expert_bytes"]["params"] > 0
+    dense = load_config(None, ["model.n_layers=4", "parallel.strategy=ddp"])
+    runs = preflight.preflight_runs(
+        [Experiment("ddp", "ddp", 1, 2, 1, dense, resolve_layout(dense, 2, 2)), moe_ep], "r"
+    )
+    checked, reference = runs["moe_ep"], runs[runs["moe_ep"]["reference"]]
+    assert runs["moe_ep"]["reference"] != runs["ddp"]["reference"]  # another model: a reference of its own
+    assert "strategy" not in checked["settings"]["parallel"] and checked["settings"]["parallel"]["ep"] == 2
+    assert resolve_layout(from_dict(checked["settings"]), 2, 2).dims == layout.dims
+    assert reference["settings"]["model"]["moe"] == checked["settings"]["model"]["moe"] and reference["world_size"] == 1
 
 
 def test_communication_by_collective_and_link():
@@ -264,17 +458,24 @@ def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
         "cp",
     }  # pp: 4 blocks, 8 GPUs
     assert all(layout["fits"] for layout in layouts.values())
-    assert layouts["cp"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 4}
+    assert layouts["cp"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 4, "ep": 1}
     assert [name for name, layout in layouts.items() if layout["recommended"]] == ["ddp"]
     ddp = layouts["ddp"]
-    assert ddp["strategy"] == "ddp" and ddp["degrees"] == {"dp_replicate": 8, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
+    assert ddp["strategy"] == "ddp" and ddp["degrees"] == {
+        "dp_replicate": 8,
+        "dp_shard": 1,
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "ep": 1,
+    }
     assert set(ddp["bytes"]) == {"params", "grads", "optimizer", "activations", "buffers"}
     assert ddp["total_bytes"] == sum(ddp["bytes"].values())
     assert ddp["activation_formula"].endswith(
         "d=128, f=2048, t=1, u=1: 12,544 B per token and block"
     )  # 2 (8d+2f) + 2d+f
     assert layouts["fsdp_no_reshard"]["options"] == {"reshard_after_forward": False}
-    assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2, "cp": 1}
+    assert layouts["3d"]["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2, "cp": 1, "ep": 1}
     plan_main([*COURSE, *JURECA])
     table = capsys.readouterr().out
     assert "recommended: ddp (8x1x1x1)" in table and "pp: not possible here: model.n_layers=4 blocks" in table
@@ -404,10 +605,11 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     }
     assert "strategy" not in three["parallel"]  # explicit degrees: all its processes on one node
     assert three["model"]["dropout"] == 0.0 and three["device"] == "cpu" and three["train"]["max_steps"] == 3
-    # a wider model (cp_long) and another engine (ddp_lightning): references of their own; cp_long's 8192-token
-    # sequences checked at 64 (8 chunks of 8 for cp 4), the others at their 32
-    apart = {"cp_long", "ddp_lightning"}
-    assert len({runs[name]["reference"] for name in apart} | {"reference.0"}) == 3
+    # a wider model (cp_long), another engine (ddp_lightning) and a mixture of experts: references of their own;
+    # cp_long's 8192-token sequences checked at 64 (8 chunks of 8 for cp 4), the others at their 32
+    mixtures = {e.name for e in study.matrix.values() if e.config.model.moe and e.name in runs}
+    apart = {"cp_long", "ddp_lightning"} | mixtures
+    assert len({runs[name]["reference"] for name in apart} | {"reference.0"}) == len(apart) + 1
     long_reference = runs[runs["cp_long"]["reference"]]
     assert runs["cp_long"]["settings"]["data"]["seq_len"] == long_reference["settings"]["data"]["seq_len"] == 64
     assert runs["3d"]["settings"]["data"]["seq_len"] == 32

@@ -69,10 +69,10 @@ def project(tmp_path, cluster) -> Path:
             "strategy": "single", "nodes": 1, "procs_per_node": 1, "training": {"batch": {"size": 100000}}
         }  # fmt: skip
 
-    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp one node's (tests/test_training.py),
-    # ddp_lightning Lightning's DDP (tests/test_lightning.py)
+    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp and the mixtures one node's
+    # (tests/test_training.py), ddp_lightning Lightning's DDP (tests/test_lightning.py)
     def fewer(config):
-        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn", "ddp_lightning", "cp"):
+        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn", "ddp_lightning", "cp", "moe", "moe_ep"):
             config.get("local", config)["experiments"].pop(name)
 
     edit_yaml(tmp_path / "config/local.yaml", tiny)

@@ -63,7 +63,8 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
         "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
         "ddp_spawn": (1, 2, "ddp", "2x1x1x1"), "cp": (1, 2, "cp", "1x1x1x1x2"),
-        "ddp_lightning": (1, 2, "ddp", "2x1x1x1"),
+        "ddp_lightning": (1, 2, "ddp", "2x1x1x1"), "moe": (1, 1, "single", "1x1x1x1"),
+        "moe_ep": (1, 2, "ep", "1x2[ep2]x1x1"),
     }  # fmt: skip
     launchers = {e.name: e.launcher for e in study.matrix.values()}
     assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}
@@ -88,7 +89,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         ({"training": {"model": {"d_model": "big"}}}, "experiments.ddp: model.d_model: expected an integer, got 'big'"),
         (
             {"strategy": "zero3"},
-            r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp', 'cp'\]",
+            r"'zero3' is not one of \['single', 'ddp', 'fsdp', 'hsdp', 'tp', 'fsdp_tp', 'pp', 'cp', 'ep'\]",
         ),
         (
             {"training": {"parallel": {"pp": 2, "pp_microbatches": 3}}},

@@ -26,13 +26,13 @@ def relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+MOE = {"model__moe": {"experts": 4, "top_k": 2}}
 # name: (nproc, settings); TINY has 2 heads and an FFN of 64: tp 2 divides both
 LAYOUTS = {
     "single": (1, {}),
     "accumulate": (1, {"batch__micro_size": 4}),
     "ddp": (2, {"parallel__strategy": "ddp"}),
     "fsdp": (2, {"parallel__strategy": "fsdp"}),
-    "fsdp_recompute": (2, {"parallel__strategy": "fsdp", "train__activation_checkpointing": "selective"}),
     "hsdp": (4, {"parallel__dp_replicate": 2, "parallel__dp_shard": 2}),
     "tp": (2, {"parallel__strategy": "tp"}),
     "tp_loss_parallel": (2, {"parallel__tp": 2, "parallel__loss_parallel": True}),
@@ -52,6 +52,17 @@ LAYOUTS = {
                   "parallel__loss_parallel": True}),
     "cp_pp": (4, {"parallel__cp": 2, "parallel__pp": 2}),
     "hsdp_cp": (4, {"parallel__dp_replicate": 2, "parallel__cp": 2}),
+    # a mixture of 4 experts, top 2, in both blocks: one process, the experts split over 2 ranks (ep, FSDP over the
+    # dense parts), over pairs of 4 shards (each block recomputed in the backward: selective activation
+    # checkpointing, under which a mixture still counts its load once), over the 2 shards of each of 2 replicas,
+    # with TP 2 (SP and loss parallel: the mixture gathers the sequence), and with a pipeline of 2 stages
+    "moe": (1, MOE),
+    "ep": (2, {**MOE, "parallel__strategy": "ep"}),
+    "fsdp_ep": (4, {**MOE, "parallel__dp_shard": 4, "parallel__ep": 2, "train__activation_checkpointing": "selective"}),
+    "hsdp_ep": (4, {**MOE, "parallel__dp_replicate": 2, "parallel__dp_shard": 2, "parallel__ep": 2}),
+    "ep_tp": (4, {**MOE, "parallel__ep": 2, "parallel__tp": 2, "parallel__dp_shard": 2,
+                  "parallel__sequence_parallel": True, "parallel__loss_parallel": True}),
+    "ep_pp": (4, {**MOE, "parallel__ep": 2, "parallel__dp_shard": 2, "parallel__pp": 2}),
 }  # fmt: skip
 
 
@@ -60,7 +71,9 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
     of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and
     load-balanced with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step
-    and the same exact evaluation. The final checkpoint of one layout then resumes in another and evaluates identically."""
+    and the same exact evaluation; so do a mixture of experts' layouts against its one process (expert parallelism 2
+    alone, with FSDP 4, HSDP 2x2, TP 2 and a pipeline of 2). The final checkpoint of one layout then resumes in
+    another and evaluates identically."""
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
     for name, (nproc, _) in LAYOUTS.items():
@@ -69,10 +82,11 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         evals[name] = [r for r in read_metrics(run_dir_of(configs[name])) if r["kind"] == "eval"]
         records[name] = json.loads((run_dir_of(configs[name]) / "run.json").read_text())
     assert len(losses["single"]) == 20
-    assert losses["single"][-1] < losses["single"][0] - 0.5  # it learns
+    assert losses["single"][-1] < losses["single"][0] - 0.5 and losses["moe"][-1] < losses["moe"][0] - 0.5  # it learns
     for name in LAYOUTS:
-        assert relative_gap(losses[name], losses["single"]) <= 1e-5, name
-        for mine, ref in zip(evals[name], evals["single"], strict=True):  # every token counted once
+        reference = "moe" if "model__moe" in LAYOUTS[name][1] else "single"
+        assert relative_gap(losses[name], losses[reference]) <= 1e-5, name
+        for mine, ref in zip(evals[name], evals[reference], strict=True):  # every token counted once
             assert mine["tokens"] == ref["tokens"]
             assert abs(mine["loss"] - ref["loss"]) / ref["loss"] <= 1e-5, name
     assert records["hsdp"]["parallel"]["groups"] == {
@@ -132,9 +146,28 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     assert {"gloo:send", "gloo:recv"} <= set(comm["pp"]["ops_s_per_step_rank0"])
     for name in ("cp", "fsdp_cp", "cp_tp"):  # the ring's key/value blocks, FSDP's gathers over dp_shard x cp
         assert {"gloo:send", "gloo:recv", "gloo:all_gather"} <= set(comm[name]["ops_s_per_step_rank0"]), name
+    # a mixture: its aux loss and load balance logged on every line, alike in every layout (the pipeline's included),
+    # the experts' token shares over the run; its tokens sent by all-to-all, counted apart; a dense run has none
+    moe_layouts = [name for name, (_, settings) in LAYOUTS.items() if "model__moe" in settings]
+    lines = {name: [r for r in read_metrics(run_dir_of(configs[name])) if r["kind"] == "train"] for name in moe_layouts}
+    experts = {name: records[name]["results"]["experts"] for name in moe_layouts}
+    for name in moe_layouts:
+        for key in ("aux_loss", "expert_load_max_over_mean"):
+            assert relative_gap([r[key] for r in lines[name]], [r[key] for r in lines["moe"]]) <= 1e-5, (name, key)
+        assert experts[name]["expert_token_share"] == pytest.approx(experts["moe"]["expert_token_share"], rel=1e-6)
+    assert sum(experts["moe"]["expert_token_share"]) == pytest.approx(1.0)
+    assert all(1 <= r["expert_load_max_over_mean"] <= 4 / 2 for r in lines["moe"])  # experts / top_k at worst
+    parameters = records["moe"]["results"]["parameters"]
+    assert parameters["active"] < parameters["total"]
+    dense = [r for r in read_metrics(run_dir_of(configs["single"])) if r["kind"] == "train"]
+    assert not any("aux_loss" in r for r in dense) and records["single"]["results"]["experts"] is None
+    for name in ("ep", "fsdp_ep", "hsdp_ep", "ep_tp", "ep_pp"):
+        assert "gloo:all_to_all" in comm[name]["ops_s_per_step_rank0"], name
+        assert 0 < comm[name]["all_to_all_share"] <= comm[name]["share"], name
 
     pairs = (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp"), ("pp", "single"), ("fsdp_pp", "fsdp"),
-             ("single", "pp"), ("ddp", "tp_pp"), ("fsdp_cp", "single"), ("tp", "cp_tp"))  # fmt: skip
+             ("single", "pp"), ("ddp", "tp_pp"), ("fsdp_cp", "single"), ("tp", "cp_tp"),
+             ("fsdp_ep", "moe"), ("moe", "ep_pp"), ("ep_pp", "ep_tp"))  # fmt: skip
     for source, target in pairs:
         nproc, settings = LAYOUTS[target]
         config = tiny_config(f"{source}_into_{target}", **settings)
@@ -357,7 +390,7 @@ def test_activation_checkpointing_trains_the_same_model_and_the_plan_counts_its_
     again alike, so every step's loss is the plain run's, bit for bit; the plan's activations, beside the measured
     peak in run.json, fall. (How far the measured peak falls against the plan: bench/activation_memory.py, figures
     in docs/plan.md; a measured memory figure is no test. Selective checkpointing: the parity test's
-    fsdp_recompute, and the plan's unit test.)"""
+    fsdp_ep, and the plan's unit test.)"""
     settings = dict(model__n_layers=4, model__dropout=0.1, train__max_steps=3, checkpoint__every=None,
                     train__monitor_interval_s=0)  # fmt: skip
     losses, peaks, planned = {}, {}, {}

@@ -61,7 +61,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 15
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 17
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -75,7 +75,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
         "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"), "cp": ("1", "4"), "cp_long": ("1", "4"),
-        "ddp_lightning": ("1", "4"),
+        "ddp_lightning": ("1", "4"), "moe": ("1", "1"), "moe_ep": ("1", "4"),
     }  # fmt: skip
     # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
     assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]
@@ -116,7 +116,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert layouts == {
         "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
         "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1", "pp": "1x1x1x2", "pp_gpipe": "1x1x1x2",
-        "cp": "1x1x1x1x2",
+        "cp": "1x1x1x1x2", "moe": "1x1x1x1", "moe_ep": "1x2[ep2]x1x1",
     }  # fmt: skip
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
@@ -142,7 +142,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # the wiring check: every layout's first steps on a data slice, without dropout, against one process
     with (results / "preflight/preflight.csv").open() as handle:
         checked = {r["experiment"]: r for r in csv.DictReader(handle)}
-    several = set(layouts) - {"single_gpu"}  # a single process has no wiring to check
+    several = set(layouts) - {"single_gpu", "moe"}  # a single process has no wiring to check
     assert set(checked) == several and all(r["matches"] == "True" and r["steps"] == "3" for r in checked.values())
     assert {r["layout"] for r in checked.values()} == set(layouts.values()) - {"1x1x1x1"}
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
@@ -153,7 +153,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")]
         )
     )
-    assert len(spans) == 10 + 10 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 10: the preflight's
+    assert len(spans) == 12 + 12 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 12: the preflight's
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
@@ -190,7 +190,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)
     assert all(float(r["planned_step_time_s"]) > 0 and float(r["planned_compute_s"]) > 0 for r in rows), rows
     assert float(by_name["pp"]["planned_bubble_s"]) > 0 and float(by_name["fsdp"]["planned_comm_s"]) > 0
-    for plot in ("loss_vs_tokens", "loss_vs_time", "scaling", "utilisation", "pipeline", "trend"):
+    for plot in ("loss_vs_tokens", "loss_vs_time", "scaling", "utilisation", "pipeline", "experts", "trend"):
         assert (results / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
     provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]

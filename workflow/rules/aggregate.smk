@@ -54,6 +54,11 @@ rule aggregate:
             category="Pipeline",
             caption="../report/pipeline.rst",
         ),
+        experts=report(
+            f"{RESULTS}/experts.png",
+            category="Experts",
+            caption="../report/experts.rst",
+        ),
         trend=report(
             f"{RESULTS}/trend.png",
             category="History",

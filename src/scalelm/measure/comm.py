@@ -12,6 +12,10 @@ share of a step with the network busy, not the time overlap would save. The prof
 and its records take host memory (every operator is recorded), so they come last, when no other figure is left to
 measure, and their logging interval is marked `profiled`: left out of the steady-state speed
 (scalelm.report.timing) and of the peak memory.
+
+The all-to-all of expert parallelism (scalelm.parallel.expert) is counted apart as well, the share of the steps with
+one running (`all_to_all_share`): gloo names it (gloo:all_to_all); NCCL runs it in the kernel its send and receive
+share, which is told apart by the operation that launched it (nccl:all_to_all, or the dispatcher's alltoall).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 CPU_COLLECTIVE_PREFIXES = ("gloo:",)
 DEVICE_COLLECTIVE_MARK = "nccl"
 STEP_MARK = "scalelm:train_step"
+ALL_TO_ALL = "all_to_all"
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -45,13 +50,33 @@ def clip(intervals: list[tuple[float, float]], windows: list[tuple[float, float]
     return [(max(s, a), min(e, b)) for s, e in intervals for a, b in windows if s < b and a < e]
 
 
+def is_all_to_all(name: str) -> bool:
+    """An all-to-all by its name in the profile: gloo:all_to_all, nccl:all_to_all, c10d::alltoall_base_."""
+    return ALL_TO_ALL in name or "alltoall" in name
+
+
+def launched_by_all_to_all(kernel, cpu_ops: dict[int, Any]) -> bool:
+    """Whether a device kernel was launched inside an all-to-all: the profile links a kernel to the innermost CPU
+    operation running when it was launched, whose ancestors include the collective's."""
+    op = cpu_ops.get(getattr(kernel, "linked_correlation_id", 0))
+    while op is not None:
+        if is_all_to_all(op.name):
+            return True
+        op = op.cpu_parent
+    return False
+
+
 def collective_intervals(events, device: torch.device) -> dict[str, list[tuple[float, float]]]:
-    """Each collective's (start, end) in seconds, by name, from a profiler's events."""
+    """Each collective's (start, end) in seconds, by name, from a profiler's events: on CUDA by kernel name, but an
+    all-to-all's kernels (NCCL's send and receive kernel, which a pipeline's transfers use too) by theirs."""
     found: dict[str, list[tuple[float, float]]] = {}
+    cpu_ops = {e.id: e for e in events if e.device_type.name == "CPU"} if device.type == "cuda" else {}
     for event in events:
         name = event.name
         if device.type == "cuda":
             found_here = event.device_type.name == "CUDA" and DEVICE_COLLECTIVE_MARK in name.lower()
+            if found_here and launched_by_all_to_all(event, cpu_ops):
+                name = f"{DEVICE_COLLECTIVE_MARK}:{ALL_TO_ALL}"
         else:
             found_here = name.startswith(CPU_COLLECTIVE_PREFIXES)
         if found_here:
@@ -96,10 +121,13 @@ class CommProfile:
         wall = sum(end - start for start, end in steps)
         by_name = {name: clip(v, steps) for name, v in collective_intervals(events, self.device).items()}
         busy = union_seconds([interval for intervals in by_name.values() for interval in intervals])
+        exchange = union_seconds([i for name, intervals in by_name.items() if is_all_to_all(name) for i in intervals])
         return {
             "steps": [self.first, self.last],
             "step_s": wall / len(steps),
             "comm_s_per_step": busy / len(steps),
             "share": busy / wall if wall > 0 else None,
+            "all_to_all_s_per_step": exchange / len(steps),
+            "all_to_all_share": exchange / wall if wall > 0 else None,
             "ops_s_per_step": {name: sum(e - s for s, e in v) / len(steps) for name, v in sorted(by_name.items())},
         }

@@ -177,20 +177,31 @@ class Instruments:
         return {k: v / 2**20 for k, v in zip(STATE_KINDS, largest)} | {"total": sum(largest) / 2**20}
 
     def comm_summary(self) -> dict[str, Any] | None:
-        """The share of the profiled steps during which a collective ran: mean and largest over the ranks, with
-        rank 0's time per collective. None if this attempt ended before its profiled steps."""
+        """The share of the profiled steps during which a collective ran, and an all-to-all (expert parallelism's):
+        mean and largest over the ranks, with rank 0's time per collective. None if this attempt ended before its
+        profiled steps."""
         if self.env.world_size == 1:
-            return {"share": 0.0, "comm_s_per_step": 0.0, "note": "one process: no communication"}
+            return {
+                "share": 0.0,
+                "comm_s_per_step": 0.0,
+                "all_to_all_share": 0.0,
+                "all_to_all_s_per_step": 0.0,
+                "note": "one process: no communication",
+            }
         results = all_gather_object(self.comm.result)
         if any(r is None for r in results):
             return None
         shares = [r["share"] for r in results]
+        exchanges = [r["all_to_all_share"] for r in results]
         return {
             "steps": results[0]["steps"],
             "share": sum(shares) / len(shares),
             "share_max": max(shares),
             "share_per_rank": shares,  # the rank that waits least is the one the others wait for
             "comm_s_per_step": sum(r["comm_s_per_step"] for r in results) / len(results),
+            "all_to_all_share": sum(exchanges) / len(exchanges),
+            "all_to_all_share_max": max(exchanges),
+            "all_to_all_s_per_step": sum(r["all_to_all_s_per_step"] for r in results) / len(results),
             "step_s": results[0]["step_s"],
             "ops_s_per_step_rank0": results[0]["ops_s_per_step"],
         }

@@ -12,13 +12,15 @@ The experts hold their FFNs stacked along dim 0 (`GroupedExperts`): expert paral
 splits them there and replaces `dispatch`, which runs the routed tokens through their experts, by an all-to-all to
 the experts' ranks and back. The layer counts the tokens each expert got and its aux loss once per trained
 micro-batch (in the backward: a recomputed forward would count twice, an evaluation not at all); scalelm's
-instruments read and reset them (`take_load`).
+instruments read and reset them (`take_load`). While a pipeline infers its stages' shapes (`shapes_only`: torch runs
+the stage on placeholder or meta tensors) a mixture routes nothing, sends nothing and counts nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,20 @@ def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: GroupedE
     return experts(routed, counts.tolist())
 
 
+_shapes_only = False
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Forwards (and their backwards) inside only tell shapes: a mixture returns zeros of its output's shape."""
+    global _shapes_only
+    before, _shapes_only = _shapes_only, True
+    try:
+        yield
+    finally:
+        _shapes_only = before
+
+
 class _CountOnBackward(torch.autograd.Function):
     """Passes `output` through; `count()` runs once, in the backward."""
 
@@ -99,6 +115,8 @@ class MoE(nn.Module):
         self.aux_count = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _shapes_only:
+            return x * 0
         batch, seq, d = x.shape
         tokens = x.reshape(-1, d)
         probs = self.router(tokens).float().softmax(dim=-1)  # (tokens, experts)

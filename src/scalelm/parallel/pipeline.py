@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from scalelm.model.moe import mixtures, shapes_only
 from scalelm.parallel.env import all_gather_object
 from scalelm.parallel.layout import Layout
 
@@ -41,7 +42,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage may hand
 HIDDEN_DIMS = 3  # what a stage hands on: hidden states (batch, sequence, d_model); the shape message holds them
 # the methods of torch's (prototype) PipelineStage that the schedules call per micro-batch: StageTimeline wraps them
 TIMED_METHODS = {"F": "forward_one_chunk", "B": "backward_one_chunk"}
+# the methods with which its first step infers the stages' shapes by running them (torch 2.13's, and earlier ones'):
+# run with a mixture of experts' `shapes_only`, which neither routes on placeholder values nor counts them
+SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 TIMED_STEPS = 8  # the last steps whose timelines are kept
+
+
+def _with_shapes_only(method: Callable) -> Callable:
+    def inferring(*args, **kwargs):
+        with shapes_only():
+            return method(*args, **kwargs)
+
+    return inferring
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -177,6 +189,15 @@ class Pipeline:
                         "scalelm.parallel.pipeline.TIMED_METHODS"
                     )
                 setattr(stage, method, self.timeline.wrap(index, kind, getattr(stage, method)))
+            infers = [name for name in SHAPE_INFERENCE_METHODS if callable(getattr(stage, name, None))]
+            if mixtures(part) and not infers:
+                raise RuntimeError(
+                    f"torch {torch.__version__}'s PipelineStage has none of {', '.join(SHAPE_INFERENCE_METHODS)}, "
+                    "which scalelm runs without a mixture of experts' routing: use the torch version of the image "
+                    "or requirements, or update scalelm.parallel.pipeline.SHAPE_INFERENCE_METHODS"
+                )
+            for name in infers:
+                setattr(stage, name, _with_shapes_only(getattr(stage, name)))
             stages.append(stage)
         kind = SCHEDULES[layout.schedule]
         loss = self.timeline.wrap(stage_ids[-1], "L", self.loss)

@@ -25,7 +25,7 @@ from pathlib import Path
 from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
-from scalelm.model.architecture import parameters
+from scalelm.model.architecture import parameter_counts
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, smallest_fsdp, smallest_machine
 from scalelm.plan.memory import PARTS, Workload
@@ -131,19 +131,26 @@ def vocab_size_of(args: argparse.Namespace, prepared_dir: str) -> int:
         raise DataError(f"{err} Or pass --vocab-size.") from None
 
 
+EXPERTS_COLUMN = "(expert state)"  # the experts' share of params, grads and optimizer: a part of them, not beside them
+
+
 def table(plans: list[LayoutPlan]) -> str:
-    head = ["layout", "strategy", "degrees", *PARTS, "total", "fits", f"{INTRA} GB/step", f"{INTER} GB/step"]
+    mixture = any(plan.memory.expert_bytes is not None for plan in plans)
+    parts = [*PARTS[:3], EXPERTS_COLUMN, *PARTS[3:]] if mixture else list(PARTS)
+    head = ["layout", "strategy", "degrees", *parts, "total", "fits", f"{INTRA} GB/step", f"{INTER} GB/step"]
     timed = all(plan.step for plan in plans)
     head += ["step s", "compute s", "comm s", "bubble s", "tokens/s"] if timed else []
+    head += ["all-to-all s"] if timed and mixture else []
     rows = []
     for plan in plans:
         traffic = totals(plan.flows)
+        sizes = plan.memory.bytes | {EXPERTS_COLUMN: plan.memory.expert_state}
         rows.append(
             [
                 plan.name + (" *" if plan.recommended else ""),
                 plan.strategy or "-",
                 plan.dims.layout,
-                *(gb(plan.memory.bytes[part]) for part in PARTS),
+                *(gb(sizes[part]) for part in parts),
                 gb(plan.memory.total),
                 "yes" if plan.fits else "no",
                 gb(traffic[INTRA]),
@@ -159,6 +166,7 @@ def table(plans: list[LayoutPlan]) -> str:
                 f"{step.bubble_s:.4g}",
                 f"{plan.tokens_per_s:,.0f}",
             ]
+            rows[-1] += [f"{step.all_to_all_s:.4g}"] if mixture else []
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
 
     def line(row: list) -> str:  # names left-aligned, figures right-aligned
@@ -175,10 +183,17 @@ def print_plan(
     speeds_source: str = "",
 ) -> None:
     config, model, vocab = work.config, work.config.model, work.vocab_size
-    count = sum(t.numel() for t in parameters(model, vocab))
+    counts = parameter_counts(model, vocab)
+    mixture = ""
+    if model.moe is not None:
+        moe = model.moe
+        mixture = (
+            f", {counts['active'] / 1e6:,.1f} M active per token; {moe.experts} experts of width "
+            f"{model.expert_width()}, top {moe.top_k}, every {moe.every} block(s)"
+        )
     print(
-        f"model: {count / 1e6:,.1f} M parameters (d_model {model.d_model}, {model.n_layers} layers, "
-        f"{model.n_heads} heads, d_ff {model.d_ff}, vocabulary {vocab:,}), seq_len {config.data.seq_len}, "
+        f"model: {counts['total'] / 1e6:,.1f} M parameters{mixture} (d_model {model.d_model}, {model.n_layers} "
+        f"layers, {model.n_heads} heads, d_ff {model.d_ff}, vocabulary {vocab:,}), seq_len {config.data.seq_len}, "
         f"batch {config.batch.size} ({config.batch.mode}), {work.precision}, AdamW"
     )
     print(f"machine: {machine.describe()}, {gb(machine.usable_bytes)} GB usable per GPU; GB = 1e9 bytes, per GPU\n")
@@ -186,6 +201,15 @@ def print_plan(
     if plans[0].step:
         print(f"  step time: docs/plan.md's model, the machine's speeds from {speeds_source}")
     print(f"  activations: {plans[0].memory.activation_formula} ({plans[0].name}; docs/plan.md)")
+    if model.moe is not None:
+        print(f"  {EXPERTS_COLUMN}: the experts' share of params, grads and optimizer (counted in them)")
+    for plan in plans:
+        exchanged = [flow for flow in plan.flows if flow.op == "all_to_all"]
+        if exchanged:
+            sent, messages = sum(f.bytes for f in exchanged), sum(f.messages for f in exchanged)
+            print(
+                f"  {plan.name}: expert parallelism's all-to-alls send {gb(sent)} GB per step in {messages:,} messages"
+            )
     for name, reason in impossible:
         print(f"  {name}: not possible here: {reason}")
     ddp = next((plan for plan in plans if plan.name == "ddp"), None)

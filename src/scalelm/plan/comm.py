@@ -14,29 +14,42 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
     CP ring          B                  per block and pass: cp - 1 key/value blocks forward (B = 2 x a rank's
                                         tokens x d_model / tp in the compute precision), backward the same and cp
                                         hops of their fp32 gradients
+    EP all-to-all    (n - 1)/n B        per mixture and pass, over the ep ranks: forward the routed rows to their
+                                        experts' ranks and back (dispatch and combine, B = tokens x top_k x d_model
+                                        in the compute precision, of which (ep - 1)/ep leave the rank under uniform
+                                        routing), each after an all-to-all of the rows' counts (B = experts int64);
+                                        backward the two gradients the same way (and, with activation
+                                        checkpointing, the recomputed forward's three again)
+    EP all-reduce    2 (n - 1)/n B      the experts' fp32 gradients over the ranks holding the same experts
+                                        (dp_shard / ep x dp_replicate), once per step, one per expert tensor
+
+With expert parallelism FSDP gathers and reduces every parameter but the experts, which stay on their ep ranks.
 
 With context parallelism FSDP's group is dp_shard x cp, and every activation counts a rank's 1/cp of the tokens.
 
 The link is the slowest one a group's ranks span: within a node (NVLink, PCIe) or across nodes (the network), from
 where the mesh puts the ranks (scalelm.parallel.dims: tp innermost, pp outermost). Small collectives (the gradient
-norm, the loss, tensor parallelism's replicated norms) are left out.
+norm, the loss, tensor parallelism's replicated norms) are left out; the experts' row counts are not (one per
+mixture and pass, each waited for: their latency, not their bytes).
 
 Each flow also says how it is cut into messages (FSDP: one per unit; DDP: its gradient buckets; TP: one per
-all-reduce; a pipeline: one per micro-batch and boundary), as the machine's baseline measures collectives
-(scalelm.measure.baseline: the op, a message as the whole buffer): the step-time model (scalelm.plan.steptime)
-prices each flow at its message size.
+all-reduce; a pipeline: one per micro-batch and boundary; EP: one per all-to-all), as the machine's baseline
+measures collectives (scalelm.measure.baseline: the op, a message as the whole buffer): the step-time model
+(scalelm.plan.steptime) prices each flow at its message size.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from scalelm.model.architecture import QKV_WEIGHT
-from scalelm.parallel.dims import ParallelDims
-from scalelm.plan.memory import Workload, rank_tensors
+from scalelm.model.architecture import QKV_WEIGHT, is_moe_block
+from scalelm.parallel.dims import MESH_DIMS, ParallelDims
+from scalelm.plan.memory import Workload, block_indices, gathered_by_fsdp, held, rank_tensors
 
 INTRA, INTER = "intra-node", "inter-node"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, which scalelm keeps
+COUNT_BYTES = 8  # an expert's row count in the dispatch's first all-to-all (int64, torch.bincount's)
+EXPERT_REPLICAS = "expert_replicas"  # the ranks holding the same experts (scalelm.parallel.expert.ExpertMeshes)
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,7 @@ class Traffic:
     dim: str  # the mesh dimension whose groups run it
     bytes: int  # sent by one GPU per optimizer step
     link: str  # INTRA or INTER
-    op: str  # as the baseline names it: all_reduce, all_gather, reduce_scatter, send_recv
+    op: str  # as the baseline names it: all_reduce, all_gather, reduce_scatter, send_recv; all_to_all
     messages: int  # per optimizer step
     message_bytes: int  # one message's buffer (all_gather's output, reduce_scatter's input)
     overlaps: str | None  # the pass a GPU runs it beside (forward, backward), or None where compute waits for it
@@ -54,9 +67,24 @@ class Traffic:
         return asdict(self)
 
 
+def groups(dims: ParallelDims, dim: str) -> list[list[int]]:
+    """The ranks of every group along `dim`: ParallelDims.groups, and the expert replicas (the ranks at the same place
+    of their ep group in every dp_shard / ep x dp_replicate, each holding the same experts)."""
+    if dim != EXPERT_REPLICAS:
+        return dims.groups(dim)
+    found: dict[tuple, list[int]] = {}
+    for rank in range(dims.world_size):
+        place = dims.coordinates(rank)
+        key = tuple(place[d] for d in MESH_DIMS if d not in ("dp_replicate", "dp_shard")) + (
+            place["dp_shard"] % dims.ep,
+        )
+        found.setdefault(key, []).append(rank)
+    return list(found.values())
+
+
 def link(dims: ParallelDims, dim: str, gpus_per_node: int) -> str:
     """Whether every group along `dim` stays on one node when ranks fill nodes of `gpus_per_node` in order."""
-    spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in dims.groups(dim))
+    spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in groups(dims, dim))
     return INTER if spans else INTRA
 
 
@@ -69,8 +97,9 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     accumulation = max(1, per_rank_batch // micro)
     chunks = work.layout(dims).microbatches
     passes = accumulation * chunks  # forward passes per step
-    tensors = max(rank_tensors(work, dims), key=lambda held: sum(t.numel(dims.tp) for t in held))
-    params = sum(t.numel(dims.tp) for t in tensors)  # this rank's parameters before FSDP cuts them
+    tensors = max(rank_tensors(work, dims), key=lambda mine: sum(t.numel(dims.tp) for t in mine))
+    sharded = [t for t in tensors if gathered_by_fsdp(t, dims)]  # all but the experts under expert parallelism
+    params = sum(t.numel(dims.tp) for t in sharded)  # this rank's parameters before FSDP cuts them
     head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head")  # never resharded between forward and backward
     units = len({t.unit for t in tensors})  # FSDP's: the embedding, each block, the head, the root
     out = []
@@ -79,7 +108,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         """`messages` collectives of `op` over the groups along `dim` moving `payload` bytes in all (a ring's share
         each)."""
         if payload > 0 and messages > 0:
-            n = len(dims.groups(dim)[0])
+            n = len(groups(dims, dim)[0])
             sent = (2 if op == "all_reduce" else 1) * (n - 1) / n * payload if op != "send_recv" else payload
             wire = link(dims, dim, gpus_per_node)
             out.append(Traffic(collective, dim, int(sent), wire, op, messages, int(payload / messages), overlaps))
@@ -126,7 +155,36 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
             hops + blocks * passes * dims.cp,
             "backward",
         )
+    if dims.ep > 1:
+        for flow in expert_flows(work, dims, tensors, tokens, passes):
+            add(*flow)
     return out
+
+
+def expert_flows(work: Workload, dims: ParallelDims, tensors: list, tokens: int, passes: int) -> list[tuple]:
+    """Expert parallelism's collectives on a rank holding `tensors`, with `tokens` over the step's `passes` (the
+    module docstring's EP rows), as `traffic`'s add takes them; all are waited for (the experts need their rows,
+    the optimizer the gradients)."""
+    model, e = work.config.model, work.compute_bytes
+    mixtures = sum(is_moe_block(model, i) for i in block_indices(tensors))
+    if not mixtures:
+        return []
+    rows = mixtures * tokens * model.moe.top_k * model.d_model * e  # every mixture's routed rows, one way
+    calls = mixtures * passes  # of each all-to-all
+    forwards = 2 if work.checkpointing in ("full", "selective") else 1  # recomputed: the forward's run again
+    experts = [t for t in tensors if t.expert]
+    counts = forwards * calls * model.moe.experts * COUNT_BYTES
+    gradients = sum(held(t, dims) for t in experts) * 4
+    flows = [
+        ("all-to-all row counts (EP)", "ep", "all_to_all", counts, forwards * calls, None),
+        ("all-to-all dispatch and combine (EP, forward)", "ep", "all_to_all", 2 * rows, 2 * calls, None),
+        ("all-to-all gradients (EP, backward)", "ep", "all_to_all", 2 * forwards * rows, 2 * forwards * calls, None),
+    ]
+    if dims.dp_size > dims.ep:  # the experts have replicas (other shard groups, HSDP's replicas)
+        flows.append(
+            ("all-reduce expert gradients (EP replicas)", EXPERT_REPLICAS, "all_reduce", gradients, len(experts), None)
+        )
+    return flows
 
 
 def totals(flows: list[Traffic]) -> dict[str, int]:

@@ -2,16 +2,18 @@
 
 The candidates are the course's ladder on the whole machine: single (one GPU), DDP, FSDP with and without
 reshard after forward, HSDP (shards within a node, replicas across nodes), TP (one node), PP, FSDP x TP (TP inside
-each node), 3D (pipeline across nodes, TP inside, FSDP between) and CP (every sequence split over a node's GPUs,
-FSDP over all); plus the layout the config itself sets, if any.
+each node), 3D (pipeline across nodes, TP inside, FSDP between), CP (every sequence split over a node's GPUs,
+FSDP over all) and, for a mixture of experts only, EP (the experts split over as many of a node's GPUs as divide
+them, FSDP over all for the rest); plus the layout the config itself sets, if any.
 Without the machine's speeds, the recommendation follows the lectures' "deciding on a parallelism strategy": the
 least parallelism that fits; with them (a baseline: scalelm.plan.steptime), the layout that fits, uses the whole
 machine and should train the most tokens per second.
 A model and batch that fit one GPU are replicated (DDP: one all-reduce per step, the least traffic); one that does
 not is sharded, HSDP first where there are several nodes (only its shards' all-reduce crosses nodes), then FSDP over
 every GPU; then tensor parallelism inside the node, then the pipeline across nodes, and last context parallelism,
-which divides the activations of long sequences that nothing else does. Where nothing fits, the plan
-names the smallest machine of the same nodes on which something would.
+which divides the activations of long sequences that nothing else does. A mixture of experts that does not fit one
+GPU tries expert parallelism first where its all-to-alls send fewer bytes than FSDP, which gathers every expert.
+Where nothing fits, the plan names the smallest machine of the same nodes on which something would.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from scalelm.plan.comm import Traffic, totals, traffic
 from scalelm.plan.memory import MemoryPlan, Workload, plan_memory
 from scalelm.plan.steptime import Speeds, StepTime, predict
 
-LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d", "cp")
+LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d", "cp", "ep")
 GB = 1e9
 LARGEST_MACHINE_NODES = 4096  # how far the search for a machine that would hold the model goes
 
@@ -103,8 +105,9 @@ class Candidate:
     options: dict = field(default_factory=dict)
 
 
-def candidates(machine: Machine) -> list[Candidate]:
-    """The ladder's layouts on `machine` (those that need more GPUs or nodes than it has are left out)."""
+def candidates(machine: Machine, experts: int | None = None) -> list[Candidate]:
+    """The ladder's layouts on `machine` (those that need more GPUs or nodes than it has are left out); `experts`: a
+    mixture's, for which the ladder has expert parallelism (None: a dense model, which has none)."""
     n, g = machine.gpus, machine.gpus_per_node
     out = [Candidate("single", ParallelDims(), "single")]
     if n > 1:
@@ -127,8 +130,17 @@ def candidates(machine: Machine) -> list[Candidate]:
         out.append(Candidate("3d", three, None))
     if g > 1:  # every sequence split over a node's GPUs (the ring stays inside it), FSDP across the nodes
         out.append(Candidate("cp", ParallelDims(dp_shard=machine.nodes, cp=g), "cp" if machine.nodes == 1 else None))
+    ep = expert_degree_within_node(machine, experts)
+    if ep > 1:  # the all-to-alls stay inside a node; FSDP over every GPU
+        out.append(Candidate("ep", ParallelDims(dp_shard=n, ep=ep), "ep" if ep == n else None))
     order = {name: i for i, name in enumerate(LADDER)}
     return sorted(out, key=lambda c: order[c.name])
+
+
+def expert_degree_within_node(machine: Machine, experts: int | None) -> int:
+    """The largest ep that divides both the experts and a node's GPUs (ep groups are consecutive ranks: each then
+    stays inside a node); 1 for a dense model."""
+    return math.gcd(experts, machine.gpus_per_node) if experts else 1
 
 
 def three_d(machine: Machine) -> ParallelDims | None:
@@ -173,10 +185,10 @@ def configured(work: Workload, machine: Machine) -> Candidate | None:
     """The layout the config sets (strategy or degrees) on the whole machine, or None if it sets none."""
     config = work.config
     explicit = degrees_of(config)
-    if config.parallel.strategy is None and all(value is None for value in explicit.values()):
+    if config.parallel.strategy is None and config.parallel.ep is None and all(v is None for v in explicit.values()):
         return None
     try:
-        dims = resolve_dims(config.parallel.strategy, explicit, machine.gpus, machine.gpus_per_node)
+        dims = resolve_dims(config.parallel.strategy, explicit, machine.gpus, machine.gpus_per_node, config.parallel.ep)
     except ConfigError as err:
         raise ConfigError(f"the config's layout cannot run on {machine.describe()}: {err}") from None
     return Candidate("configured", dims, config.parallel.strategy)
@@ -189,7 +201,8 @@ def plan_machine(
     that cannot, with why."""
     plans, impossible = [], []
     own = configured(work, machine)
-    for candidate in candidates(machine) + ([own] if own else []):
+    moe = work.config.model.moe
+    for candidate in candidates(machine, moe.experts if moe else None) + ([own] if own else []):
         try:
             feasible(work, candidate.dims)
         except ConfigError as err:
@@ -245,6 +258,8 @@ def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
             )
             return choice
     reasons = {
+        "ep": "the experts split over a node's GPUs, each token sent to its experts' ranks and back (all-to-all), the "
+        "dense parameters sharded over every GPU: fewer bytes a step than FSDP's gathers of every expert",
         "hsdp": "shards within each node, replicas across nodes: only the shards' all-reduce crosses the network",
         "fsdp_no_reshard": "sharded over every GPU, gathered weights kept from forward to backward (a third less "
         "all-gather traffic than fsdp)",
@@ -258,12 +273,19 @@ def recommend(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan | None:
     }
     for name in reasons:
         plan = by_name.get(name)
+        if name == "ep" and plan and moves_more(plan, by_name.get("fsdp")):
+            continue  # the routed rows outweigh the experts' weights: FSDP's gathers are the cheaper way
         if plan and plan.fits and plan.dims.world_size == machine.gpus:
             plan.recommended = True
             too_big = gb(single.memory.total) if single else "?"
             plan.reason = f"one GPU would need {too_big} GB ({gb(machine.usable_bytes)} usable): {reasons[name]}"
             return plan
     return None
+
+
+def moves_more(plan: LayoutPlan, other: LayoutPlan | None) -> bool:
+    """Whether `plan` sends more bytes a step than `other` (None: nothing to compare with, so no)."""
+    return other is not None and sum(totals(plan.flows).values()) > sum(totals(other.flows).values())
 
 
 def smallest_fsdp(work: Workload, machine: Machine) -> int | None:

@@ -13,7 +13,10 @@ Each rank holds, in bytes (the figures are those of the rank holding the most, a
 Sharding divides the first three as scalelm.parallel applies it: tensor parallelism (tp) splits the four matrices of
 a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_shard x cp) cuts every tensor's first
 dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors. Context
-parallelism (cp) divides every activation: a rank holds 1/cp of each sequence's tokens.
+parallelism (cp) divides every activation: a rank holds 1/cp of each sequence's tokens. A mixture's experts
+(model.moe) are parameters like the others where ep = 1 (FSDP shards them with their block); under expert parallelism
+(ep > 1) a rank holds experts / ep of them whole, which FSDP leaves alone (scalelm.parallel.expert), and tensor
+parallelism never splits them. The plan counts the experts' share of the state apart (`expert_bytes`).
 
 Activations, per token of a micro-batch and per block, in bytes; d = d_model, f = d_ff, a = heads, s = seq_len,
 e = 2 in bf16 (4 in fp32), k = a dropout mask's bytes per element (1 on GPUs, 4 for scalelm's CPU dropout, 0
@@ -24,9 +27,20 @@ without dropout), t = tp, u = tp with sequence parallelism (1 without):
 2d: the inputs of the qkv and FFN-in matrices (whole on every TP rank); 2d/u: the two norms' inputs; 4d/t: q, k, v
 and the attention's output; 2f/t: the FFN's hidden activation before and after its dropout; the masks of the two
 residual dropouts and the FFN's. Attention keeps its (a x s) scores only on CPU with dropout (the math kernel); the
-fused kernels keep a few numbers per row. With full activation checkpointing a block keeps only its input (e d/u),
+fused kernels keep a few numbers per row. A mixture's block (c = top_k, g = an expert's width, n = experts) keeps,
+in place of the FFN's 2f/t and its mask, the routed rows into its experts and their outputs back (under expert
+parallelism the rows each rank received and those it sends back), the experts' hidden activation, the router's fp32
+probabilities and the routing's int64 indices and fp32 weights (ROUTE_BYTES a route); tensor parallelism leaves it
+whole:
+
+    e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c
+
+Under expert parallelism in bf16 each mixture also keeps its experts' weights cast to bf16 for the backward (FSDP,
+which would free such copies, leaves the experts alone), and the buffers hold the all-to-all's rows of the mixture
+at work, sent and received (2 c d e per token). With full activation checkpointing a block keeps only its input (e d/u),
 with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
-attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
+attention's output, the FFN's hidden activation, the two products whose sum the residual adds; a mixture's block
+e (d/u + 4d/t + d + n + c (d + g)): its router's scores and its experts' two products); one block at a time
 is recomputed. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
 log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
 backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t) and the working memory of the block at work
@@ -50,10 +64,11 @@ run measures).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scalelm.config import Config, resolve_precision
-from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS, Parameter, parameters
+from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS, QKV_WEIGHT, Parameter, is_moe_block, parameters
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout
 
@@ -66,6 +81,8 @@ RING_FORMULA = " + 4a/t"  # context parallelism's ring attention: its log-sum-ex
 RING_SCORE_BYTES = 8  # a ring block's fp32 score and one temporary (logsumexp's, the backward's dp)
 RING_SCORE_BYTES_DROPOUT = 20  # with dropout: the probability, and the mask's int64 hash and its shifted temporary
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
+MOE_FORMULA = "e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c"  # a mixture's block (model.moe)
+ROUTE_BYTES = 32  # per route (a token's choice): three int64 indices (choice, order, token) and two fp32 weights
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class MemoryPlan:
     activation_bytes_per_token_per_block: float
     activation_formula: str  # the formula with this layout's values
     largest_state: int = 0  # params + grads + optimizer of the rank holding the most of them (a run's measurement)
+    expert_bytes: dict[str, int] | None = None  # STATE_PARTS -> the experts' share of them; None for a dense model
 
     @property
     def total(self) -> int:
@@ -137,13 +155,19 @@ class MemoryPlan:
             "in_flight": self.in_flight,
             "activation_bytes_per_token_per_block": self.activation_bytes_per_token_per_block,
             "activation_formula": self.activation_formula,
-        }
+        } | ({"expert_bytes": dict(self.expert_bytes)} if self.expert_bytes is not None else {})
+
+    @property
+    def expert_state(self) -> int:
+        """The experts' params, grads and optimizer state on the fullest rank (0 for a dense model)."""
+        return sum((self.expert_bytes or {}).values())
 
     def mb(self) -> dict[str, float]:
         """MiB by part and in total, on the fullest rank, with the state (params + grads + optimizer) of the rank
-        holding the most of it, as runs measure it: what run.json records."""
+        holding the most of it, as runs measure it: what run.json records; a mixture's also its experts' state."""
         parts = {part: value / 2**20 for part, value in self.bytes.items()}
-        return parts | {"state": self.largest_state / 2**20, "total": self.total / 2**20}
+        experts = {"expert_state": self.expert_state / 2**20} if self.expert_bytes is not None else {}
+        return parts | experts | {"state": self.largest_state / 2**20, "total": self.total / 2**20}
 
 
 def stage_of(tensor: Parameter, blocks: list[range]) -> int:
@@ -159,10 +183,29 @@ def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Parameter]]:
     """The parameters of each pipeline rank (one list without a pipeline)."""
     tensors = parameters(work.config.model, work.vocab_size, work.config.parallel.loss_parallel and dims.tp > 1)
     stages = work.layout(dims).stage_blocks(work.config.model.n_layers)
-    held: list[list[Parameter]] = [[] for _ in range(dims.pp)]
+    of_rank: list[list[Parameter]] = [[] for _ in range(dims.pp)]
     for tensor in tensors:
-        held[stage_of(tensor, stages) % dims.pp].append(tensor)
-    return held
+        of_rank[stage_of(tensor, stages) % dims.pp].append(tensor)
+    return of_rank
+
+
+def held(tensor: Parameter, dims: ParallelDims) -> int:
+    """Elements of `tensor` on one rank of `dims`: an expert under expert parallelism split by ep and never by FSDP
+    (scalelm.parallel.expert: FSDP ignores it), every other tensor (experts where ep = 1 included) sharded by FSDP
+    where the layout shards."""
+    if tensor.expert and dims.ep > 1:
+        return tensor.numel(dims.tp, 1, dims.ep)
+    return tensor.numel(dims.tp, dims.shard_size if dims.sharded else 1)
+
+
+def gathered_by_fsdp(tensor: Parameter, dims: ParallelDims) -> bool:
+    """Whether FSDP gathers `tensor` before its unit computes: all but the experts under expert parallelism."""
+    return not (tensor.expert and dims.ep > 1)
+
+
+def block_indices(tensors: Iterable[Parameter]) -> list[int]:
+    """The blocks whose parameters are among `tensors` (a pipeline rank's), in order."""
+    return [int(t.unit.split(".")[1]) for t in tensors if t.name.endswith(QKV_WEIGHT)]
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro: int, virtual: int) -> int:
@@ -192,6 +235,44 @@ def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, st
     return kept, f"{formula} with {values}: {kept:,.0f} B per token and block"
 
 
+def moe_block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, str]:
+    """Activation bytes a mixture's block keeps per token (the module docstring's MOE_FORMULA), and the formula with
+    its values."""
+    model, e, k = work.config.model, work.compute_bytes, work.mask_bytes
+    d, t, c, g, n = model.d_model, dims.tp, model.moe.top_k, model.expert_width(), model.moe.experts
+    u = t if work.config.parallel.sequence_parallel else 1
+    kept = e * (2 * d + 2 * d / u + 4 * d / t + c * (2 * d + g)) + k * 2 * d / u + 4 * n + ROUTE_BYTES * c
+    values = f"e={e}, k={k}, d={d}, t={t}, u={u}, c={c}, g={g}, n={n}"
+    return kept, f"{MOE_FORMULA} with {values}: {kept:,.0f} B per token and mixture's block"
+
+
+def selective_bytes_per_token(work: Workload, dims: ParallelDims, mixture: bool) -> float:
+    """What a block keeps per token under selective activation checkpointing: its products' and attention's
+    outputs (a mixture's: its router's and its experts' products)."""
+    model, e, t = work.config.model, work.compute_bytes, dims.tp
+    d = model.d_model
+    u = t if work.config.parallel.sequence_parallel else 1
+    if mixture:
+        c = model.moe.top_k
+        return e * (d / u + 4 * d / t + d + model.moe.experts + c * (d + model.expert_width()))
+    return e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
+
+
+def blocks_bytes_per_token(work: Workload, dims: ParallelDims, blocks: Iterable[int]) -> list[float]:
+    """The activation bytes per token each of `blocks` keeps (a mixture's block by its own formula; context
+    parallelism, which refuses mixtures, changes only the dense one)."""
+    dense, _ = block_bytes_per_token(work, dims)
+    mixture = moe_block_bytes_per_token(work, dims)[0] if work.config.model.moe else dense
+    return [mixture if is_moe_block(work.config.model, i) else dense for i in blocks]
+
+
+def local_expert_elements(work: Workload, dims: ParallelDims) -> int:
+    """The expert parameters of one mixture on a rank (experts / ep of them under expert parallelism)."""
+    tensors = parameters(work.config.model, work.vocab_size)
+    first = next(t.unit for t in tensors if t.expert)
+    return sum(t.numel(1, 1, dims.ep) for t in tensors if t.expert and t.unit == first)
+
+
 def ring_fused(work: Workload) -> bool:
     """Whether the ring runs its blocks through a fused attention kernel (scalelm.parallel.ring_blocks.KERNELS)."""
     model = work.config.model
@@ -210,6 +291,37 @@ def ring_transient_bytes(work: Workload, dims: ParallelDims, tokens: int) -> flo
     return scores * (RING_SCORE_BYTES_DROPOUT if model.dropout else RING_SCORE_BYTES)
 
 
+def blocks_activation_bytes(work: Workload, dims: ParallelDims, blocks: list[int], count: int, tokens: int) -> float:
+    """What a rank's `blocks` keep for the backward with `count` micro-batches (interleaved: chunks) of `tokens` in
+    flight, under the workload's activation checkpointing (one block recomputed at a time)."""
+    model, e, d = work.config.model, work.compute_bytes, work.config.model.d_model
+    virtual = work.layout(dims).virtual_stages
+    u = dims.tp if work.config.parallel.sequence_parallel else 1
+    per_block = blocks_bytes_per_token(work, dims, blocks)
+    if work.checkpointing == "full":  # block inputs only, and one block recomputed at a time
+        return count * tokens * (len(blocks) / virtual) * e * d / u + tokens * max(per_block)
+    if work.checkpointing == "selective":  # products and attention kept, one block's rest recomputed
+        kept = sum(selective_bytes_per_token(work, dims, is_moe_block(model, i)) for i in blocks)
+        return count * tokens * kept / virtual + tokens * max(per_block)
+    return count * tokens * sum(per_block) / virtual
+
+
+def expert_copies_bytes(work: Workload, dims: ParallelDims, mixtures: int, count: int) -> float:
+    """Under expert parallelism in bf16, the experts' weights each mixture casts to bf16 and keeps for the backward
+    (of every mixture of the micro-batches in flight; one mixture's where checkpointing recomputes them)."""
+    if dims.ep == 1 or not mixtures or work.compute_bytes == 4:
+        return 0.0
+    kept = 1 if work.checkpointing in ("full", "selective") else count * mixtures / work.layout(dims).virtual_stages
+    return kept * local_expert_elements(work, dims) * work.compute_bytes
+
+
+def dispatch_buffer_bytes(work: Workload, dims: ParallelDims, mixtures: int, tokens: int) -> float:
+    """Under expert parallelism, the all-to-all's rows of the mixture at work, sent and received."""
+    if dims.ep == 1 or not mixtures:
+        return 0.0
+    return 2 * tokens * work.config.model.moe.top_k * work.config.model.d_model * work.compute_bytes
+
+
 def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     """Bytes per GPU by part for `dims`, on the rank that needs the most."""
     config = work.config
@@ -219,28 +331,26 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
     chunks, virtual, stages = layout.microbatches, layout.virtual_stages, layout.stage_blocks(model.n_layers)
     tokens = max(1, micro // chunks) * config.data.seq_len // dims.cp  # a context-parallel rank's part
     per_block, formula = block_bytes_per_token(work, dims)
+    if model.moe is not None:
+        formula += f"; {moe_block_bytes_per_token(work, dims)[1]}"
     e, k, d, vocab = work.compute_bytes, work.mask_bytes, model.d_model, work.vocab_size
     u = dims.tp if options.sequence_parallel else 1
     vocab_split = dims.tp if options.loss_parallel else 1
-    shard = dims.shard_size if dims.sharded else 1
 
     plans = []
     for rank, tensors in enumerate(rank_tensors(work, dims)):
         my_stages = [s for s in range(len(stages)) if s % dims.pp == rank]
         first, last = 0 in my_stages, len(stages) - 1 in my_stages
         count = in_flight(options.pp_schedule, dims.pp, rank, chunks, virtual)
-        blocks = sum(len(stages[s]) for s in my_stages)
-        state = sum(t.numel(dims.tp, shard) for t in tensors)
+        blocks = block_indices(tensors)
+        mixtures = sum(is_moe_block(model, i) for i in blocks)
+        state = sum(held(t, dims) for t in tensors)
         sizes = {part: state * STATE_BYTES[part] for part in STATE_PARTS}
+        experts = sum(held(t, dims) for t in tensors if t.expert)
+        expert_bytes = {part: experts * STATE_BYTES[part] for part in STATE_PARTS} if model.moe else None
 
-        if work.checkpointing == "full":  # block inputs only, and one block recomputed at a time
-            act = count * tokens * (blocks / virtual) * e * d / u + tokens * per_block
-        elif work.checkpointing == "selective":  # products and attention kept, one block's rest recomputed
-            t = dims.tp
-            kept = e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
-            act = count * tokens * (blocks / virtual) * kept + tokens * per_block
-        else:
-            act = count * tokens * (blocks / virtual) * per_block
+        act = blocks_activation_bytes(work, dims, blocks, count, tokens)
+        act += expert_copies_bytes(work, dims, mixtures, count)
         if first:
             act += count * tokens * k * d / u  # the embedding's dropout mask
         if last:
@@ -255,7 +365,8 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         if dims.sharded:
             units: dict[str, int] = {}
             for tensor in tensors:
-                units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
+                if gathered_by_fsdp(tensor, dims):
+                    units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
             largest = max(units.values())
             gathered = 2 * largest if options.reshards(dims.pp) else sum(units.values())  # + the prefetched
             buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
@@ -263,11 +374,12 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
         if dims.cp > 1:  # the ring's key/value blocks in hand and in flight, and backward's fp32 dk/dv accumulators
             buffers += tokens * d / dims.tp * (4 * e + 16) + ring_transient_bytes(work, dims, tokens)
+        buffers += dispatch_buffer_bytes(work, dims, mixtures, tokens)
         if last and work.fused_cpu_loss:
             columns = -(-(d + 2) // 8) * 8
             buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK_ROWS) + 32) * 4
         sizes |= {"activations": int(act), "buffers": int(buffers)}
-        plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block, formula))
+        plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block, formula, expert_bytes=expert_bytes))
     fullest = max(plans, key=lambda plan: plan.total)
     fullest.largest_state = max(plan.state for plan in plans)
     return fullest

@@ -4,8 +4,9 @@
     step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + bubble
 
 - matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
-  checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share) over the baseline's rate
-  at the model's own product shapes;
+  checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share; a mixture's router and
+  the top_k experts a token goes through, which under expert parallelism a rank computes for as many rows as its
+  tokens choose, with uniform routing) over the baseline's rate at the model's own product shapes;
 - elementwise work: the bytes the step's memory-bound work moves (its activations written, read back and their
   gradients written: 3 passes over what the memory plan says a block keeps; 4 passes over the fp32 logits of the
   loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
@@ -18,8 +19,11 @@
   baseline measured for that operation, link and size (interpolated between the sizes it measured). On a GPU,
   collectives run on their own stream and hide behind the pass they overlap (DDP's buckets and FSDP's
   reduce-scatter and backward gathers behind the backward, two thirds of the compute; FSDP's prefetched gathers
-  behind the forward) except for one message that nothing covers; tensor parallelism's all-reduces and the
-  pipeline's transfers are waited for. On a CPU nothing hides: gloo runs on the cores the compute uses;
+  behind the forward) except for one message that nothing covers; tensor parallelism's all-reduces, the
+  pipeline's transfers and expert parallelism's all-to-alls are waited for. On a CPU nothing hides: gloo runs on the
+  cores the compute uses. An all-to-all is priced at the baseline's all-to-all figures where it measured them, else
+  at its all-gather's (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it);
+  `all_to_all_s` is its share of the step;
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
@@ -40,15 +44,16 @@ from typing import Any
 
 from scalelm.errors import ConfigError
 from scalelm.launch.launcher import threads_per_process
-from scalelm.model.architecture import QKV_WEIGHT
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
-from scalelm.plan.memory import Workload, block_bytes_per_token, rank_tensors
+from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
 
 ACTIVATION_PASSES = 3  # written in the forward, read in the backward, a gradient of the same size written
 LOGIT_PASSES = 4  # the loss's softmax reads the logits and writes its output; the backward reads it, writes the grad
 ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read (16), parameter and moments written
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
+STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,9 @@ class Speeds:
         cls, matmul_tflops: float, elementwise_gbps: float, intra_gbps: float, inter_gbps: float | None
     ) -> Speeds:
         """A machine not yet measured, as its user knows it: one bus bandwidth per link for every operation."""
-        ops = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-        curves = {INTRA: {op: [(1, intra_gbps)] for op in ops}}
+        curves = {INTRA: {op: [(1, intra_gbps)] for op in OPS}}
         if inter_gbps:
-            curves[INTER] = {op: [(1, inter_gbps)] for op in ops}
+            curves[INTER] = {op: [(1, inter_gbps)] for op in OPS}
         for flag, value in (("--busbw-intra-gbps", intra_gbps), ("--busbw-inter-gbps", inter_gbps)):
             if value is not None and value <= 0:
                 raise ConfigError(f"{flag} must be a positive bus bandwidth in GB/s, got {value}")
@@ -120,11 +124,17 @@ class Speeds:
     def bus_gbps(self, where: str, op: str, size: int) -> float:
         """The bus bandwidth of `op` on link `where` for a message of `size` bytes: interpolated in log-log between
         the measured sizes; below the smallest the time stays the smallest's (latency), above the largest the
-        bandwidth stays the largest's. A link the baseline did not measure takes the other's figures."""
+        bandwidth stays the largest's. A link the baseline did not measure takes the other's figures, an op it did not
+        time its STAND_IN's, else all_reduce's."""
         curves = self.busbw_gbps.get(where) or self.busbw_gbps.get(INTER if where == INTRA else INTRA)
         if not curves:
             raise ConfigError(f"the machine's {self.source} has no collectives: time it with more than one process")
-        points = curves.get(op) or curves.get("all_reduce") or next(iter(curves.values()))
+        points = (
+            curves.get(op)
+            or curves.get(STAND_IN.get(op, op))
+            or curves.get("all_reduce")
+            or next(iter(curves.values()))
+        )
         (small, small_bw), (large, large_bw) = points[0], points[-1]
         if size <= small:
             return small_bw * size / small
@@ -174,6 +184,7 @@ class StepTime:
     fixed_s: float = 0.0  # what its passes cost whatever their tokens (dispatch)
     communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
     bubble_s: float = 0.0
+    all_to_all_s: float = 0.0  # expert parallelism's all-to-alls among communication_s
 
     @property
     def compute_s(self) -> float:
@@ -193,22 +204,31 @@ def stage_work(work: Workload, dims: ParallelDims) -> list[tuple[float, float]]:
     d, s, vocab = model.d_model, config.data.seq_len, work.vocab_size
     global_batch, _ = config.batch.sizes(dims.dp_size)
     tokens = global_batch // dims.dp_size * s // dims.cp  # every micro-batch of the step on this rank
-    shard = dims.shard_size if dims.sharded else 1
-    per_block, _ = block_bytes_per_token(work, dims)
     recompute = {"full": 8 / 6, "selective": 1.0}.get(work.checkpointing, 1.0)  # full: the forward twice
     vocab_share = dims.tp if config.parallel.loss_parallel else 1
     stages = []
     for tensors in rank_tensors(work, dims):
-        blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
-        block_weights = sum(t.numel(dims.tp) for t in tensors if t.unit.startswith("blocks.") and len(t.shape) == 2)
+        blocks = block_indices(tensors)
+        matrices = [t for t in tensors if t.unit.startswith("blocks.") and len(t.shape) == 2 and not t.expert]
+        block_weights = sum(t.numel(dims.tp) for t in matrices)
         head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head" and len(t.shape) == 2)
-        attention = 12 * blocks * s * d / dims.tp  # QK^T and AV, forward and backward (a query sees every rank's keys)
-        flops = tokens * ((6 * block_weights + attention) * recompute + 6 * head)
-        moved = ACTIVATION_PASSES * tokens * blocks * per_block
+        attention = 12 * len(blocks) * s * d / dims.tp  # QK^T and AV, forward and backward (every rank's keys)
+        flops = tokens * (
+            (6 * (block_weights + active_expert_weights(work, tensors)) + attention) * recompute + 6 * head
+        )
+        moved = ACTIVATION_PASSES * tokens * sum(blocks_bytes_per_token(work, dims, blocks))
         moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if head else 0
-        moved += ADAMW_BYTES_PER_PARAMETER * sum(t.numel(dims.tp, shard) for t in tensors)
+        moved += ADAMW_BYTES_PER_PARAMETER * sum(held(t, dims) for t in tensors)
         stages.append((flops, moved))
     return stages
+
+
+def active_expert_weights(work: Workload, tensors: list) -> int:
+    """The experts' matrix weights among `tensors` that one token goes through: top_k of each mixture's."""
+    moe = work.config.model.moe
+    if moe is None:
+        return 0
+    return sum(t.numel() // moe.experts * moe.top_k for t in tensors if t.expert and len(t.shape) == 3)
 
 
 def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, hides: bool) -> dict[str, float]:
@@ -280,9 +300,11 @@ def predict(
     ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
     step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed)
-    step.communication_s = exposed(traffic(work, dims, gpus_per_node), speeds, step.compute_s, not speeds.on_cpu)
+    flows = traffic(work, dims, gpus_per_node)
+    step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
+    step.all_to_all_s = sum(step.communication_s[f.collective] for f in flows if f.op == "all_to_all")
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each
         # (1/v of one under the interleaved schedule); with equal stages, predicted_bubble's share of the step

@@ -39,10 +39,10 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.measure.peak import mfu
-from scalelm.report import bubble, expectations, history_compare, history_store, machine, repeats, steptime
+from scalelm.report import bubble, expectations, experts, history_compare, history_store, machine, repeats, steptime
 from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
 from scalelm.report.figures import COLUMNS, RunSummary
-from scalelm.report.plots import plot_losses, plot_scaling, plot_trend
+from scalelm.report.plots import plot_experts, plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.tables import fmt, markdown_table, write_csv
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
@@ -157,6 +157,7 @@ def run_figures(
         "global_batch_sequences": results.global_batch,
         "global_batch_tokens": results.tokens_per_step,
         "scaling": SCALING[config["batch"]["mode"]],  # strong: global batch fixed; weak: per-device batch fixed
+        **experts.columns(record),  # parameters; a mixture's experts, load balance, aux loss, all-to-all share
         "steps": results.steps,
         "wall_time_s": record.wall_time_s,
         "train_time_s": results.train_time_s,
@@ -237,6 +238,7 @@ OUTPUTS = (
     "scaling.png",
     "utilisation.png",
     "pipeline.png",
+    "experts.png",
     "trend.png",
 )
 
@@ -332,6 +334,7 @@ def write_tables(
             for s in summaries
         ],
     )
+    lines += experts.markdown(rows)
     lines += machine.markdown(baselines, machine_checks)
     lines += steptime.markdown(rows)
     if checks:
@@ -411,6 +414,7 @@ def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path,
     plot_scaling(summaries, out_dir / "scaling.png")
     plot_utilisation(runs, out_dir / "utilisation.png")
     bubble.plot_pipelines(runs, out_dir / "pipeline.png")
+    plot_experts(runs, out_dir / "experts.png")
     if trend is not None:
         plot_trend(trend, out_dir / "trend.png")
 

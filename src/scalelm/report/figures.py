@@ -33,6 +33,10 @@ FIGURES = (
     Figure("global_batch_sequences", "shared"),
     Figure("global_batch_tokens", "shared"),
     Figure("scaling", "shared"),  # strong: the global batch fixed; weak: the per-device batch fixed
+    Figure("experts", "shared"),  # a mixture's experts per layer; empty for a dense model (report.experts)
+    # the model's parameters in all and those one token uses (a mixture's: its router and top_k experts)
+    Figure("params_total", "shared"),
+    Figure("params_active", "shared"),
     Figure("steps"),
     Figure("wall_time_s", timed=True),
     Figure("train_time_s", timed=True),
@@ -58,6 +62,7 @@ FIGURES = (
     Figure("scaling_flag"),  # a disturbed baseline run, an implausible efficiency (report.disturbance)
     Figure("mfu", "spread", "min", timed=True),
     Figure("comm_share", "spread", timed=True),  # the profiled steps' share with a collective running (train.comm)
+    Figure("all_to_all_share", "spread", timed=True),  # ... with an all-to-all running (expert parallelism's)
     Figure("straggler"),  # the rank the others waited for, if one stands out (report.timing)
     # the steady intervals' host time producing batches, their median share
     Figure("data_share", "spread", "max", timed=True),
@@ -83,6 +88,9 @@ FIGURES = (
     # energy in training steps, every attempt's (scalelm.measure.energy): empty where it could not be read
     Figure("energy_j", "spread", timed=True),
     Figure("joules_per_token", "spread", "max", timed=True),
+    # a mixture's experts (scalelm.measure.experts): empty for a dense model
+    Figure("expert_load_max_over_mean", "spread"),  # tokens per expert, max / mean of the worst layer, over the run
+    Figure("aux_loss", "spread"),  # the load-balancing loss of the last logged interval
     # results
     Figure("final_train_loss"),
     Figure("validation_loss"),

@@ -1,5 +1,5 @@
-"""The summary's figures: loss curves, scaling, and the trend over the results history (utilisation.png:
-scalelm.report.utilisation).
+"""The summary's figures: loss curves, scaling, a mixture of experts' load balance, and the trend over the results
+history (utilisation.png: scalelm.report.utilisation).
 
 An experiment with several seeds is drawn as their mean: loss curves with the seeds' range (min to max) as a band,
 scaling figures with their standard deviation as error bars. Each experiment keeps one colour and one marker in
@@ -212,6 +212,39 @@ def scaling_figure(summaries: list[dict[str, Any]]):
     notes = [f"{s['experiment']}: {experiment_flags(s)}" for s in summaries if experiment_flags(s)]
     if notes:
         note_under(fig, ["Flagged (red ring; hatched bar: a disturbed seed): " + "; ".join(notes) + "."])
+    return fig
+
+
+def plot_experts(runs: list[RunSummary], path: Path) -> None:
+    save(experts_figure(runs), path)
+
+
+def experts_figure(runs: list[RunSummary]):
+    """Per mixture-of-experts run, over its logged steps: the load balance (tokens per expert, max over mean, of the
+    least balanced layer: 1 is even) and the load-balancing loss (1 when balanced), from its metrics lines."""
+    import matplotlib.pyplot as plt
+
+    mixtures = [r for r in runs if any("expert_load_max_over_mean" in m for m in r.metrics)]
+    if not mixtures:
+        fig, ax = plt.subplots(figsize=(7, 1.5))
+        ax.text(0.5, 0.5, "no mixture-of-experts experiment in this study", ha="center", va="center")
+        ax.axis("off")
+        return fig
+    styles = experiment_styles([r.figures["experiment"] for r in mixtures])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in mixtures:
+        lines = [m for m in run.metrics if m["kind"] == "train"]
+        colour, _ = styles[run.figures["experiment"]]
+        for ax, key in zip(axes, ("expert_load_max_over_mean", "aux_loss")):
+            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+            ax.plot([s for s, _ in points], [v for _, v in points], color=colour, label=run.label)
+    axes[0].set_title("load balance: tokens per expert, max / mean (worst layer)")
+    axes[1].set_title("load-balancing loss (before its coefficient)")
+    for ax in axes:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)  # even: both are 1
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    legend_beside(fig, axes[1])
     return fig
 
 

@@ -71,7 +71,7 @@ class MachineSettings:
 
 @dataclass(frozen=True)
 class ExperimentSpec:
-    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp"]
+    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp", "ep"]
     nodes: int
     procs_per_node: int
     training: dict[str, Any] = field(default_factory=dict)

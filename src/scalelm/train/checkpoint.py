@@ -133,6 +133,7 @@ class TrainerState:
     train_seconds: float = 0.0  # time in training steps, excluding evaluation and checkpoints
     model_shape: dict[str, Any] = field(default_factory=dict)  # model settings + vocabulary size
     energy_j: float | None = None  # the job's, in training steps; None once an attempt could not measure it
+    experts: dict[str, Any] | None = None  # a mixture of experts' run totals (scalelm.measure.experts); None: dense
 
     def spent(self, seconds: float, joules: float | None) -> None:
         """A logged interval's training time and energy."""

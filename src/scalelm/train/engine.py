@@ -28,7 +28,9 @@ from scalelm.data.stage import Staged
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError
 from scalelm.measure.device import Stopwatch, reset_peak_memory
+from scalelm.measure.experts import ExpertLoad
 from scalelm.measure.instruments import Instruments
+from scalelm.model.architecture import parameter_counts
 from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.env import DistEnv, global_reduce
 from scalelm.parallel.runtime import ModelOptions, Parallel, pipeline_of
@@ -52,7 +54,11 @@ class TrainingError(ScaleLMError):
 def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
     """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
     keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
-    return {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+    shape = {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+    if config.model.moe is not None:  # (absent for a dense model, as in the checkpoints from before mixtures)
+        moe = config.model.moe
+        shape["moe"] = {"experts": moe.experts, "every": moe.every, "d_ff": config.model.expert_width()}
+    return shape
 
 
 def total_steps(config: Config, batches: TrainBatches) -> int:
@@ -173,6 +179,9 @@ class Engine:
         self.instruments = Instruments(
             config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
         )
+        if config.model.moe is not None and self.state.experts is None:
+            self.state.experts = {}  # the run's totals, checkpointed with the state
+        self.experts = ExpertLoad.of(self.model, config.model, parallel.dims.tp, self.state.experts)  # None: dense
         train = config.train
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, train.hang_factor, train.hang_floor_s)
         # between logged steps: the summed step losses of this rank, and how many steps they are
@@ -258,13 +267,18 @@ class Engine:
 
     # --------------------------------------------------------------------------------- bookkeeping
     def log_train(self, grad_norm: torch.Tensor, elapsed: float) -> None:
-        """The interval's line: its loss averaged over steps and ranks (the gradient norm: its last step's); the only
+        """The interval's line: its loss averaged over steps and ranks (the gradient norm: its last step's), and a
+        mixture of experts' aux loss and load balance, summed over the ranks in the same reduction; the only
         host-device sync of the hot loop. A non-finite loss stops the run, the last good checkpoint kept."""
         steps = self.steps_acc
         values = torch.stack([self.loss_acc / steps, grad_norm.detach().float().to(self.loss_acc.device)])
+        if self.experts is not None:  # the mixtures' counts ride in the same reduction
+            values = torch.cat([values, self.experts.take(values.device)])
+        summed = global_reduce(values)
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
-        loss, norm = (global_reduce(values) / divisors).tolist()
+        loss, norm = (summed[:2] / divisors).tolist()
+        experts = self.experts.interval(summed[2:].tolist(), steps) if self.experts is not None else {}
         if not math.isfinite(loss):
             bad = ranks_where(~self.loss_acc.isfinite(), self.env)
             raise TrainingError(
@@ -292,6 +306,7 @@ class Engine:
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens_per_s_per_device": self.tokens_per_step / step_time / self.env.world_size,
                 "mfu": self.instruments.mfu(self.tokens_per_step / step_time),
+                **experts,  # a mixture of experts' aux loss and load balance (scalelm.measure.experts)
                 **interval,
                 "global_batch": self.batches.global_batch,
                 "tokens_per_step": self.tokens_per_step,
@@ -340,6 +355,8 @@ class Engine:
             test=test,
             checkpoint=str(checkpoint),
             staging=self.staging.record(),
+            parameters=parameter_counts(self.config.model, self.data.vocab_size),
+            experts=self.experts.results() if self.experts is not None else None,
         )
         parallel = self.parallel.describe(self.model)
         record = RunRecord(

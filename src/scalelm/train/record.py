@@ -44,6 +44,8 @@ class Results:
     pipeline: dict[str, Any] | None = None  # schedule, bubble, timeline (scalelm.parallel.pipeline)
     energy: dict[str, Any] | None = None  # joules, joules_per_token, source, unknown (scalelm.measure.energy)
     staging: dict[str, Any] | None = None  # the last attempt's: mode, dir, seconds, bytes (scalelm.data.stage)
+    parameters: dict[str, int] | None = None  # the model's in all and per token (total, active); None: an older run
+    experts: dict[str, Any] | None = None  # a mixture's load balance, aux loss (scalelm.measure.experts); None: dense
 
 
 @dataclass(frozen=True)

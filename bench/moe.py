@@ -1,0 +1,127 @@
+"""A mixture of experts against the dense model at equal active parameters, and expert parallelism against one process.
+
+    python bench/moe.py [--steps 10] [--warmup 3] [--json FILE]
+
+Four runs, each alone, through the real entry point as bench/layouts.py runs them (random tokens of WikiText-2's
+vocabulary, `batch.mode: per_device` with 128 sequences of 32 tokens per data-parallel rank, dropout 0, one thread
+per process, the last steps under the profiler):
+
+- dense: the course model (d_model 128, 4 heads, 2 blocks, FFN 2048), one process;
+- moe: the same with each block's FFN a mixture of 4 experts of width 1024, top 2 (`course_moe`): a token meets
+  2 x 1024 hidden units as the dense model's 2048, so the active parameters and FLOPs per token are the same and the
+  FFNs hold twice as many in all;
+- moe ep 2: the mixture on 2 ranks, ep 2 borrowed from dp_shard 2 (the dense parameters FSDP-sharded over them);
+- dense fsdp 2: the dense model on the same 2 ranks, so that what ep adds to the FSDP beside it shows.
+
+From each run's records (run.json, metrics.jsonl): tokens/s over the timed steps, state and peak memory per rank
+with scalelm.plan's figures beside them, the communication share and the all-to-all's part of the profiled steps
+(`results.comm`), and the mixture's auxiliary loss (before its coefficient), load balance (tokens per expert, the
+largest over the mean: 1 when even) and each expert's share of the tokens per layer (`results.experts`, the
+metrics lines); the CPU cores other work took meanwhile (`host_load`), which says whether the figures of time can be
+trusted. Figures and the machine: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layouts import LAYOUTS, MODELS, VOCAB, percent, run_layout  # noqa: E402
+from scalelm.config import from_dict  # noqa: E402
+from scalelm.model.architecture import parameter_counts  # noqa: E402
+from throughput import make_prepared  # noqa: E402
+
+RUNS = (("course", "single"), ("course_moe", "single"), ("course_moe", "ep"), ("course", "fsdp"))
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    record = json.loads((run_dir / "run.json").read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return record, lines
+
+
+def expert_figures(record: dict[str, Any], lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The profiled steps' all-to-all share, and the mixture's figures (scalelm.measure.experts): the aux loss and
+    load balance of the last logged interval, and over the run the mean load balance and each expert's token share."""
+    results = record["results"]
+    logged = [m for m in lines if m["kind"] == "train"]
+    experts = results.get("experts") or {}
+    return {
+        "all_to_all_share": (results["comm"] or {}).get("all_to_all_share"),
+        "aux_loss": logged[-1].get("aux_loss"),
+        "load_last": logged[-1].get("expert_load_max_over_mean"),
+        "load_run": experts.get("expert_load_max_over_mean"),
+        "token_share": experts.get("expert_token_share_per_layer"),
+        # other work on the host's cores while the run trained: the figures of time are only as good as this is small
+        "other_cores": max((h["other_cores"] for h in record["host_load"].values()), default=None),
+    }
+
+
+def measure(model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int) -> dict[str, Any]:
+    row = run_layout(model, layout, prepared, workdir, warmup, steps)
+    return {**row, **expert_figures(*read_run(workdir / f"{model}-{layout}"))}
+
+
+def figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def shares(layer: str, share: list[float] | None) -> str:
+    return f"{layer}: " + ("-" if share is None else " / ".join(f"{s:.0%}" for s in share))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | layout | degrees | procs | tokens/s | per device | state MiB/rank (planned) | peak MiB/rank "
+        "(planned) | comm | all-to-all | aux loss | load max/mean (last, run) | token share per expert, by layer | "
+        "other cores |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        plan = r["plan_mb_per_rank"]
+        share = "; ".join(shares(layer, s) for layer, s in r["token_share"].items()) if r["token_share"] else "-"
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.1f} ({plan['state']:,.1f}) | "
+            f"{r['peak_mb_per_rank']:,.0f} ({plan['total']:,.0f}) | {percent(r['comm_share'])} | "
+            f"{percent(r['all_to_all_share'])} | {figure(r['aux_loss'])} | {figure(r['load_last'])}, "
+            f"{figure(r['load_run'])} | {share} | {figure(r['other_cores'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    for model in dict(RUNS):
+        counts = parameter_counts(from_dict({"model": MODELS[model]["model"]}).model, VOCAB)
+        print(f"{model}: {counts['total'] / 1e6:.2f} M parameters, {counts['active'] / 1e6:.2f} M active per token")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = make_prepared(Path(tmp) / "prepared")
+        for model, layout in RUNS:
+            rows.append(measure(model, layout, prepared, Path(tmp), args.warmup, args.steps))
+            r = rows[-1]
+            print(
+                f"  {model:10} {layout:6} ({LAYOUTS[layout][0]} proc) {r['tokens_per_s']:7,.0f} tok/s"
+                f"  state {r['state_mb_per_rank']['total']:5,.0f} MiB  peak {r['peak_mb_per_rank']:5,.0f} MiB"
+                f"  comm {percent(r['comm_share']):>4}  all-to-all {percent(r['all_to_all_share']):>4}"
+                f"  loss {r['final_loss']:.4f}  aux {figure(r['aux_loss'])}  load {figure(r['load_run'])}"
+                f"  other cores {figure(r['other_cores'])}",
+                flush=True,
+            )
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

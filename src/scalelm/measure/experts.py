@@ -1,0 +1,121 @@
+"""A mixture of experts' figures (model.moe): its load-balancing loss, and how evenly its experts get the tokens.
+
+Each mixture counts on its rank the rows (token, choice) routed to each expert and its aux loss, once per trained
+micro-batch (scalelm.model.moe.MoE.take_load). At a log line `take` hands over this rank's counts since the last one
+as a vector the engine sums over every rank in the all-reduce it runs anyway (the loss's), and `interval` reads the
+sum:
+
+    counts      a (MoE layers x experts) block, by block index; the rows of the layers another pipeline stage holds
+                are zero on this rank. The ranks of a tensor-parallel group route the same tokens (a mixture stays
+                whole under TP, scalelm.parallel.tensor; context parallelism is refused with it), so the sum counts
+                each token tp times: divided by tp. The data-parallel ranks' tokens differ: summed, they are the
+                global batch's.
+    aux         the aux losses' sum and their count (one per micro-batch, MoE layer and holding rank): their ratio is
+                the mean over the interval's micro-batches and MoE layers, which the TP copies, counted in both,
+                leave as it is
+
+    aux_loss                    the interval's mean aux loss, before its coefficient (1 when balanced)
+    expert_load_max_over_mean   tokens per expert, the largest over the mean, of the least balanced layer: 1 when
+                                even, experts / top_k when the same top_k experts get every token
+
+Over the run `results` keeps the last interval's aux loss, the load balance averaged over the steps, and the share of
+the tokens each expert got, per layer and over all: totals kept in the trainer's state, which its checkpoints hold,
+so that a resumed run's are the whole run's.
+A dense model has none of these: `ExpertLoad.of` gives None, and nothing is added to the logs or the reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from scalelm.config import ModelConfig
+from scalelm.model.moe import MoE, mixtures
+
+
+def max_over_mean(counts: list[float]) -> float | None:
+    """How unevenly `counts` are spread: the largest over the mean (1: even); None without any."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total > 0 else None
+
+
+def shares(counts: list[float]) -> list[float] | None:
+    """Each count's share of their sum; None without any."""
+    total = sum(counts)
+    return [count / total for count in counts] if total > 0 else None
+
+
+class ExpertLoad:
+    """A model's mixtures as the logs measure them (module docstring); `tp`: the tensor-parallel degree."""
+
+    def __init__(self, local: dict[int, MoE], layers: list[int], experts: int, tp: int, totals: dict[str, Any]):
+        self.local, self.layers, self.experts, self.tp = local, layers, experts, tp
+        # the run's (a checkpointed TrainerState.experts): tokens per expert per layer, the intervals' load balance
+        # each times its steps, the steps measured, the last interval's aux loss
+        totals.setdefault("counts", [[0.0] * experts for _ in layers])
+        totals.setdefault("weighted_balance", 0.0)
+        totals.setdefault("steps", 0)
+        totals.setdefault("aux_loss", None)
+        self.totals = totals
+
+    @classmethod
+    def of(cls, model: nn.Module, config: ModelConfig, tp: int, totals: dict[str, Any]) -> ExpertLoad | None:
+        """The measurements of `model` (this rank's part of it), their run totals kept in `totals` (filled in where
+        empty); None for a dense model."""
+        if config.moe is None:
+            return None
+        layers = [i for i in range(config.n_layers) if config.moe.is_moe_block(i)]
+        return cls(mixtures(model), layers, config.moe.experts, tp, totals)
+
+    @property
+    def size(self) -> int:
+        """The length of `take`'s vector: the same on every rank, whichever layers it holds."""
+        return 2 + len(self.layers) * self.experts
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """This rank's counts since the last call (its mixtures' counters start again), to be summed over every
+        rank: [aux sum, aux count, counts by layer and expert]."""
+        taken = torch.zeros(self.size, device=device)
+        counts = taken[2:].view(len(self.layers), self.experts)
+        for row, layer in enumerate(self.layers):
+            if layer in self.local:
+                load, aux_sum, aux_count = self.local[layer].take_load()
+                counts[row] = load.float()
+                taken[0] += aux_sum.float()
+                taken[1] += aux_count
+        return taken
+
+    def interval(self, summed: list[float], steps: int) -> dict[str, float | None]:
+        """The metrics line's figures of an interval of `steps` steps, from `take`'s vectors summed over every rank;
+        the run's totals take them in."""
+        aux_sum, aux_count, flat = summed[0], summed[1], summed[2:]
+        per_layer = [
+            [c / self.tp for c in flat[i * self.experts : (i + 1) * self.experts]] for i in range(len(self.layers))
+        ]
+        totals = self.totals
+        for total, counts in zip(totals["counts"], per_layer):
+            total[:] = [t + c for t, c in zip(total, counts)]
+        balances = [b for b in map(max_over_mean, per_layer) if b is not None]
+        balance = max(balances) if balances else None
+        if balance is not None:
+            totals["weighted_balance"] += balance * steps
+            totals["steps"] += steps
+        totals["aux_loss"] = aux_sum / aux_count if aux_count else None
+        return {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance}
+
+    def results(self) -> dict[str, Any]:
+        """run.json's figures of the run's experts (module docstring)."""
+        totals = self.totals
+        overall = [sum(column) for column in zip(*totals["counts"])]
+        steps = totals["steps"]
+        return {
+            "experts": self.experts,
+            "layers": self.layers,
+            "aux_loss": totals["aux_loss"],
+            "expert_load_max_over_mean": totals["weighted_balance"] / steps if steps else None,
+            "expert_token_share": shares(overall),
+            "expert_token_share_per_layer": {str(i): shares(c) for i, c in zip(self.layers, totals["counts"])},
+            "steps": steps,
+        }
