@@ -22,7 +22,7 @@ import psutil
 import torch
 import yaml
 
-from scalelm.config import ModelConfig
+from scalelm.config import ModelConfig, from_mapping
 from scalelm.errors import EXIT_PREEMPTED
 from scalelm.files import sha256
 from scalelm.model.transformer import TransformerLM
@@ -273,7 +273,8 @@ def stall_rank(config: Path, rank: int, at_step: int, site: Path, procs: int = 4
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model weights of one checkpoint directory (DCP), as one state dict."""
     shape = dict(read_trainer_state(checkpoint).model_shape)
-    model = TransformerLM(ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"}), shape["vocab_size"])
+    config = from_mapping(ModelConfig, {k: v for k, v in shape.items() if k != "vocab_size"})  # (model.moe a section)
+    model = TransformerLM(config, shape["vocab_size"])
     load_weights(checkpoint, model)
     return model.state_dict()
 

@@ -108,54 +108,57 @@ def test_the_all_to_all_is_counted_apart_on_gloo_and_on_nccl():
 
 
 def stage_of(config: ModelConfig, blocks: list[int]) -> nn.Module:
-    """A pipeline stage's mixtures as scalelm.model.moe.mixtures finds them: blocks.<i>.ffn, i their index in the
-    whole model."""
+    """A pipeline stage's mixtures, each knowing its block's index in the whole model."""
     stage = nn.Module()
     stage.blocks = nn.ModuleDict({str(i): nn.Module() for i in blocks})
     for i in blocks:
-        stage.blocks[str(i)].ffn = MoE(config.d_model, config.d_ff, config.moe, config.n_layers)
+        stage.blocks[str(i)].ffn = MoE(config, i)
     return stage
 
 
 def test_the_experts_load_and_aux_loss_are_summed_over_stages_and_counted_once_per_tensor_parallel_group():
     """Four ranks in one reduction: a pipeline's two stages (blocks 0-1, block 2), each on a tensor-parallel group of
-    two, whose ranks route the same tokens; the sum of their `take` is what the engine's all-reduce gives."""
+    two, whose ranks route the same tokens; the sum of their `take` is what the engine's all-reduce gives. The load
+    balance is each step's, averaged over the logged interval: two steps that each send every row of block 1 to
+    one expert, another each time, are as unbalanced as one such step (their sum would look even)."""
     config = ModelConfig(d_model=8, n_heads=2, n_layers=3, d_ff=16, moe=MoEConfig(experts=4, top_k=2))
     assert ExpertLoad.of(stage_of(config, [0]), ModelConfig(n_layers=1), 1, {}) is None  # dense: nothing measured
-    micro_batches = {  # per block: each micro-batch's tokens per expert and aux loss
-        0: [([2, 2, 2, 2], 1.0), ([2, 2, 2, 2], 1.2)],  # even: 1
-        1: [([4, 2, 1, 1], 1.4), ([4, 2, 1, 1], 1.6)],  # 8 / mean 4: 2, the worst layer
-        2: [([3, 1, 3, 1], 1.1), ([3, 1, 3, 1], 1.3)],  # 1.5
-    }
+    cpu = torch.device("cpu")
     totals = [{} for _ in range(4)]  # each rank's TrainerState.experts
     ranks = [ExpertLoad.of(stage_of(config, b), config, 2, t) for b, t in zip(([0, 1], [0, 1], [2], [2]), totals)]
 
-    def interval(steps: int) -> dict:
+    def step(micro_batches: dict[int, list[tuple[list[int], float]]]) -> None:
+        """One optimizer step on every rank: per block, each micro-batch's tokens per expert and aux loss."""
         for rank in ranks:
             for layer, moe in rank.local.items():
                 for counts, aux in micro_batches[layer]:
                     moe.count(torch.tensor(counts, dtype=torch.float), torch.tensor(aux))
-        taken = [rank.take(torch.device("cpu")) for rank in ranks]
-        assert {len(t) for t in taken} == {2 + 3 * 4}  # one length on every rank, whichever blocks it holds
-        summed = torch.stack(taken).sum(dim=0).tolist()
-        return [rank.interval(summed, steps) for rank in ranks][0]
+            rank.end_step(cpu)
 
-    first = interval(steps=2)
-    assert first["aux_loss"] == pytest.approx((1.0 + 1.2 + 1.4 + 1.6 + 1.1 + 1.3) / 6)
-    assert first["expert_load_max_over_mean"] == pytest.approx(2.0)
-    assert all(not rank.take(torch.device("cpu")).any() for rank in ranks)  # taken: counted once
-    micro_batches[1] = [([2, 2, 2, 2], 1.0)] * 2
-    micro_batches[2] = [([2, 2, 2, 2], 1.0)] * 2
-    assert interval(steps=1)["expert_load_max_over_mean"] == pytest.approx(1.0)
+    def interval() -> dict:
+        taken = [rank.take(cpu) for rank in ranks]
+        assert len({len(t) for t in taken}) == 1  # one length on every rank, whichever blocks it holds
+        summed = torch.stack(taken).sum(dim=0).tolist()
+        return [rank.interval(summed) for rank in ranks][0]
+
+    even = ([2, 2, 2, 2], 1.0)
+    step({0: [even, even], 1: [([4, 0, 0, 0], 2.0), ([4, 0, 0, 0], 2.2)], 2: [even, even]})
+    step({0: [even, even], 1: [([0, 0, 0, 4], 1.8), ([0, 0, 0, 4], 2.0)], 2: [([3, 1, 3, 1], 1.1), even]})
+    first = interval()
+    assert first["aux_loss"] == pytest.approx((1.0 * 4 + 2.0 + 2.2) / 6 / 2 + (1.0 * 3 + 1.8 + 2.0 + 1.1) / 6 / 2)
+    assert first["expert_load_max_over_mean"] == pytest.approx(4.0)  # each step's worst layer: block 1's 8 / 2
+    assert all(rank.take(cpu).numel() == 0 for rank in ranks)  # taken: counted once
+    step({0: [even, even], 1: [even, even], 2: [even, even]})
+    assert interval()["expert_load_max_over_mean"] == pytest.approx(1.0)
 
     results = ranks[0].results()
     assert results["layers"] == [0, 1, 2] and results["experts"] == 4 and results["steps"] == 3
-    assert results["aux_loss"] == pytest.approx((1.0 + 1.2 + 1.0 * 4) / 6)  # the last interval's
-    assert results["expert_load_max_over_mean"] == pytest.approx((2.0 * 2 + 1.0 * 1) / 3)  # over the steps
-    # tokens per expert over the run, the TP copies counted once: block 0 (8, 8, 8, 8), 1 (12, 8, 6, 6), 2 (10, 6, 10, 6)
-    assert totals[0]["counts"] == [[8.0] * 4, [12.0, 8.0, 6.0, 6.0], [10.0, 6.0, 10.0, 6.0]]
-    assert results["expert_token_share_per_layer"]["1"] == pytest.approx([12 / 32, 8 / 32, 6 / 32, 6 / 32])
-    assert results["expert_token_share"] == pytest.approx([30 / 96, 22 / 96, 24 / 96, 20 / 96])
+    assert results["aux_loss"] == pytest.approx(1.0)  # the last interval's
+    assert results["expert_load_max_over_mean"] == pytest.approx((4.0 + 4.0 + 1.0) / 3)  # over the steps
+    # tokens per expert over the run, the TP copies counted once
+    assert totals[0]["counts"] == [[12.0] * 4, [12.0, 4.0, 4.0, 12.0], [13.0, 11.0, 13.0, 11.0]]
+    assert results["expert_token_share_per_layer"]["1"] == pytest.approx([12 / 32, 4 / 32, 4 / 32, 12 / 32])
+    assert results["expert_token_share"] == pytest.approx([37 / 128, 27 / 128, 29 / 128, 35 / 128])
     # a resumed run starts from its checkpointed totals (the state's, as torch.save keeps them): the run's whole
     resumed = ExpertLoad.of(stage_of(config, [0, 1]), config, 2, copy.deepcopy(totals[0]))
     assert resumed.results() == results

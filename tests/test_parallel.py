@@ -179,6 +179,7 @@ MOE = ["model.moe={experts: 4, top_k: 2}"]
         (["model.moe={experts: 3, top_k: 1}", "parallel.strategy=ep"], 2, "model.moe.experts=3 is not divisible by parallel.ep=2"),
         ([*MOE, "parallel.ep=0", "parallel.dp_shard=2"], 2, "parallel.ep must be a positive integer or -1"),
         ([*MOE, "parallel.cp=2"], 2, "model.moe balances its experts' load per sequence, and parallel.cp=2"),
+        ([*MOE, "parallel.strategy=ep", "parallel.cpu_offload=true"], 2, "under parallel.ep=2 the experts are not FSDP's"),
         ([*MOE, "parallel.strategy=ddp", "train.engine=lightning"], 2, "model.moe is scalelm's engine only"),
         (["model.moe={experts: 2, top_k: 3}"], 1, "model.moe.top_k=3 exceeds model.moe.experts=2"),
         (["model.moe={every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),

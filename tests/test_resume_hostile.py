@@ -146,6 +146,12 @@ def test_every_setting_declares_whether_it_belongs_to_a_runs_identity():
     outside |= {"train.activation_checkpointing", "train.engine", "checkpoint.every", "parallel.timeout_s"}
     assert not kept & outside
     assert {"seed", "device", "optim.lr", "model.d_model", "data.seq_len", "train.precision", "parallel.tp"} <= kept
+    # settings added since runs were recorded leave their identity as it was at their defaults (a dense model's runs
+    # from before mixtures of experts resume), and join it when set
+    assert not {"model.moe", "parallel.ep"} & kept
+    mixture = load_config(None, ["model.moe={experts: 4}", "parallel.ep=2"])
+    added = identity(mixture, {"train": "abc"}, 1)["settings"]
+    assert added["model"]["moe"]["experts"] == 4 and added["parallel"]["ep"] == 2
 
 
 def test_a_checkpoints_lineage_leaves_out_the_layout_and_the_staging_but_not_the_seed():

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import drills
 from conftest import train_here
-from scalelm.config import ModelConfig, OptimConfig
+from scalelm.config import ModelConfig, OptimConfig, from_mapping
 from scalelm.errors import CheckpointError, ConfigError
 from scalelm.files import UnsafeFileError, append_text, sha256
 from scalelm.model.transformer import TransformerLM
@@ -84,7 +84,8 @@ def test_a_model_file_holding_a_pickled_object_is_refused_and_not_run(tmp_path, 
 # ------------------------------------------------------------------------------------------- checkpoints
 def model_of(checkpoint: Path):
     shape = dict(read_trainer_state(checkpoint).model_shape)
-    model = TransformerLM(ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"}), shape["vocab_size"])
+    config = from_mapping(ModelConfig, {k: v for k, v in shape.items() if k != "vocab_size"})  # (model.moe a section)
+    model = TransformerLM(config, shape["vocab_size"])
     return model, build_optimizer(model, OptimConfig(), 1e-3)
 
 

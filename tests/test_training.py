@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +17,12 @@ from conftest import board_scalars, run_dir_of, run_train, train_command, train_
 from scalelm.config import load_config
 from scalelm.data.prepared import load_prepared
 from scalelm.errors import EXIT_PREEMPTED
+from scalelm.model.moe import mixtures
 from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.train.checkpoint import complete_checkpoints
+from scalelm.train.consolidate import consolidate, load_consolidated
 from scalelm.train.record import read_metrics
+from scalelm.train.rundir import RunDir
 
 
 def relative_gap(a: list[float], b: list[float]) -> float:
@@ -66,7 +70,7 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config):
+def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config, tmp_path):
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (with and
     without the vocabulary-parallel loss), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
     of 2 stages (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and
@@ -164,6 +168,13 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     for name in ("ep", "fsdp_ep", "hsdp_ep", "ep_tp", "ep_pp"):
         assert "gloo:all_to_all" in comm[name]["ops_s_per_step_rank0"], name
         assert 0 < comm[name]["all_to_all_share"] <= comm[name]["share"], name
+    # an ep run's sharded checkpoint consolidated into one model file, which loads as one process's mixture
+    meta = consolidate(RunDir(run_dir_of(configs["ep"])), tmp_path / "ep.pt")
+    model, info = load_consolidated(Path(meta["model"]))
+    assert info["step"] == 20 and [i for i, moe in mixtures(model).items() if moe.experts.up_weight.shape[0] == 4] == [
+        0,
+        1,
+    ]
 
     pairs = (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp"), ("pp", "single"), ("fsdp_pp", "fsdp"),
              ("single", "pp"), ("ddp", "tp_pp"), ("fsdp_cp", "single"), ("tp", "cp_tp"),

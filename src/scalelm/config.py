@@ -58,8 +58,8 @@ class DataConfig:
 @dataclass
 class MoEConfig:
     """A mixture of experts in place of the feed-forward network of some blocks (scalelm.model.moe): a router sends
-    each token to its top_k experts (ties to the lower index, so the choice never depends on the layout) and every
-    token is computed (dropless: no capacity limit), so that every layout computes the same function."""
+    each token to its top_k experts (equal scores to the lower index, in every layout) and every token is computed
+    (dropless: no capacity limit), so that every layout computes the same function."""
 
     experts: int = setting(4, identity=True)
     top_k: int = setting(2, identity=True)
@@ -85,7 +85,7 @@ class ModelConfig:
     moe: MoEConfig | None = setting(None, identity=True, added=True)  # None: every block dense
 
     def expert_width(self) -> int:
-        return self.moe.d_ff or self.d_ff if self.moe else self.d_ff
+        return (self.moe.d_ff or self.d_ff) if self.moe else self.d_ff
 
 
 @dataclass

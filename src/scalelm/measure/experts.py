@@ -1,9 +1,10 @@
 """A mixture of experts' figures (model.moe): its load-balancing loss, and how evenly its experts get the tokens.
 
 Each mixture counts on its rank the rows (token, choice) routed to each expert and its aux loss, once per trained
-micro-batch (scalelm.model.moe.MoE.take_load). At a log line `take` hands over this rank's counts since the last one
-as a vector the engine sums over every rank in the all-reduce it runs anyway (the loss's), and `interval` reads the
-sum:
+micro-batch (scalelm.model.moe.MoE.take_load). After each optimizer step `end_step` sets that step's counts aside
+(on the rank, no communication); at a log line `take` hands over the interval's steps as one vector, which the
+engine sums over every rank in the all-reduce it runs anyway (the loss's), and `interval` reads the sum, step by
+step:
 
     counts      a (MoE layers x experts) block, by block index; the rows of the layers another pipeline stage holds
                 are zero on this rank. The ranks of a tensor-parallel group route the same tokens (a mixture stays
@@ -15,12 +16,14 @@ sum:
                 leave as it is
 
     aux_loss                    the interval's mean aux loss, before its coefficient (1 when balanced)
-    expert_load_max_over_mean   tokens per expert, the largest over the mean, of the least balanced layer: 1 when
-                                even, experts / top_k when the same top_k experts get every token
+    expert_load_max_over_mean   a step's tokens per expert, the largest over the mean, of its least balanced layer
+                                (1 when even, experts / top_k when the same top_k experts get every token): the
+                                mean over the interval's steps (with train.log_every 1, each step's own)
 
-Over the run `results` keeps the last interval's aux loss, the load balance averaged over the steps, and the share of
-the tokens each expert got, per layer and over all: totals kept in the trainer's state, which its checkpoints hold,
-so that a resumed run's are the whole run's.
+Over the run `results` keeps the last interval's aux loss, the steps' load balance averaged, and the share of the
+tokens each expert got, per layer and over all: totals kept in the trainer's state, which its checkpoints hold, so
+that a resumed run's count what its log lines count (the steps between a checkpoint and the log line before it are
+in neither, as for the loss).
 A dense model has none of these: `ExpertLoad.of` gives None, and nothing is added to the logs or the reduction.
 """
 
@@ -52,10 +55,11 @@ class ExpertLoad:
 
     def __init__(self, local: dict[int, MoE], layers: list[int], experts: int, tp: int, totals: dict[str, Any]):
         self.local, self.layers, self.experts, self.tp = local, layers, experts, tp
-        # the run's (a checkpointed TrainerState.experts): tokens per expert per layer, the intervals' load balance
-        # each times its steps, the steps measured, the last interval's aux loss
+        self.steps_taken: list[torch.Tensor] = []  # this rank's counts of each step since the last log line
+        # the run's (a checkpointed TrainerState.experts): tokens per expert per layer, the steps' load balance
+        # summed, the steps measured, the last interval's aux loss
         totals.setdefault("counts", [[0.0] * experts for _ in layers])
-        totals.setdefault("weighted_balance", 0.0)
+        totals.setdefault("balance_sum", 0.0)
         totals.setdefault("steps", 0)
         totals.setdefault("aux_loss", None)
         self.totals = totals
@@ -71,38 +75,48 @@ class ExpertLoad:
 
     @property
     def size(self) -> int:
-        """The length of `take`'s vector: the same on every rank, whichever layers it holds."""
+        """The length of a step's counts: the same on every rank, whichever layers it holds."""
         return 2 + len(self.layers) * self.experts
 
-    def take(self, device: torch.device) -> torch.Tensor:
-        """This rank's counts since the last call (its mixtures' counters start again), to be summed over every
-        rank: [aux sum, aux count, counts by layer and expert]."""
-        taken = torch.zeros(self.size, device=device)
-        counts = taken[2:].view(len(self.layers), self.experts)
+    def end_step(self, device: torch.device) -> None:
+        """Set this rank's counts of the step just done aside (its mixtures' counters start again):
+        [aux sum, aux count, counts by layer and expert]."""
+        step = torch.zeros(self.size, device=device)
+        counts = step[2:].view(len(self.layers), self.experts)
         for row, layer in enumerate(self.layers):
             if layer in self.local:
                 load, aux_sum, aux_count = self.local[layer].take_load()
                 counts[row] = load.float()
-                taken[0] += aux_sum.float()
-                taken[1] += aux_count
+                step[0] += aux_sum.float()
+                step[1] += aux_count
+        self.steps_taken.append(step)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The steps set aside since the last call, one after the other, to be summed over every rank."""
+        taken = torch.cat(self.steps_taken).to(device) if self.steps_taken else torch.zeros(0, device=device)
+        self.steps_taken = []
         return taken
 
-    def interval(self, summed: list[float], steps: int) -> dict[str, float | None]:
-        """The metrics line's figures of an interval of `steps` steps, from `take`'s vectors summed over every rank;
-        the run's totals take them in."""
-        aux_sum, aux_count, flat = summed[0], summed[1], summed[2:]
-        per_layer = [
-            [c / self.tp for c in flat[i * self.experts : (i + 1) * self.experts]] for i in range(len(self.layers))
-        ]
-        totals = self.totals
-        for total, counts in zip(totals["counts"], per_layer):
-            total[:] = [t + c for t, c in zip(total, counts)]
-        balances = [b for b in map(max_over_mean, per_layer) if b is not None]
-        balance = max(balances) if balances else None
-        if balance is not None:
-            totals["weighted_balance"] += balance * steps
-            totals["steps"] += steps
+    def interval(self, summed: list[float]) -> dict[str, float | None]:
+        """The metrics line's figures of an interval, from `take`'s vectors summed over every rank; the run's totals
+        take them in."""
+        totals, aux_sum, aux_count, balances = self.totals, 0.0, 0.0, []
+        for start in range(0, len(summed), self.size):
+            step = summed[start : start + self.size]
+            aux_sum, aux_count = aux_sum + step[0], aux_count + step[1]
+            flat = step[2:]
+            per_layer = [
+                [c / self.tp for c in flat[i * self.experts : (i + 1) * self.experts]] for i in range(len(self.layers))
+            ]
+            for total, counts in zip(totals["counts"], per_layer):
+                total[:] = [t + c for t, c in zip(total, counts)]
+            layer_balances = [b for b in map(max_over_mean, per_layer) if b is not None]
+            if layer_balances:
+                balances.append(max(layer_balances))
+        totals["balance_sum"] += sum(balances)
+        totals["steps"] += len(balances)
         totals["aux_loss"] = aux_sum / aux_count if aux_count else None
+        balance = sum(balances) / len(balances) if balances else None
         return {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance}
 
     def results(self) -> dict[str, Any]:
@@ -114,7 +128,7 @@ class ExpertLoad:
             "experts": self.experts,
             "layers": self.layers,
             "aux_loss": totals["aux_loss"],
-            "expert_load_max_over_mean": totals["weighted_balance"] / steps if steps else None,
+            "expert_load_max_over_mean": totals["balance_sum"] / steps if steps else None,
             "expert_token_share": shares(overall),
             "expert_token_share_per_layer": {str(i): shares(c) for i, c in zip(self.layers, totals["counts"])},
             "steps": steps,

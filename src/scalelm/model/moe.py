@@ -1,7 +1,8 @@
 """A mixture of experts in place of a block's feed-forward network (model.moe; torchtitan's token-choice MoE).
 
-    router      a linear map to one score per expert; softmax; each token goes to its top_k experts, ties to the
-                lower index (a stable sort), so that the choice is the same in every layout
+    router      a linear map to one score per expert; softmax; each token goes to its top_k experts, equal scores to
+                the lower index (a stable sort), whatever the layout (scores apart by rounding alone may still go
+                either way: layouts batch the router's product differently)
     experts     top_k feed-forward networks per token, every routed token computed (dropless: no capacity, no token
                 dropped), weighted by its router probabilities renormalised over its top_k
     aux loss    Switch's load-balancing loss per sequence, experts x sum_e (share of the sequence's choices that went
@@ -19,7 +20,6 @@ the stage on placeholder or meta tensors) a mixture routes nothing, sends nothin
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from scalelm.config import MoEConfig
+from scalelm.config import ModelConfig
 from scalelm.model.loss import join_auxiliary_loss
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: its experts under expert parallelism (a DTensor), else all of it."""
+    """This rank's part of a tensor: a DTensor's local shard (a mixture's experts under expert parallelism, FSDP's or
+    tensor parallelism's shards), else all of it."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -102,18 +103,23 @@ class _CountOnBackward(torch.autograd.Function):
 class MoE(nn.Module):
     """Router, experts and the load-balancing loss of one block (module docstring)."""
 
-    def __init__(self, d_model: int, d_ff: int, config: MoEConfig, moe_layers: int):
+    def __init__(self, model: ModelConfig, block: int):
         super().__init__()
+        config, d_model = model.moe, model.d_model
+        self.block = block  # its index in the whole model (a pipeline stage's blocks keep theirs)
         self.experts_count, self.top_k = config.experts, config.top_k
         self.router = nn.Linear(d_model, config.experts, bias=False)
-        self.experts = GroupedExperts(config.experts, d_model, d_ff)
+        self.experts = GroupedExperts(config.experts, d_model, model.expert_width())
         # the aux loss's weight in the training loss: the coefficient, shared by the model's mixtures
-        self.aux_weight = config.aux_loss_coef / moe_layers
+        self.aux_weight = config.aux_loss_coef / sum(config.is_moe_block(i) for i in range(model.n_layers))
         self.dispatch = local_dispatch  # expert parallelism sends the rows to the experts' ranks instead
         self.load: torch.Tensor | None = None  # tokens each expert got since `take_load`
         self.aux_sum: torch.Tensor | None = None  # the aux losses since `take_load`, and their count
         self.aux_count = 0
 
+    # the routing's sizes depend on the data (a split per expert, an all-to-all's counts): torch.compile would
+    # recompile it at every step; the rest of a compiled block compiles, this runs eagerly
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _shapes_only:
             return x * 0
@@ -163,8 +169,4 @@ class MoE(nn.Module):
 
 def mixtures(model: nn.Module) -> dict[int, MoE]:
     """The model's mixtures by their block's index in the whole model (a pipeline stage's blocks keep theirs)."""
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, MoE):
-            found[int(re.search(r"blocks\.(\d+)\.ffn$", name).group(1))] = module
-    return found
+    return {module.block: module for module in model.modules() if isinstance(module, MoE)}

@@ -81,8 +81,7 @@ class Block(nn.Module):
         self.pre_norm = config.norm == "pre"
         self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
         if is_moe_block(config, index):
-            moe_layers = sum(is_moe_block(config, i) for i in range(config.n_layers))
-            self.ffn = MoE(config.d_model, config.expert_width(), config.moe, moe_layers)
+            self.ffn = MoE(config, index)
         else:
             self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout)
         self.norm1 = nn.LayerNorm(config.d_model)
@@ -150,8 +149,11 @@ class TransformerLM(nn.Module):
         self.positions.copy_(sinusoidal_positions(self.config.max_seq_len, self.config.d_model))
 
     def reset_parameters(self) -> None:
+        experts = {id(p) for m in self.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         for name, param in self.named_parameters():
-            if param.dim() == 2:
+            if id(param) in experts:  # (initialised expert by expert, below)
+                continue
+            if param.dim() > 1:
                 nn.init.xavier_uniform_(param)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)

@@ -184,7 +184,7 @@ def resolve_dims(
     if strategy == "single" and world_size > 1:
         raise ConfigError(
             f"strategy 'single' runs one process, but it was started with WORLD_SIZE={world_size}; "
-            "use parallel.strategy=ddp, fsdp, hsdp, tp, fsdp_tp, pp or cp (or set the degrees), or start one process"
+            f"use parallel.strategy={', '.join(SHORTHANDS[1:])} (or set the degrees), or start one process"
         )
     if strategy is None and not given and world_size > 1 and ep is None:
         raise ConfigError(

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from scalelm.model.moe import GroupedExperts, mixtures
+from scalelm.model.moe import GroupedExperts, local, mixtures
 from scalelm.parallel.dims import ParallelDims
 
 
@@ -120,7 +120,7 @@ def reduce_expert_gradients(model: nn.Module, meshes: ExpertMeshes) -> None:
     for param in expert_parameters(model):
         if param.grad is None:
             continue
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad = local(param.grad)
         if group is not None:
             dist.all_reduce(grad, group=group)
         grad.div_(meshes.data_parallel_ranks)

@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.model.loss import weighted
+from scalelm.model.moe import local
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile, check_c_compiler
 from scalelm.parallel.context import SequenceSplit, apply_cp
@@ -194,12 +195,15 @@ class Parallel:
             "name": self.name,
             "layout": self.dims.layout,
             **self.dims.to_dict(),
-            "groups": {
-                dim: self.dims.groups(dim) for dim in ("tp", "dp", "pp", "cp", "ep")[: 5 if self.dims.ep > 1 else 4]
-            },
+            "groups": {dim: self.dims.groups(dim) for dim in self.described_groups},
             "node_of_rank": [node for _, node in self.hosts],
             **({"pipeline": pipeline.describe()} if pipeline else {}),
         }
+
+    @property
+    def described_groups(self) -> tuple[str, ...]:
+        """The groups run.json lists: expert parallelism's only where it has some (older records read alike)."""
+        return ("tp", "dp", "pp", "cp", "ep") if self.dims.ep > 1 else ("tp", "dp", "pp", "cp")
 
     @property
     def loss_ranks(self) -> int:
@@ -390,10 +394,7 @@ class Parallel:
             "optimizer": size(states),
         }
 
-    @staticmethod
-    def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a tensor (the shard of a DTensor; the whole of a replicated one)."""
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local_tensor = staticmethod(local)  # this rank's part of a tensor (scalelm.model.moe.local)
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:

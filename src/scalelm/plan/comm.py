@@ -6,7 +6,8 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
     all-gather       (n - 1)/n B        FSDP's weights before a unit's forward, and again before its backward
                                         unless reshard_after_forward is off (in the compute precision)
     reduce-scatter   (n - 1)/n B        FSDP's gradients (fp32), once per step (accumulation skips the others)
-    TP all-reduce    2 (n - 1)/n B      per block, two forward (after attention, after the FFN) and two backward,
+    TP all-reduce    2 (n - 1)/n B      per block, two forward (after attention, after the FFN) and two backward
+                                        (one each in a mixture of experts' block: the mixture is not split),
                                         B = tokens x d_model in the compute precision; with sequence parallelism the
                                         same bytes as a reduce-scatter and an all-gather each
     send/recv        B                  a pipeline stage's activations forward and their gradients back,
@@ -132,9 +133,19 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         add("all-reduce gradients (DDP)", "dp_replicate", "all_reduce", gradients, buckets, "backward")
     blocks = sum(1 for t in tensors if t.name.endswith(QKV_WEIGHT))
     if dims.tp > 1:
-        # waited for: the next matrix product needs the sum
-        activations = 4 * blocks * tokens * d * e
-        add("all-reduce activations (TP, 4 per block)", "tp", "all_reduce", activations, 4 * blocks * passes, None)
+        # waited for: the next matrix product needs the sum; a mixture's block sums its attention's only (the
+        # mixture computes whole on every rank of the group)
+        mixtures = sum(1 for t in tensors if t.name.endswith("ffn.router.weight"))
+        sums = 4 * blocks - 2 * mixtures
+        activations = sums * tokens * d * e
+        add(
+            "all-reduce activations (TP, 4 per block, 2 per mixture's)",
+            "tp",
+            "all_reduce",
+            activations,
+            sums * passes,
+            None,
+        )
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
         transfers = 2 * virtual * accumulation * chunks

@@ -33,7 +33,7 @@ FIGURES = (
     Figure("global_batch_sequences", "shared"),
     Figure("global_batch_tokens", "shared"),
     Figure("scaling", "shared"),  # strong: the global batch fixed; weak: the per-device batch fixed
-    Figure("experts", "shared"),  # a mixture's experts per layer; empty for a dense model (report.experts)
+    Figure("experts", "shared"),  # the number of a mixture's experts (in each of its layers); empty for a dense model
     # the model's parameters in all and those one token uses (a mixture's: its router and top_k experts)
     Figure("params_total", "shared"),
     Figure("params_active", "shared"),

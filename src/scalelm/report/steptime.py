@@ -25,7 +25,8 @@ def planned_step(run: RunSummary, vocab_size: int, speeds: Speeds) -> StepTime:
     """The model's step time of `run`'s layout, its threads and its machines, at `speeds`."""
     record = run.record
     work = Workload(from_dict(record.config), vocab_size, "cpu" if speeds.on_cpu else "cuda")
-    degrees = {name: record.parallel[name] for name in ("dp_replicate", "dp_shard", "tp", "pp")}
+    # (cp and ep: 1 in the records of runs from before them)
+    degrees = {name: record.parallel.get(name, 1) for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")}
     threads = record.environment.get("OMP_NUM_THREADS")
     return predict(
         work,

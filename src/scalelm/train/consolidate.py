@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from scalelm.config import ModelConfig, load_config
+from scalelm.config import ModelConfig, from_mapping, load_config
 from scalelm.errors import CheckpointError, friendly_errors
 from scalelm.files import atomic_path, atomic_write_text, check_apart, check_file_output, load_tensors, sha256
 from scalelm.model.transformer import TransformerLM
@@ -125,7 +125,8 @@ def load_consolidated(path: Path) -> tuple[TransformerLM, dict[str, Any]]:
             "the file was replaced or damaged after consolidation; consolidate the run again"
         )
     payload = load_tensors(path, map_location="cpu")
-    model = TransformerLM(ModelConfig(**{**payload["model_config"], "dropout": 0.0}), payload["vocab_size"])
+    model_config = from_mapping(ModelConfig, {**payload["model_config"], "dropout": 0.0})  # (sections too: model.moe)
+    model = TransformerLM(model_config, payload["vocab_size"])
     model.load_state_dict(payload["model"])
     return model.eval(), {"seq_len": payload["seq_len"], "step": payload["step"], "sha256": digest}
 

@@ -251,6 +251,8 @@ class Engine:
         state, cadence = self.state, self.cadence
         self.loss_acc += step_loss
         self.steps_acc += 1
+        if self.experts is not None:
+            self.experts.end_step(self.env.device)
         epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
         if cadence.logs(state.step):
             self.log_train(grad_norm, self.clock.lap())
@@ -278,7 +280,7 @@ class Engine:
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
         divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
         loss, norm = (summed[:2] / divisors).tolist()
-        experts = self.experts.interval(summed[2:].tolist(), steps) if self.experts is not None else {}
+        experts = self.experts.interval(summed[2:].tolist()) if self.experts is not None else {}
         if not math.isfinite(loss):
             bad = ranks_where(~self.loss_acc.isfinite(), self.env)
             raise TrainingError(
