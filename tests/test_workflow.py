@@ -101,6 +101,8 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     def faster(config):
         config["local"]["experiments"]["ddp_spawn"] = None  # ddp started otherwise: tested in test_training.py
         config["local"]["experiments"]["ddp_lightning"] = None  # ddp trained by Lightning: tested in test_lightning.py
+        # a mixture in one process: tested in test_training.py; moe_ep takes mixtures through the workflow
+        config["local"]["experiments"]["moe"] = None
         training = config["local"]["training"]
         training["train"].update(max_steps=12, log_every=3, eval_every=6)
         training["checkpoint"]["every"] = 6
@@ -116,7 +118,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert layouts == {
         "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
         "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1", "pp": "1x1x1x2", "pp_gpipe": "1x1x1x2",
-        "cp": "1x1x1x1x2", "moe": "1x1x1x1", "moe_ep": "1x2[ep2]x1x1",
+        "cp": "1x1x1x1x2", "moe_ep": "1x2[ep2]x1x1",
     }  # fmt: skip
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
@@ -142,7 +144,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # the wiring check: every layout's first steps on a data slice, without dropout, against one process
     with (results / "preflight/preflight.csv").open() as handle:
         checked = {r["experiment"]: r for r in csv.DictReader(handle)}
-    several = set(layouts) - {"single_gpu", "moe"}  # a single process has no wiring to check
+    several = set(layouts) - {"single_gpu"}  # a single process has no wiring to check
     assert set(checked) == several and all(r["matches"] == "True" and r["steps"] == "3" for r in checked.values())
     assert {r["layout"] for r in checked.values()} == set(layouts.values()) - {"1x1x1x1"}
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
@@ -153,7 +155,8 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")]
         )
     )
-    assert len(spans) == 12 + 12 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # 12: the preflight's
+    # 11 runs; the preflight's 10 layouts and its one-process references of the dense model and of the mixture
+    assert len(spans) == 11 + 12 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]

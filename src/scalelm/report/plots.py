@@ -25,7 +25,7 @@ from scalelm.report.history_store import TREND_FIGURES
 
 # tab20's dark hues, then their light partners: neighbours in the matrix never differ only in shade
 TAB20_ORDER = (*range(0, 20, 2), *range(1, 20, 2))
-MARKERS = "osD^v<>PX*hpd8H"
+MARKERS = "osD^v<>PX*hpd8H1234+"  # matplotlib's 15 filled markers, then 5 drawn by lines
 DISTURBED = "red"  # the ring around what other work disturbed, the hatch of its bars, its note
 
 
@@ -55,7 +55,7 @@ def note_under(fig, lines: list[str]) -> None:
 
 
 def experiment_styles(names: list[str]) -> dict[str, tuple[str, str]]:
-    """A colour and a marker of its own for each experiment, in the order given (20 colours, 15 markers)."""
+    """A colour and a marker of its own for each experiment, in the order given (20 colours, 20 markers)."""
     import matplotlib
 
     tab20 = matplotlib.colormaps["tab20"]
