@@ -143,6 +143,21 @@ def percent(share: float | None) -> str:
     return "n/a" if share is None else f"{share:.0%}"
 
 
+def figures_line(r: dict[str, Any]) -> str:
+    """A run's speed, state, peak, communication share and final loss, as the bench scripts print each run."""
+    return (
+        f"{r['tokens_per_s']:9,.0f} tok/s  state {r['state_mb_per_rank']['total']:7,.0f} MiB"
+        f"  peak {r['peak_mb_per_rank']:7,.0f} MiB  comm {percent(r['comm_share']):>4}  loss {r['final_loss']:.4f}"
+    )
+
+
+def finish(rows: list[dict[str, Any]], markdown: str, path: Path | None) -> None:
+    """The runs' table on stdout, and the rows as JSON where asked."""
+    print(markdown)
+    if path:
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = "| model | layout | dp_r x dp_s x tp x pp (x cp) | procs | tokens/s | per device | state MiB/rank (planned) "
     lines = [head + "| peak MiB/rank (planned) | comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -174,16 +189,8 @@ def main() -> None:
             print(f"{model}: {params / 1e6:.1f} M parameters, {flops / 1e6:.0f} MFLOP per token", flush=True)
             for layout in args.layouts.split(","):
                 rows.append(run_layout(model, layout, prepared, Path(tmp), args.warmup, args.steps))
-                r = rows[-1]
-                print(
-                    f"  {layout:16} {r['tokens_per_s']:9,.0f} tok/s  state {r['state_mb_per_rank']['total']:7,.0f} MiB"
-                    f"  peak {r['peak_mb_per_rank']:7,.0f} MiB  comm {percent(r['comm_share']):>4}"
-                    f"  loss {r['final_loss']:.4f}",
-                    flush=True,
-                )
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+                print(f"  {layout:16} {figures_line(rows[-1])}", flush=True)
+    finish(rows, table(rows), args.json)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layouts import LAYOUTS, MODELS, VOCAB, percent, run_layout  # noqa: E402
+from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout  # noqa: E402
 from scalelm.config import from_dict  # noqa: E402
 from scalelm.model.architecture import parameter_counts  # noqa: E402
 from throughput import make_prepared  # noqa: E402
@@ -111,16 +111,12 @@ def main() -> None:
             rows.append(measure(model, layout, prepared, Path(tmp), args.warmup, args.steps))
             r = rows[-1]
             print(
-                f"  {model:10} {layout:6} ({LAYOUTS[layout][0]} proc) {r['tokens_per_s']:7,.0f} tok/s"
-                f"  state {r['state_mb_per_rank']['total']:5,.0f} MiB  peak {r['peak_mb_per_rank']:5,.0f} MiB"
-                f"  comm {percent(r['comm_share']):>4}  all-to-all {percent(r['all_to_all_share']):>4}"
-                f"  loss {r['final_loss']:.4f}  aux {figure(r['aux_loss'])}  load {figure(r['load_run'])}"
-                f"  other cores {figure(r['other_cores'])}",
+                f"  {model:10} {layout:6} ({LAYOUTS[layout][0]} proc) {figures_line(r)}"
+                f"  all-to-all {percent(r['all_to_all_share']):>4}  aux {figure(r['aux_loss'])}"
+                f"  load {figure(r['load_run'])}  other cores {figure(r['other_cores'])}",
                 flush=True,
             )
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    finish(rows, table(rows), args.json)
 
 
 if __name__ == "__main__":

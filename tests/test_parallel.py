@@ -198,5 +198,6 @@ def test_expert_parallelism_borrows_consecutive_shard_ranks_and_says_so_in_the_l
     dims = resolve_dims(None, {**NONE, "dp_shard": 4, "tp": 2}, 8, 8, ep=2)
     assert (dims.layout, dims.name, dims.world_size) == ("1x4[ep2]x2x1", "fsdp_tp_ep", 8)
     assert dims.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # tp innermost, then ep inside dp_shard
+    assert dims.groups("expert_replicas") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the same experts: the other pair
     assert resolve_dims("ep", NONE, 2, 2).layout == "1x2[ep2]x1x1"
     assert resolve_dims(None, {**NONE, "dp_shard": 4}, 4, 4, ep=-1).ep == 4

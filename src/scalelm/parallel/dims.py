@@ -111,13 +111,21 @@ class ParallelDims:
 
     def groups(self, dim: str) -> list[list[int]]:
         """The ranks of every group along `dim` ("dp" = dp_replicate and dp_shard together, "dp_shard_cp" = dp_shard
-        and cp: FSDP's, "ep": ep consecutive ranks of dp_shard), each in rank order."""
-        along = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "ep": ()}.get(dim, (dim,))
+        and cp: FSDP's, "ep": ep consecutive ranks of dp_shard, "expert_replicas": the ranks holding the same experts,
+        at one place of their ep groups across dp_shard and dp_replicate), each in rank order."""
+        along = {
+            "dp": ("dp_replicate", "dp_shard"),
+            "dp_shard_cp": ("dp_shard", "cp"),
+            "ep": (),
+            "expert_replicas": ("dp_replicate",),
+        }.get(dim, (dim,))
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
-            if dim == "ep":
+            if dim == "ep":  # dp_shard's group of ep
                 c["dp_shard"] //= self.ep
+            elif dim == "expert_replicas":  # the place in that group
+                c["dp_shard"] %= self.ep
             groups.setdefault(tuple(c[d] for d in MESH_DIMS if d not in along), []).append(rank)
         return list(groups.values())
 

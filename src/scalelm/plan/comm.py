@@ -44,13 +44,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scalelm.model.architecture import QKV_WEIGHT, is_moe_block
-from scalelm.parallel.dims import MESH_DIMS, ParallelDims
+from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload, block_indices, gathered_by_fsdp, held, rank_tensors
 
 INTRA, INTER = "intra-node", "inter-node"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, which scalelm keeps
 COUNT_BYTES = 8  # an expert's row count in the dispatch's first all-to-all (int64, torch.bincount's)
-EXPERT_REPLICAS = "expert_replicas"  # the ranks holding the same experts (scalelm.parallel.expert.ExpertMeshes)
+EXPERT_REPLICAS = "expert_replicas"  # the ranks holding the same experts (ParallelDims.groups)
 
 
 @dataclass(frozen=True)
@@ -68,24 +68,9 @@ class Traffic:
         return asdict(self)
 
 
-def groups(dims: ParallelDims, dim: str) -> list[list[int]]:
-    """The ranks of every group along `dim`: ParallelDims.groups, and the expert replicas (the ranks at the same place
-    of their ep group in every dp_shard / ep x dp_replicate, each holding the same experts)."""
-    if dim != EXPERT_REPLICAS:
-        return dims.groups(dim)
-    found: dict[tuple, list[int]] = {}
-    for rank in range(dims.world_size):
-        place = dims.coordinates(rank)
-        key = tuple(place[d] for d in MESH_DIMS if d not in ("dp_replicate", "dp_shard")) + (
-            place["dp_shard"] % dims.ep,
-        )
-        found.setdefault(key, []).append(rank)
-    return list(found.values())
-
-
 def link(dims: ParallelDims, dim: str, gpus_per_node: int) -> str:
     """Whether every group along `dim` stays on one node when ranks fill nodes of `gpus_per_node` in order."""
-    spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in groups(dims, dim))
+    spans = any(len({rank // gpus_per_node for rank in group}) > 1 for group in dims.groups(dim))
     return INTER if spans else INTRA
 
 
@@ -109,7 +94,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
         """`messages` collectives of `op` over the groups along `dim` moving `payload` bytes in all (a ring's share
         each)."""
         if payload > 0 and messages > 0:
-            n = len(groups(dims, dim)[0])
+            n = len(dims.groups(dim)[0])
             sent = (2 if op == "all_reduce" else 1) * (n - 1) / n * payload if op != "send_recv" else payload
             wire = link(dims, dim, gpus_per_node)
             out.append(Traffic(collective, dim, int(sent), wire, op, messages, int(payload / messages), overlaps))
