@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from argtypes import count, output_file
 from scalelm.data.prefetch import main as prefetch
 from scalelm.data.prepare import main as prepare
 from scalelm.train.record import read_metrics
@@ -58,8 +59,8 @@ def train(root: Path, prepared: Path, mode: str, repeat: int) -> tuple[float, fl
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--repeats", type=count(1), default=3)
+    parser.add_argument("--json", type=output_file)
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,9 +30,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 import drills  # noqa: E402
+from argtypes import count, names, output_file  # noqa: E402
 from conftest import TINY, sample_files  # noqa: E402
 from scalelm.data.prefetch import main as prefetch  # noqa: E402
 from scalelm.data.prepare import main as prepare  # noqa: E402
+from scalelm.parallel.dims import SHORTHANDS  # noqa: E402
+
+TRIAL_STEPS = 108  # the steps a preemption may fall on (2 to 109 of 120): each trial takes another
 
 
 def write_config(directory: Path, name: str, prepared: Path, strategy: str, max_steps: int, dropout: float) -> Path:
@@ -53,7 +57,7 @@ def preemption_trials(workdir: Path, prepared: Path, strategy: str, trials: int,
     broken = write_config(workdir, f"{strategy}-broken", prepared, strategy, 120, 0.1)
     assert drills.run(straight).returncode == 0
     stopped, records = 0, []
-    for target in sorted(rng.sample(range(2, 110), trials)):
+    for target in sorted(rng.sample(range(2, 2 + TRIAL_STEPS), trials)):
         stop = drills.interrupt(broken, max(target, stopped + 1))
         resumed = not stopped or f"resumed from step {stopped}" in stop.output
         records.append(
@@ -125,10 +129,10 @@ def crash_trials(workdir: Path, prepared: Path, strategy: str, trials: int, rng:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--trials", type=count(1, TRIAL_STEPS), default=10)
+    parser.add_argument("--strategies", type=names(SHORTHANDS, "strategy"), default="ddp,fsdp")
     parser.add_argument("--seed", type=int, default=time.time_ns() % 100_000)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=output_file)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"seed": args.seed, "torch": torch.__version__, "preemption": {}, "crash": {}}
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         workdir = Path(tmp)
         prefetch(["--out", str(workdir / "raw"), "--files", sample_files()])
         prepare(["--raw", str(workdir / "raw"), "--out", str(workdir / "prepared"), "--min-freq", "2"])
-        for strategy in args.strategies.split(","):
+        for strategy in args.strategies:
             result["preemption"][strategy] = preemption_trials(
                 workdir, workdir / "prepared", strategy, args.trials, rng
             )

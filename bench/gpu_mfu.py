@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from bench.argtypes import count, output_dir, positive
 from bench.gpu_smoke_report import describe, steady
 from bench.throughput import make_prepared
 
@@ -39,11 +40,11 @@ TINY = ["device=cpu", "train.precision=fp32", "model.d_model=64", "model.n_heads
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=output_dir)
     parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--steps", type=count(6), default=60)  # logged 6 times
+    parser.add_argument("--timeout", type=positive, default=240.0, help="seconds per variant")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     make_prepared(args.out / "prepared")

@@ -7,7 +7,8 @@
 Each check runs in its own process under its own time limit (a hang or a crash costs that check only), and its
 result is added to DIR/paths.json as soon as it ends, so what a cut-off call brings back is complete up to there.
 All checks share one Inductor cache (DIR/inductor), so a graph compiled once is not compiled again. --budget stops
-starting checks once the call has run that long. The exit status is 1 when any check failed or timed out.
+starting checks once the call has run that long: those it leaves unrun are SKIPPED. The last line counts each status;
+the exit status is 1 when any check failed, timed out or was skipped.
 
     A versions     torch, CUDA, cuDNN, NCCL; which Flight Recorder dump functions exist; lightning
     B nccl         a 1-rank NCCL group beside gloo: each recorder's entries, sequence numbers under
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench.argtypes import output_dir, positive, unknown
 from bench.gpu_mfu import TINY
 from bench.throughput import VOCAB
 
@@ -668,7 +670,8 @@ def parent(args: argparse.Namespace) -> int:
             continue
         left = args.budget - (time.monotonic() - began)
         if left < 10:
-            results.append({"check": name, "status": "SKIPPED", "figures": "the call's budget is spent"})
+            results.append({"check": name, "status": "SKIPPED", "figures": f"--budget {args.budget:g} s was spent"})
+            print(f"SKIPPED {name:<12} {results[-1]['figures']}", flush=True)
             continue
         limit = min(seconds * (args.slack if not args.cpu else 3), left)
         command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)]
@@ -690,10 +693,30 @@ def parent(args: argparse.Namespace) -> int:
         (out / "paths.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"{result['status']:<7} {name:<12} {result['wall_s']:>6.1f} s  {_short(result['figures'])}", flush=True)
     (out / "paths.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    failed = [r["check"] for r in results if r["status"] == "FAIL"]
-    print(f"paths on {'cpu' if args.cpu else 'cuda'}: {len(results) - len(failed)} of {len(results)} not failed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
-    return 1 if failed else 0
+    line, code = tally(results)
+    print(f"paths on {'cpu' if args.cpu else 'cuda'}: {line}")
+    return code
+
+
+STATUSES = ("PASS", "FAIL", "N/A", "SKIPPED")
+
+
+def tally(results: list[dict]) -> tuple[str, int]:
+    """The last line's counts of each status, the checks that failed or were skipped named, and the exit status: 1
+    when any check failed or was skipped (a call that left checks unrun proved nothing about them)."""
+    counts = ", ".join(f"{sum(r['status'] == s for r in results)} {s}" for s in STATUSES)
+    unproven = {s: [r["check"] for r in results if r["status"] == s] for s in ("FAIL", "SKIPPED")}
+    named = "".join(f"; {s.lower()}: {', '.join(checks)}" for s, checks in unproven.items() if checks)
+    return counts + named, 1 if any(unproven.values()) else 0
+
+
+def only_checks(asked: list[str]) -> str | None:
+    """Why `--only` cannot be run as given: a name that is no check's, nor the letter of one (None: it can)."""
+    letters = {name.split(".")[0] for name in CHECKS}
+    for name in asked:
+        if name not in CHECKS and name not in letters:
+            return f"--only: {unknown(name, CHECKS, 'check')} (or its letter, {', '.join(sorted(letters))})"
+    return None
 
 
 def _short(figures) -> str:
@@ -703,15 +726,17 @@ def _short(figures) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=output_dir, required=True)
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU; CUDA-only figures are null")
-    parser.add_argument("--only", nargs="*", help="checks to run, by name or letter (default: all)")
-    parser.add_argument("--budget", type=float, default=470.0, help="seconds after which no check starts")
-    parser.add_argument("--slack", type=float, default=1.5, help="a check's limit: its planned seconds times this")
+    parser.add_argument("--only", nargs="+", help="checks to run, by name or letter (default: all)")
+    parser.add_argument("--budget", type=positive, default=470.0, help="seconds after which no check starts")
+    parser.add_argument("--slack", type=positive, default=1.5, help="a check's limit: its planned seconds times this")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--world8", help=argparse.SUPPRESS)
     parser.add_argument("--hang", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.only and only_checks(args.only):
+        parser.error(only_checks(args.only))
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device is visible; run with --cpu for the CPU checks")
     if args.hang:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from argtypes import output_dir, unknown
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.measure.comm import collective_intervals
 from scalelm.measure.device import peak_memory_mb, reset_peak_memory
@@ -571,10 +572,14 @@ CHECKS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for probe.json and tracebacks")
+    parser.add_argument("--out", type=output_dir, required=True, help="directory for probe.json and tracebacks")
     parser.add_argument("--cpu", action="store_true", help="run on CPU; CUDA-only checks are reported N/A")
     parser.add_argument("--only", nargs="*", help="check names to run (default: all)")
     args = parser.parse_args(argv)
+    known = [name for name, _ in CHECKS]
+    for asked in args.only or []:
+        if asked not in known and asked not in [name.split(".")[1] for name in known]:
+            parser.error(f"--only: {unknown(asked, known, 'check')} (or the part after the dot)")
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device is visible; run with --cpu for the CPU checks")
     args.out.mkdir(parents=True, exist_ok=True)

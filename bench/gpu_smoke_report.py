@@ -6,6 +6,7 @@ OUTDIR/smoke.json with them all; exit status 1 if any failed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
+
+from bench.argtypes import existing_dir
 
 from scalelm.errors import EXIT_PREEMPTED
 from scalelm.train.record import read_metrics, read_record
@@ -228,8 +231,15 @@ class Report:
         return f"{describe(compiled)}; final train loss {a:.4f} (eager run with evaluations and checkpoints: {b:.4f})"
 
 
-def main(argv: list[str]) -> int:
-    out, cpu = Path(argv[0]), "--cpu" in argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=existing_dir, help="the directory bench/gpu_smoke.sh wrote")
+    parser.add_argument("mode", nargs="?", choices=["gpu"], help="the GPU's checks (the default)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU mode's checks")
+    args = parser.parse_args(argv)
+    out, cpu = args.out, args.cpu
+    if not (out / "status").is_file():
+        parser.error(f"{out} holds no status file: give the directory bench/gpu_smoke.sh wrote its steps into")
     report = Report(out, cpu)
     for name in (
         "course",
@@ -251,4 +261,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

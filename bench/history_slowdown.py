@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from argtypes import count, output_dir, output_file
 from scalelm.data.prefetch import main as prefetch
 from scalelm.data.prepare import main as prepare
 from scalelm.report import history_compare, history_store
@@ -86,10 +87,12 @@ def verdicts(db: Path) -> dict[str, dict[str, history_compare.Change]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per study (Welch's test needs 2 or more)")
-    parser.add_argument("--steps", type=int, default=25, help="training steps per run")
-    parser.add_argument("--keep", type=Path, help="train here and keep the runs and the history (default: a temp dir)")
-    parser.add_argument("--json", type=Path, help="also write the figures and verdicts here")
+    parser.add_argument("--seeds", type=count(2), default=3, help="seeds per study (Welch's test needs 2 or more)")
+    parser.add_argument("--steps", type=count(1), default=25, help="training steps per run")
+    parser.add_argument(
+        "--keep", type=output_dir, help="train here and keep the runs and the history (default: a temp dir)"
+    )
+    parser.add_argument("--json", type=output_file, help="also write the figures and verdicts here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

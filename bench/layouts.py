@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from argtypes import count, names, output_file  # noqa: E402
 from scalelm.config import from_dict  # noqa: E402
 from scalelm.model.architecture import flops_per_token  # noqa: E402
 from scalelm.model.transformer import (
@@ -171,23 +172,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="course,m59")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--models", type=names(MODELS, "model"), default="course,m59")
+    parser.add_argument("--layouts", type=names(LAYOUTS, "layout"), default=",".join(LAYOUTS))
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--steps", type=count(1), default=4)
+    parser.add_argument("--json", type=output_file)
+    args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         prepared = make_prepared(Path(tmp) / "prepared")
-        for model in args.models.split(","):
+        for model in args.models:
             config = from_dict({"model": MODELS[model]["model"]}).model
             params = count_parameters(TransformerLM(config, VOCAB))
             flops = flops_per_token(config, VOCAB, MODELS[model]["seq_len"])
             print(f"{model}: {params / 1e6:.1f} M parameters, {flops / 1e6:.0f} MFLOP per token", flush=True)
-            for layout in args.layouts.split(","):
+            for layout in args.layouts:
                 rows.append(run_layout(model, layout, prepared, Path(tmp), args.warmup, args.steps))
                 print(f"  {layout:16} {figures_line(rows[-1])}", flush=True)
     finish(rows, table(rows), args.json)

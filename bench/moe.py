@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from argtypes import count, output_file  # noqa: E402
 from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout  # noqa: E402
 from scalelm.config import from_dict  # noqa: E402
 from scalelm.model.architecture import parameter_counts  # noqa: E402
@@ -95,12 +96,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--warmup", type=count(0), default=3)
+    parser.add_argument("--steps", type=count(1), default=10)
+    parser.add_argument("--json", type=output_file)
+    args = parser.parse_args(argv)
     for model in dict(RUNS):
         counts = parameter_counts(from_dict({"model": MODELS[model]["model"]}).model, VOCAB)
         print(f"{model}: {counts['total'] / 1e6:.2f} M parameters, {counts['active'] / 1e6:.2f} M active per token")

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layouts import run_layout  # noqa: E402
+from argtypes import count, counts, names, output_file  # noqa: E402
+from layouts import MODELS, run_layout  # noqa: E402
+from scalelm.parallel.pipeline import SCHEDULES  # noqa: E402
 from throughput import make_prepared  # noqa: E402
 
 BATCH = 8  # sequences per replica and step: divisible by 2, 4 and 8 micro-batches
@@ -57,23 +59,26 @@ def table(reference: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="m59")
-    parser.add_argument("--microbatches", default="2,4,8")
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per replica and step")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--model", choices=list(MODELS), default="m59")
+    parser.add_argument("--microbatches", type=counts(1), default="2,4,8")
+    parser.add_argument("--schedules", type=names(SCHEDULES, "schedule"), default="gpipe,1f1b,interleaved_1f1b")
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--steps", type=count(1), default=4)
+    parser.add_argument("--batch", type=count(1), default=BATCH, help="sequences per replica and step")
+    parser.add_argument("--json", type=output_file)
+    args = parser.parse_args(argv)
+    uneven = [m for m in args.microbatches if args.batch % m]
+    if uneven:
+        parser.error(f"--batch {args.batch} does not split into {uneven} micro-batches: give counts that divide it")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir, prepared = Path(tmp), make_prepared(Path(tmp) / "prepared")
         reference = run_layout(args.model, "single", prepared, workdir, args.warmup, args.steps, batch=args.batch)
         print(f"single: {reference['tokens_per_s']:,.0f} tok/s", flush=True)
-        for schedule in args.schedules.split(","):
-            for m in map(int, args.microbatches.split(",")):
+        for schedule in args.schedules:
+            for m in args.microbatches:
                 name = f"{schedule}-{m}"
                 layout = pipeline_layout(schedule, m)
                 rows.append(

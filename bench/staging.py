@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from argtypes import count, output_dir, output_file
 from scalelm.data.prepared import write_prepared
 from scalelm.data.stage import staged
 from scalelm.parallel.env import DistEnv
@@ -25,9 +26,11 @@ VOCAB = 33_278
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--local-dir", default="/tmp", help="the node-local disk to stage to (default /tmp)")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--repeats", type=count(1), default=5)
+    parser.add_argument(
+        "--local-dir", type=output_dir, default="/tmp", help="the node-local disk to stage to (default /tmp)"
+    )
+    parser.add_argument("--json", type=output_file)
     args = parser.parse_args(argv)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     rows = []

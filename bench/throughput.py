@@ -281,21 +281,26 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from argtypes import count, names, output_file  # here: the module is imported as bench.throughput too
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per model (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--models", default="a,b", help="comma-separated subset of: a, b (default: %(default)s)")
-    parser.add_argument("--matmul-reps", type=int, default=5, help="timed repetitions per matmul size")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--profile", type=Path, help="write a torch.profiler table of model (a)'s timed steps here")
+    parser.add_argument("--steps", type=count(1), default=20, help="timed steps per model (default: %(default)s)")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--threads", type=count(1), help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--models",
+        type=names(MODELS, "model"),
+        default="a,b",
+        help="comma-separated subset of: a, b (default: %(default)s)",
+    )
+    parser.add_argument("--matmul-reps", type=count(1), default=5, help="timed repetitions per matmul size")
+    parser.add_argument("--json", type=output_file, help="also write the results here")
+    parser.add_argument(
+        "--profile", type=output_file, help="write a torch.profiler table of model (a)'s timed steps here"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
 
     result: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine()}
     result["matmul"] = matmul_rates(args.matmul_reps)
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prepared = make_prepared(Path(tmp) / "prepared")
         try:
             models = []
-            for name in names:
+            for name in args.models:
                 profile = args.profile if name == "a" else None
                 models.append(bench_model(name, prepared, Path(tmp), args.warmup, args.steps, profile))
                 # the machine's speed drifts: measure again, and divide by the best rate seen in the whole run
@@ -321,7 +326,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["machine"]["load_average_end"] = list(os.getloadavg())
     print(report(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

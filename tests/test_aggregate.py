@@ -19,7 +19,7 @@ import pytest
 
 from scalelm.errors import ConfigError, DataError
 from scalelm.report import expectations, history, history_compare, history_store
-from scalelm.report.aggregate import aggregate, read_run
+from scalelm.report.aggregate import aggregate, check_out_dir, read_run
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
 from scalelm.report.figures import COLUMNS, RunSummary
@@ -514,7 +514,8 @@ def test_a_damaged_run_is_refused_naming_its_file_and_what_to_do(tmp_path, capsy
         (run.model_meta, "{}", f"{run.model_meta} is not a model record this scalelm reads .*: remove it and "
          "consolidate the run again"),
         (run.metrics, files[run.metrics] + "{cut short\n", f"{run.metrics}, line 13, is not a complete JSON record"),
-        (run.metrics, files[run.metrics].replace('"step_time_s"', '"step_s"'), f"{run.metrics} is not a metrics log"),
+        (run.metrics, files[run.metrics].replace('"step_time_s"', '"step_s"'), f"{run.metrics}, line 1, is not a "
+         "metrics record this scalelm reads \\(no step_time_s\\) \\(and 9 more lines\\): remove that line"),
     ]  # fmt: skip
     for path, text, message in cases:
         path.write_text(text)
@@ -525,6 +526,67 @@ def test_a_damaged_run_is_refused_naming_its_file_and_what_to_do(tmp_path, capsy
         path.write_text(files[path])
         assert not (tmp_path / "summary").exists()  # nothing summarised from a damaged run
     aggregate([run.path], tmp_path / "summary")  # each file restored: summarised
+
+
+def test_a_finished_runs_unreadable_metrics_line_is_named_and_removing_it_gets_past(tmp_path, capsys):
+    """A metrics line the report cannot read is named with what to do: remove it. Training the finished run again
+    would not help (a rerun restores its run.json and keeps the log), so the advice is never to: following the
+    advice given, the aggregation goes through (issue 49)."""
+    run = RunDir(fake_run(tmp_path, "single", 1))
+    lines = run.metrics.read_text().splitlines()
+    without_time = {k: v for k, v in json.loads(lines[2]).items() if k != "step_time_s"}
+    for number, bad, message in (
+        (3, json.dumps(without_time), "is not a metrics record this scalelm reads \\(no step_time_s\\): remove "
+                                      "that line \\(the summary then leaves it out; training the run again would "
+                                      "keep its log as it is\\)"),
+        (5, json.dumps({"kind": "eval", "split": "validation", "step": 10, "time": 1.0, "loss": "low"}),
+         "is not a metrics record this scalelm reads \\(loss 'low', not a finite number\\): remove that line"),
+        (2, json.dumps({"kind": "train", "loss": 3.0}), "is a record without a step number .*: the file is "
+                                                          "damaged; repair or delete that line"),
+        (4, "{cut short", "is not a complete JSON record: the file is damaged; repair or delete that line"),
+    ):  # fmt: skip
+        damaged = [*lines[: number - 1], bad, *lines[number - 1 :]]
+        run.metrics.write_text("\n".join(damaged) + "\n")
+        with pytest.raises(SystemExit):
+            aggregate_main(["--run", str(run.path), "--out-dir", str(tmp_path / "summary")])
+        error = capsys.readouterr().err
+        assert re.match(f"error: {run.metrics}, line {number}, {message}", error) and error.count("\n") == 1, error
+        del damaged[number - 1]  # as the error says
+        run.metrics.write_text("\n".join(damaged) + "\n")
+        assert read_run(run).figures["step_time_s"] == 0.1
+
+
+def test_the_mfu_follows_the_peak_the_run_is_configured_with_now(tmp_path, capsys):
+    """A configured peak (train.peak_tflops in the run's config.yaml, which a rerun that restored its record writes
+    with the settings of now) wins over the recorded one, as in training; without it the recorded peak counts; an
+    unreadable one is named (issue 49)."""
+    run = RunDir(fake_run(tmp_path, "single", 1))  # no peak recorded (an unknown GPU's)
+    assert read_run(run).figures["mfu"] is None
+    run.config.write_text("train:\n  peak_tflops: 0.002\n")
+    assert read_run(run).figures["mfu"] == pytest.approx(6000 * 5120 / 2e9)
+    run.config.write_text("train:\n  peak_tflops: null\n")
+    record = json.loads(run.record.read_text())
+    record["results"]["peak_flops_per_device"] = 1e9
+    run.record.write_text(json.dumps(record))
+    assert read_run(run).figures["mfu"] == pytest.approx(6000 * 5120 / 1e9)
+    run.config.write_text("train:\n  peak_tflops: fast\n")
+    with pytest.raises(DataError, match=rf"{run.config} is not the settings of a run .*train.peak_tflops is 'fast'"):
+        read_run(run)
+
+
+def test_the_aggregation_refuses_an_out_dir_in_a_run_directory(tmp_path, two_seeds, capsys):
+    """Like every command's outputs apart from its inputs, the summary is refused in a run directory or inside one
+    (its checkpoints/), before anything is read or written; the directory above the runs is where it belongs."""
+    runs = [arg for run in two_seeds for arg in ("--run", str(run))]
+    for out, where in ((two_seeds[0], "is"), (two_seeds[1] / "checkpoints", "lies inside")):
+        with pytest.raises(SystemExit):
+            aggregate_main([*runs, "--out-dir", str(out)])
+        error = capsys.readouterr().err
+        run = two_seeds[0] if where == "is" else two_seeds[1]
+        assert error == f"error: --out-dir {out} {where} the run directory {run}: the summary would be written " \
+                        "among the run's files; choose another --out-dir\n", error  # fmt: skip
+        assert not (out / "summary.csv").exists() and not (two_seeds[1] / "checkpoints").exists()
+    check_out_dir(tmp_path, two_seeds)  # the results directory, above the runs
 
 
 def test_a_run_given_twice_is_refused_not_counted_as_two_seeds(tmp_path):

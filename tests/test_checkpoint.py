@@ -1,13 +1,15 @@
 """Checkpoints that can be trusted: damaged ones are skipped, other models are refused, NaN never overwrites."""
 
+import json
 import math
 import shutil
 
 import pytest
 import torch
+import yaml
 
 import drills
-from conftest import run_dir_of, run_train
+from conftest import run_dir_of, run_train, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
 from scalelm.model.transformer import TransformerLM
@@ -100,6 +102,18 @@ def test_a_checkpoint_is_resumed_only_by_its_run_and_never_holds_non_finite_weig
         checkpointer.resume(*parts(16), shape)
 
 
+def test_a_gradient_norm_that_overflows_stops_the_run_at_its_log_line_naming_the_steps(tiny_config):
+    """A load-balancing loss weighted 1e30 overflows the gradients' norm while the loss and the weights stay finite
+    (AdamW normalises the step): a silent failure, unless every step's norm is checked (without a sync per step)."""
+    from conftest import train_here
+    from scalelm.train.engine import TrainingError
+
+    config = tiny_config("overflow", model__moe={"experts": 2, "top_k": 1, "aux_loss_coef": 1e30})
+    refused = r"non-finite gradient norm at 2 of the 2 steps up to step 2 \(the last: inf\): the gradients overflow;"
+    with pytest.raises(TrainingError, match=rf"{refused} .* Lower optim.lr, or model.moe.aux_loss_coef \(1e\+30\)"):
+        train_here(config, "train.max_steps=4", "train.log_every=2")
+
+
 def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config, tmp_path):
     config = tiny_config("nan", checkpoint__every=1)
     run_train(config, 1, "train.max_steps=5")
@@ -120,3 +134,77 @@ def test_yaml_style_numbers_are_accepted():
     from scalelm.config import load_config
 
     assert load_config(None, ["optim.lr=1e-3"]).optim.lr == 1e-3
+
+
+def test_consolidation_builds_only_the_model_the_run_trained(run_copy):
+    """consolidate builds the model config.yaml describes only once what it reads there (model, data, seed) is what
+    identity.json records (which the checkpoint's lineage vouches for): an edit that changes the function (the norm's
+    place) or the tensors (a width, a mixture of experts) is refused naming the setting, never built into another
+    model nor called a damaged checkpoint; the other settings may differ (issue 49)."""
+    from scalelm.config import set_dotted
+    from scalelm.errors import ConfigError
+    from scalelm.train.consolidate import consolidate
+    from scalelm.train.rundir import RunDir
+
+    run = RunDir(run_dir_of(run_copy))
+    written = yaml.safe_load(run.config.read_text())
+    for key, value, shown in (
+        ("model.norm", "pre", "model.norm 'pre' there, 'post' in identity.json"),
+        ("model.d_ff", 32, "model.d_ff 32 there, 64 in identity.json"),
+        ("model.moe", {"experts": 2}, "model.moe {'experts': 2, .* there, None in identity.json"),
+        ("seed", 2, "seed 2 there, 1 in identity.json"),  # not the checkpoint's fault
+    ):
+        edited = yaml.safe_load(yaml.safe_dump(written))
+        set_dotted(edited, key, value)
+        run.config.write_text(yaml.safe_dump(edited))
+        with pytest.raises(
+            ConfigError, match=rf"{run.config} does not describe the model this run trained \({shown}\)"
+        ):
+            consolidate(run)
+    assert not run.model.exists()
+    written["train"].update(log_every=7, precision="fp32")  # what does not build the model (fp32: auto on a CPU)
+    run.config.write_text(yaml.safe_dump(written))
+    assert consolidate(run)["step"] == 20
+
+
+def test_a_metrics_line_without_a_step_number_stops_a_resume_naming_it(tmp_path):
+    """A metrics record a resume cannot place (no step, or a step that is not a number) is a damaged line as a line
+    that is no JSON is: named with the file and its number, also as the last line (a complete record is no write cut
+    short), never a KeyError or TypeError (issue 49)."""
+    from scalelm.errors import DataError
+    from scalelm.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    good = json.dumps({"kind": "train", "step": 1, "loss": 5.0})
+    for bad in ({"kind": "train"}, {"kind": "eval", "step": "3"}, {"kind": "train", "step": None}):
+        for text in (f"{good}\n{json.dumps(bad)}\n{good}\n", f"{good}\n{json.dumps(bad)}"):
+            path.write_text(text)
+            damaged = rf"^{path}, line 2, is a record without a step number .*: the file is damaged; repair or delete"
+            with pytest.raises(DataError, match=damaged):
+                MetricsLogger(path, True, resume_step=1)
+    path.write_text(f"{good}\n{good[:20]}")  # a write cut short is still dropped
+    MetricsLogger(path, True, resume_step=1)
+    assert path.read_text() == f"{good}\n"
+
+
+def test_a_finished_run_rerun_with_other_measurement_settings_names_what_its_record_does_not_reflect(run_copy, capsys):
+    """train.peak_tflops, train.comm_profile_steps and train.monitor_interval_s are outside the identity: a rerun of
+    the finished run with them changed restores run.json byte for byte, says which settings it was measured with
+    instead (where its files lie is none of them), and writes config.yaml with the settings of now, from which the
+    report takes the peak for MFU (issue 49)."""
+    from scalelm.report.aggregate import peak_now
+    from scalelm.train.record import read_record
+    from scalelm.train.rundir import RunDir
+
+    run = RunDir(run_dir_of(run_copy))
+    record = run.record.read_text()
+    train_here(run_copy, "train.peak_tflops=50", "train.comm_profile_steps=0", "train.monitor_interval_s=2")
+    out = capsys.readouterr().out
+    assert "restored as it finished" in out and run.record.read_text() == record, out[-2000:]
+    line = next(line for line in out.splitlines() if "was measured with" in line)
+    assert line == (
+        f"{run.record} was measured with train.comm_profile_steps 2 (now 0), train.monitor_interval_s 0.0 (now 2.0), "
+        "train.peak_tflops null (now 50.0); the report takes MFU from train.peak_tflops 50.0: to measure with the "
+        "settings of now, train the run afresh in another run_dir"
+    ), line
+    assert peak_now(run, read_record(run.path)) == 50e12 != read_record(run.path).results.peak_flops_per_device

@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -202,6 +203,7 @@ def test_settings_files_refuse_aliases_duplicate_keys_deep_nesting_and_unreadabl
         "deep.yaml": ("seed: " + "[" * 50_000 + "]" * 50_000 + "\n", r"deep.yaml, line 1: nested more than 32 levels"),
         "latin1.yaml": (b"run_dir: r\xe9sultats\n", r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 10\); save"),
         "huge_int.yaml": ("seed: " + "1" * 5000 + "\n", r"huge_int.yaml is not valid YAML: a value cannot be read"),
+        "huge.yaml": ("seed: 1\n#" + "#" * 2**20, r"huge.yaml is larger than 1 MiB, far beyond any settings"),
     }  # fmt: skip
     assert len(alias_bomb(7)) < 500
     for name, (text, message) in cases.items():
@@ -212,6 +214,12 @@ def test_settings_files_refuse_aliases_duplicate_keys_deep_nesting_and_unreadabl
         assert len(str(err.value)) < 300
     with pytest.raises(ConfigError, match=f"^config file {tmp_path} is a directory; give the YAML file in it"):
         load_config(tmp_path)
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer; /dev/zero would never end
+    for special in (tmp_path / "fifo", "/dev/zero"):
+        with pytest.raises(
+            ConfigError, match=rf"^config file {special} is not a regular file \(a pipe or a device\?\)"
+        ):
+            load_config(special)
     with pytest.raises(ConfigError, match=f"^site file {tmp_path}/bomb.yaml, line 2: YAML anchors and aliases"):
         load_site(tmp_path / "bomb.yaml")
     for override, message in [
@@ -271,6 +279,44 @@ def test_set_merges_a_mapping_into_its_section_and_refuses_a_value_in_place_of_a
     path.write_text("train: 0\n")
     with pytest.raises(ConfigError, match=r"^train: expected a mapping of settings, got 0$"):
         load_config(path)
+
+
+def test_null_switches_an_optional_section_off_on_the_command_line(tmp_path):
+    """model.moe's default is null (a dense model): --set model.moe=null turns a file's mixture back into it, as the
+    workflow's merge does; a required section still refuses null (it would drop its settings)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  moe: {experts: 8, top_k: 1}\n")
+    assert load_config(path).model.moe.experts == 8
+    assert load_config(path, ["model.moe=null"]).model.moe is None
+    assert load_config(path, ["model={moe: null}"]).model.moe is None
+    assert load_config(path, ["model.moe=null", "model.moe.experts=2"]).model.moe.experts == 2
+    with pytest.raises(ConfigError, match=r"cannot set 'model' to None: it is a section"):
+        load_config(path, ["model=null"])
+
+
+def test_paths_and_names_on_the_command_line_are_taken_as_written(monkeypatch, capsys):
+    """YAML would end `trial #2` at the '#', fold a line break and read 2 as a number: a text setting (run_dir, the
+    data's directories, the strategy) keeps its text; null and a quoted string are still read as YAML, and --run-dir
+    is a path, never YAML. An empty run_dir (an unset variable) would mean the current directory: refused."""
+    import scalelm.train.run as train
+
+    c = load_config(None, ["run_dir=trial #2", "data.prepared_dir=a\nb", "data.stage_dir=2", "optim.lr=1e-3 # x"])
+    assert (c.run_dir, c.data.prepared_dir, c.data.stage_dir, c.optim.lr) == ("trial #2", "a\nb", "2", 1e-3)
+    c = load_config(None, ["run_dir='quoted #1'", "data.stage_dir=null", "parallel.strategy=null"])
+    assert (c.run_dir, c.data.stage_dir, c.parallel.strategy) == ("quoted #1", None, None)
+    for override in ("run_dir=", "run_dir=  ", "data.prepared_dir="):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{key} is empty \(an unset variable in --set {key}=\$VAR\?\)"):
+            load_config(None, [override])
+
+    ran = []
+    monkeypatch.setattr(train, "run", ran.append)
+    for given in ("trial #2", "null", "'quoted'"):
+        train.main(["--set", "run_dir=elsewhere", "--run-dir", given])
+        assert ran.pop().run_dir == given
+    with pytest.raises(SystemExit):
+        train.main(["--run-dir", ""])
+    assert "error: run_dir is empty" in capsys.readouterr().err and not ran
 
 
 def test_the_planner_refuses_machine_figures_that_are_not_finite_or_fall_back_to_the_site(capsys, tmp_path):

@@ -84,6 +84,56 @@ def test_the_autopsy_names_late_and_silent_ranks_in_every_process_group():
     assert behind({0: progress(50, 20), 1: progress(50, 20)}, 1000.0) == []  # nobody behind: a slow step everywhere
 
 
+def test_a_rank_that_left_the_job_is_named_by_the_rank_whose_collective_failed(tmp_path, monkeypatch, capsys):
+    """Issue 49: a rank that exits 0 early makes the others fail in their next collective (gloo: "Connection closed by
+    peer", naming no rank), and torchrun names the first of them that failed as the root cause, with no autopsy. The
+    watchdog of a rank that the collective's error ends names the ranks that left: those whose training ended (their
+    watchdog closed) having issued fewer collectives, and those on its host whose process is gone without ending its
+    training; told once, in the log and autopsy/summary.txt. Nothing at a normal end or on an error every rank shares
+    (a refusal, a preemption), nor for a rank only late in publishing."""
+    from scalelm.train import watchdog
+    from scalelm.train.watchdog import Watchdog, left_early
+
+    def groups(issued):
+        return {"0": {"desc": "default_pg", "issued": {"gloo": issued}}}
+
+    monkeypatch.setattr(watchdog, "PUBLISH_EVERY_S", 0.02)
+    monkeypatch.setattr(watchdog, "sequence_numbers", lambda errors=None: groups(4))  # in collective #4 when it failed
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host = watchdog.socket.gethostname()
+    store = Store()
+    publish(store, 1, step=7, groups=groups(3), closed=True)  # its training ended after collective #3: it left
+    publish(store, 2, step=8, groups=groups(3))  # alive, only late in publishing
+    publish(store, 3, step=7, groups=groups(3), host=host, pid=ended.pid)  # gone without closing (os._exit)
+    left = [
+        "rank 1 left the job: its training ended in step 7, on n (pid 7), after it issued 3 collectives in process "
+        "group default_pg (ranks 0, 1, 2, 3); rank(s) 0 issued 4 and wait for it in collective #4",
+        f"rank 3's process (pid {ended.pid}, on {host}) ended in step 7 without ending its training",
+    ]
+    progress = {r: json.loads(store[watchdog.KEY.format(r)]) for r in (1, 2, 3)}
+    assert left_early({0: {**progress[1], "groups": groups(4), "closed": False}, **progress}, host) == left
+
+    dog = Watchdog(0, tmp_path, factor=2, floor_s=10, store=store, world_size=4)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        try:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:30392")
+        finally:
+            dog.close()  # as the engine closes it: the collective's error under way
+    told = f"scalelm: rank 0 failed in a collective: {'; '.join(left)}. Its error and the root cause torchrun names"
+    assert (tmp_path / "summary.txt").read_text().startswith(told) and told in capsys.readouterr().err
+    Watchdog(2, tmp_path, factor=2, floor_s=10, store=store, world_size=4).close(RuntimeError("Connection closed"))
+    assert (tmp_path / "summary.txt").read_text().count("scalelm:") == 1  # told once
+
+    (tmp_path / "summary.txt").unlink()
+    for error in (None, ConfigError("stopped by a signal"), RuntimeError("no rank left")):
+        store = Store()
+        publish(store, 1, step=8, groups=groups(4), closed=True)  # ended with the others: a normal end, a preemption
+        publish(store, 3, step=8, groups=groups(3))  # alive, late in publishing
+        Watchdog(0, tmp_path, factor=2, floor_s=10, store=store, world_size=4).close(error)
+        assert not (tmp_path / "summary.txt").exists(), error
+
+
 def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config, tmp_path):
     """Rank 1 of 2 is stopped (SIGSTOP: no thread of it runs, its watchdog's neither) after step 7, before that step's
     log line; rank 0 waits for it in that line's collective, between two steps. Its watchdog finds rank 1's progress
@@ -113,49 +163,60 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config,
     assert steps == list(range(1, 13)), steps  # the steps after the checkpoint redone, each logged once
 
 
+class Store(dict):
+    """The job's store as the watchdog uses it (torch's TCPStore's calls), in this process."""
+
+    def set(self, key, value):
+        self[key] = value
+
+    def get(self, key):
+        return self[key].encode()
+
+    def multi_get(self, keys):
+        return [self.get(key) for key in keys]
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def add(self, key, amount):
+        self[key] = str(int(dict.get(self, key, 0)) + amount)
+        return int(self[key])
+
+
+def publish(store, rank, age=0.0, step=1, **more):
+    """Rank `rank`'s progress in `store`, as its watchdog publishes it, `age` seconds ago."""
+    from scalelm.train.watchdog import KEY
+
+    progress = {"step": step, "in_step_s": 0.0, "groups": {}, "time": time.time() - age, "host": "n", "pid": 7}
+    store.set(KEY.format(rank), json.dumps({**progress, **more}))
+
+
 def test_a_rank_waiting_between_steps_for_a_silent_rank_or_store_is_overdue(tmp_path):
     """The watchdog's decision, from the progress in the store: a rank that has ended no step for the limit while
     another published nothing for as long stops the job (it waits for a stopped process); not while the others are
     alive, nor for a rank whose training is over, nor before the limit. In a step, the step's limit alone. A store
     that does not answer (held by the stopped process: rank 0's under the spawn launcher) holds no call of the
     watchdog's longer than its timeout, and stops the job once it has not answered for the limit."""
-    from scalelm.train.watchdog import KEY, BoundedStore, Unanswered, Watchdog
-
-    class Store(dict):
-        def set(self, key, value):
-            self[key] = value
-
-        def get(self, key):
-            return self[key].encode()
-
-        def multi_get(self, keys):
-            return [self.get(key) for key in keys]
-
-        def check(self, keys):
-            return all(k in self for k in keys)
+    from scalelm.train.watchdog import BoundedStore, Unanswered, Watchdog
 
     store = Store()
     dog = Watchdog(0, tmp_path, factor=0, floor_s=10, store=store, world_size=3)  # factor 0: no thread, asked here
     with dog.watching(1):
         pass  # one step ended: armed, the limit is the floor
 
-    def peer(rank, age, **more):
-        progress = {"step": 1, "in_step_s": 0.0, "groups": {}, "time": time.time() - age, "host": "n", "pid": 7}
-        store.set(KEY.format(rank), json.dumps({**progress, **more}))
-
     def overdue(waited_s):
         dog.ended, dog.peers_read = time.monotonic() - waited_s, 0.0  # waited that long; the store not read lately
         return dog.overdue()
 
-    peer(1, age=0)
-    peer(2, age=30)
+    publish(store, 1, age=0)
+    publish(store, 2, age=30)
     assert overdue(5) is None  # rank 0 waits less than the limit
     waited = "rank 0 has waited 30 s since step 1 ended (limit 10 s)"
     assert overdue(30) == f"{waited}, and rank(s) 2 published no progress for as long"
     assert dog.overdue() is None  # the store is read every limit / 4 at most, not every second
-    peer(2, age=3)
+    publish(store, 2, age=3)
     assert overdue(30) is None  # all alive: a long evaluation or checkpoint is not a hang
-    peer(2, age=30, closed=True)
+    publish(store, 2, age=30, closed=True)
     assert overdue(30) is None  # rank 2's training is over
     dog.started = time.monotonic() - 11
     assert dog.overdue() == "step 1 has run for over 10 s"
@@ -180,6 +241,46 @@ def test_a_rank_waiting_between_steps_for_a_silent_rank_or_store_is_overdue(tmp_
         assert overdue(30) == f"{waited}, and the job's store has not answered for 30 s"
     finally:
         stopped.set()
+
+
+def test_a_rank_frozen_before_its_first_step_is_named_after_the_floor(tmp_path):
+    """Issue 49: the watchdog armed only once a step had ended, so a rank frozen before its first step left the
+    others waiting for the collective timeout (600 s), told by gloo's message that names no rank. Until a step has
+    ended no step is overdue (the first may compile for minutes), but a silent rank or store is, after
+    hang_floor_s: a rank that compiles keeps publishing its progress, a frozen one does not."""
+    from scalelm.train.watchdog import KEY, BoundedStore, Watchdog, behind
+
+    store = Store()
+    dog = Watchdog(0, tmp_path, factor=0, floor_s=10, store=store, world_size=3)  # factor 0: no thread, asked here
+    assert dog.threshold() is None and dog.rule() == "hang_floor_s 10 until a step has ended"
+
+    def overdue(waited_s, in_first_step=False):
+        """Rank 0 started training `waited_s` ago, and is in its first step since then or not yet in it."""
+        dog.ended, dog.peers_read = time.monotonic() - waited_s, 0.0
+        dog.started = dog.ended if in_first_step else None
+        return dog.overdue()
+
+    publish(store, 1, age=0, step=1)
+    publish(store, 2, age=30, step=0)  # frozen before its first step
+    frozen = "rank 0 has ended no step in the 30 s since its training started (limit 10 s), and rank(s) 2 published "
+    assert overdue(5) is None and overdue(5, in_first_step=True) is None  # less than the floor
+    assert overdue(30) == overdue(30, in_first_step=True) == frozen + "no progress for as long"
+    assert behind({0: None, 2: json.loads(store[KEY.format(2)])}, time.time())[1] == (
+        "rank 2 stopped publishing its progress 30 s ago, before its first step, on n (pid 7) (a stopped or dead "
+        "process, or a lost node)"
+    )
+    publish(store, 2, age=0, step=1)
+    assert overdue(600, in_first_step=True) is None  # a first step that compiles for minutes, every rank publishing
+    del store[KEY.format(2)]  # frozen before its watchdog started: it never published
+    assert overdue(30, in_first_step=True) == frozen + "no progress for as long"
+
+    class Unanswering(Store):
+        def set(self, key, value):
+            raise TimeoutError("no answer")
+
+    dog.store = BoundedStore(Unanswering())
+    dog.store.failing_since = time.monotonic() - 30  # rank 0 of the spawn launcher, holding the store, frozen
+    assert overdue(30).endswith("(limit 10 s), and the job's store has not answered for 30 s")
 
 
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])

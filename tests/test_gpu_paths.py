@@ -486,3 +486,83 @@ def test_energy_comes_from_nvmls_counter_else_integrated_power_and_rapl_packages
     monkeypatch.setattr(energy, "POWERCAP", tmp_path / "none")
     missing = energy.EnergyMeter.open(None, reads_machine=True)
     assert missing.lap() is None and "no RAPL package zones" in missing.unknown
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """A bench script imported as a module, as it is run: the repository and bench/ on the path."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    return lambda name: importlib.import_module(f"bench.{name}")
+
+
+def test_the_gpu_paths_script_refuses_an_unknown_check_and_fails_when_a_check_was_skipped(bench, tmp_path, capsys):
+    """A mistyped `--only` ran nothing and reported "0 of 0 not failed"; a spent `--budget`, "8 of 8 not failed":
+    both exit 0. The first is refused naming the checks and the closest; a check the budget left unrun is SKIPPED,
+    the last line counts each status and the exit status is 1 (nothing starts: the budget is below a check's 10 s)."""
+    gpu_paths = bench("gpu_paths")
+    with pytest.raises(SystemExit) as refused:
+        gpu_paths.main(["--cpu", "--out", str(tmp_path / "typo"), "--only", "A", "C.rnig"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and not (tmp_path / "typo").exists()
+    assert "--only: unknown check 'C.rnig' (did you mean 'C.ring'?); choose from A.versions, B.nccl, C.ring" in error
+    assert "(or its letter, A, B, C, D, E, F, G, H)" in error
+
+    assert gpu_paths.main(["--cpu", "--out", str(tmp_path / "spent"), "--budget", "5", "--only", "A", "C"]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == "paths on cpu: 0 PASS, 0 FAIL, 0 N/A, 2 SKIPPED; skipped: A.versions, C.ring"
+    assert [line.split()[:2] for line in printed[:-1]] == [["SKIPPED", "A.versions"], ["SKIPPED", "C.ring"]]
+    recorded = json.loads((tmp_path / "spent/paths.json").read_text())
+    assert [(r["check"], r["status"]) for r in recorded] == [("A.versions", "SKIPPED"), ("C.ring", "SKIPPED")]
+
+    statuses = ["PASS", "FAIL", "N/A", "SKIPPED", "PASS"]
+    results = [{"check": f"{letter}.x", "status": s} for letter, s in zip("ABCDE", statuses)]
+    assert gpu_paths.tally(results) == ("2 PASS, 1 FAIL, 1 N/A, 1 SKIPPED; fail: B.x; skipped: D.x", 1)
+    assert gpu_paths.tally([r for r in results if r["status"] in ("PASS", "N/A")]) == (
+        "2 PASS, 0 FAIL, 1 N/A, 0 SKIPPED",
+        0,
+    )
+
+
+BAD_BENCH_ARGUMENTS = [  # script, its arguments ({tmp}: the test's directory, holding a_file), the error's line
+    ("activation_memory", ["--repeats", "0"], "argument --repeats: 0: give a whole number at least 1"),
+    ("activation_memory", ["--json", "{tmp}/a_file/out.json"], "a_file/out.json cannot be written: .*a_file is not a directory"),
+    ("fault_trials", ["--trials", "200"], "argument --trials: 200: give a whole number from 1 to 108"),
+    ("fault_trials", ["--strategies", "ddp,fsdb"], "unknown strategy 'fsdb' \\(did you mean 'fsdp'\\?\\); choose from single"),
+    ("gpu_mfu", ["{tmp}/a_file", "--cpu"], "argument out: .*a_file is a file: give a directory"),
+    ("gpu_mfu", ["{tmp}/mfu", "--steps", "3"], "argument --steps: 3: give a whole number at least 6"),
+    ("gpu_mfu", ["{tmp}/mfu", "--timeout", "-1"], "argument --timeout: '-1': give a positive number"),
+    ("gpu_paths", ["--cpu", "--out", "{tmp}/p", "--budget", "nan"], "argument --budget: 'nan': give a positive"),
+    ("gpu_probe", ["--cpu", "--out", "{tmp}/p", "--only", "a.fats"], "unknown check 'a.fats' \\(did you mean 'a.facts'\\?\\)"),
+    ("gpu_smoke_report", ["{tmp}/missing"], "argument out: .*missing is not an existing directory"),
+    ("gpu_smoke_report", ["{tmp}", "--cpu"], "holds no status file: give the directory bench/gpu_smoke.sh wrote"),
+    ("history_slowdown", ["--seeds", "1"], "argument --seeds: 1: give a whole number at least 2"),
+    ("history_slowdown", ["--keep", "{tmp}/a_file"], "argument --keep: .*a_file is a file: give a directory"),
+    ("layouts", ["--models", "m5"], "unknown model 'm5' \\(did you mean 'm59'\\?\\)"),
+    ("layouts", ["--layouts", "ddp,fdsp"], "unknown layout 'fdsp' \\(did you mean 'fsdp'\\?\\)"),
+    ("moe", ["--steps", "-1"], "argument --steps: -1: give a whole number at least 1"),
+    ("pipeline", ["--microbatches", "2,x"], "argument --microbatches: 'x' is not a whole number"),
+    ("pipeline", ["--microbatches", "2,3"], "--batch 8 does not split into \\[3\\] micro-batches"),
+    ("pipeline", ["--schedules", "1f1f"], "unknown schedule '1f1f' \\(did you mean '1f1b'\\?\\)"),
+    ("staging", ["--local-dir", "{tmp}/a_file"], "argument --local-dir: .*a_file is a file: give a directory"),
+    ("throughput", ["--models", "c"], "argument --models: unknown model 'c'; choose from a, b"),
+    ("throughput", ["--json", "{tmp}"], "argument --json: .* is a directory: give a file path"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "script, arguments, message", BAD_BENCH_ARGUMENTS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_BENCH_ARGUMENTS]
+)
+def test_the_bench_scripts_refuse_bad_arguments_before_any_work(bench, tmp_path, capsys, script, arguments, message):
+    """Each bad value is refused by argparse, naming it, before the script measures anything: a negative count, an
+    unknown name, an output that cannot be written were tracebacks, some after minutes of measuring."""
+    import re
+
+    (tmp_path / "a_file").write_text("mine\n")
+    with pytest.raises(SystemExit) as refused:
+        bench(script).main([argument.format(tmp=tmp_path) for argument in arguments])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and re.search(message, error.splitlines()[-1]), error
+    assert (tmp_path / "a_file").read_text() == "mine\n" and {p.name for p in tmp_path.iterdir()} == {"a_file"}

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO
 from scalelm.errors import ConfigError, DataError
-from scalelm.report import history, history_compare, history_store
+from scalelm.report import expectations, history, history_compare, history_store
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 
@@ -245,3 +245,107 @@ def test_a_comparison_names_the_disturbed_runs_on_either_side_and_the_study_pass
     assert "--disturbed-share 0.25" in Study(local_config(disturbed_share=0.25)).aggregate_args()
     with pytest.raises(ConfigError, match=r"disturbed_share must be a positive share of the cores a run was given"):
         Study(local_config(disturbed_share=0))
+
+
+def test_list_since_reads_a_time_and_refuses_what_it_cannot_read(tmp_path, capsys):
+    """`--since` is a time, compared as one (an imported history's offsets differ), UTC unless it says; a date of
+    one-digit month or day is read as the date it is. What is no time is refused naming the forms it takes, never
+    compared as text (`yesterday` sorted after every date: nothing listed, exit 0)."""
+    db = tmp_path / "history.sqlite"
+    times = {
+        "nov": "2026-11-30T21:00:00.000000+00:00",
+        "dec_early": "2026-12-01T00:30:00.000000+02:00",  # 2026-11-30T22:30 UTC
+        "dec": "2026-12-01T09:00:00.000000+00:00",
+        "dec_late": "2026-12-02T00:00:00.000000+00:00",
+    }
+    history_store.insert(db, [row(key, key, recorded=recorded) for key, recorded in times.items()])
+
+    def listed(*since: str) -> list[str]:
+        history.main(["--db", str(db), "list", "--since", *since])
+        return [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+
+    assert listed("2026-12-1") == listed("2026-12-01") == listed("2026-12-01T00:00Z") == ["dec", "dec_late"]
+    assert listed("2026-12-01T00:00+02:00") == ["dec", "dec_early", "dec_late"]
+    assert listed("2026-12-02") == ["dec_late"]
+    for unreadable in ("yesterday", "2026-13-01", "1/12/2026", ""):
+        with pytest.raises(SystemExit) as refused:
+            history.main(["--db", str(db), "list", "--since", unreadable])
+        assert refused.value.code == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"error: --since {unreadable!r} is not a time scalelm can read") and (
+            "give a date or time in ISO 8601: 2026-12-01, 2026-12-01T09:30, 2026-12-01T09:30+01:00" in error
+        ), error
+    history.main(["--db", str(db), "list", "--since", "2027-01-01"])
+    assert capsys.readouterr().err.startswith(f"no run in {db} was recorded since 2027-01-01T00:00:00+00:00")
+
+
+def _deep_json(tmp_path):
+    (tmp_path / "in.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    return ["import", str(tmp_path / "in.jsonl")]
+
+
+def _export_of(text: str):
+    def arguments(tmp_path):
+        (tmp_path / "in.jsonl").write_text(text + "\n")
+        return ["import", str(tmp_path / "in.jsonl")]
+
+    return arguments
+
+
+def _compare_out(where: str):
+    def arguments(tmp_path):
+        (tmp_path / "a_file").write_text("mine\n")
+        return ["compare", "--out", str(tmp_path / where)]
+
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (_deep_json, r"in.jsonl:1 is not a JSON line of a history export \(maximum recursion depth"),
+        (
+            _export_of(json.dumps(row("k9")).replace("100.0", "1" + "0" * 5000)),
+            r"in.jsonl:1 is not a JSON line.*digits",
+        ),
+        (_export_of(json.dumps(row("k9")).replace("100.0", "1e400")), r"tokens_per_s_per_device must be a finite"),
+        (_export_of(json.dumps(row("k9", figures={"notes": 10**400}))), r"figures.notes must be a finite number"),
+        (_export_of(json.dumps(row("k9", seed=2**70))), r"seed must be a whole number of 64 bits at most"),
+        (_compare_out("a_file"), r"--out .*a_file is a file: give a directory for compare.md and compare.csv"),
+        (_compare_out("a_file/sub"), r"--out .*a_file/sub: compare.md and compare.csv could not be written there"),
+    ],
+    ids=["deep_json", "5000_digits", "1e400", "int_beyond_float", "seed_2**70", "out_a_file", "out_in_a_file"],
+)
+def test_the_history_commands_refuse_hostile_input_in_one_line(tmp_path, capsys, arguments, message):
+    """An import of a figure beyond a float, a seed beyond SQLite's integers, an integer of 5,000 digits or JSON
+    nested 100,000 deep; `compare --out` a file, or inside one: one error line each, the history as it was."""
+    db = tmp_path / "history.sqlite"
+    history_store.insert(db, [row("k0", "A"), row("k1", "B")])
+    before = db.read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        history.main(["--db", str(db), *arguments(tmp_path)])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and re.search(message, error), error
+    assert db.read_bytes() == before  # nothing imported
+    assert not (tmp_path / "a_file").exists() or (tmp_path / "a_file").read_text() == "mine\n"  # nor replaced
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (bytes(range(256)) * 4, r"is not an expectations.csv as the aggregation writes it \('utf-8' codec"),
+        (b"name,score\nddp,1\n", r"\(no column experiment, expectation, value, limit, tolerance, threshold, seeds"),
+        (b"experiment,expectation,value,limit,tolerance,threshold,seeds,status\nddp,min_mfu,x,1,0,1,2,met\n",
+         r"\(could not convert string to float: 'x'\)"),
+    ],
+    ids=["binary", "other_columns", "not_a_number"],
+)  # fmt: skip
+def test_the_expectations_command_refuses_a_file_that_is_no_expectations_csv(tmp_path, capsys, content, message):
+    checks = tmp_path / "expectations.csv"
+    checks.write_bytes(content)
+    with pytest.raises(SystemExit) as refused:
+        expectations.main([str(checks)])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("\n") == 1 and re.search(message, error), error
+    assert "give the one in a study's results, or aggregate again" in error

@@ -144,6 +144,18 @@ def test_bad_geometry_is_refused(monkeypatch):
         commands(monkeypatch, ["--nodes", "3"], {"SLURM_JOB_ID": "5"})
 
 
+def test_launch_without_the_programs_arguments_is_one_usage_error(capsys):
+    """Issue 49: without arguments the launcher started torchrun on the default settings, which failed there with
+    torchrun's traceback."""
+    for argv in ([], ["--nodes", "1"], ["--program", "baseline", "--"]):
+        with pytest.raises(SystemExit) as stop:
+            launch.main(argv)
+        err = capsys.readouterr().err
+        program = "baseline" if "baseline" in argv else "train"
+        assert stop.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: nothing to run: give the {program} program's arguments after `--`, e.g."), err
+
+
 def test_site_settings_are_typed_and_produce_the_jobs_sbatch_options_prelude_and_launch_flags(tmp_path):
     from scalelm.site import load_site
 

@@ -107,6 +107,20 @@ def test_lightning_errors_are_clear(tiny_config, monkeypatch):
         config = load_config(None, ["train.engine=lightning", *settings])
         with pytest.raises(ConfigError, match=rf"train.engine=lightning runs DDP only, not {re.escape(name)}"):
             resolve_layout(config, world, world)  # where every layout is checked: the trainer, the workflow, the plan
+    # several at once are named at once, not one per attempt
+    settings = [
+        "parallel.tp=2",
+        "model.moe={experts: 2}",
+        "train.compile_optimizer=true",
+        "train.attention_kernels=auto",
+    ]
+    with pytest.raises(ConfigError) as refused:
+        resolve_layout(load_config(None, ["train.engine=lightning", *settings]), 2, 2)
+    message = str(refused.value)
+    assert message.startswith("train.engine=lightning refuses 4 things in these settings: (1) train.engine=lightning")
+    for named in ("(1) train.engine=lightning runs DDP only, not tp", "(2) model.moe is", "(3) train.compile_optimizer",
+                  "(4) train.attention_kernels=auto"):  # fmt: skip
+        assert named in message, message
 
 
 def test_lightning_never_checkpoints_non_finite_weights(tiny_config):

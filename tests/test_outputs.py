@@ -115,6 +115,20 @@ def test_consolidate_and_evaluate_refuse_an_out_that_is_a_directory_or_an_input(
     assert json.loads((run / "model.pt.json").read_text())["model"] == str(run / "model.pt")
 
 
+def test_evaluate_refuses_batches_of_no_sequences_or_tokens(tmp_path, capsys):
+    """--batch-size and --batch-tokens below 1 are refused by argparse, naming the option and the value, before any
+    model is loaded (issue 49)."""
+    from scalelm.train.evaluation import main as evaluate
+
+    for option, value in (("--batch-size", "0"), ("--batch-tokens", "-5")):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate(["--model", str(tmp_path / "none.pt"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "t.json"),
+                      option, value])  # fmt: skip
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"error: {option} must be 1 or more, got {value}\n" in err, err
+        assert "Traceback" not in err and not (tmp_path / "t.json").exists()
+
+
 def test_the_machine_baseline_refuses_a_directory_before_measuring(tmp_path, monkeypatch, capsys):
     from scalelm.measure import baseline
 

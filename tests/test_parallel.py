@@ -182,8 +182,8 @@ MOE = ["model.moe={experts: 4, top_k: 2}"]
         ([*MOE, "parallel.strategy=ep", "parallel.cpu_offload=true"], 2, "under parallel.ep=2 the experts are not FSDP's"),
         ([*MOE, "parallel.strategy=ddp", "train.engine=lightning"], 2, "model.moe is scalelm's engine only"),
         (["model.moe={experts: 2, top_k: 3}"], 1, "model.moe.top_k=3 exceeds model.moe.experts=2"),
-        (["model.moe={every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),
-        (["model.moe={aux_loss_coef: -0.1}"], 1, "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive"),
+        (["model.moe={experts: 4, every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),
+        (["model.moe={experts: 4, aux_loss_coef: -0.1}"], 1, "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive"),
         (["model.moe={expert: 4}"], 1, "unknown setting 'model.moe.expert'; did you mean 'model.moe.experts'"),
     ],
 )  # fmt: skip

@@ -41,13 +41,13 @@ from scalelm.plan.memory import (
 from scalelm.plan.steptime import Speeds, efficiency, predict, stage_work
 from scalelm.selftest import write_corpus
 from scalelm.site import SiteConfig
-from scalelm.study import preflight
+from scalelm.study import plan_check, preflight
 from scalelm.study.experiments import Experiment, apply_local_overlay, load_matrix
-from scalelm.study.plan_check import plan_experiment
+from scalelm.study.plan_check import check_fits, plan_experiment
 from scalelm.study.settings import load_study
 from scalelm.study.workflow import Study
 from scalelm.train.record import Results, RunRecord, write_record
-from test_study import SCHEMA
+from test_study import SCHEMA, local_config
 
 COURSE = ["--set", "model.n_layers=4", "--vocab-size", "28785"]  # config/config.yaml's model, WikiText-2's words
 
@@ -590,6 +590,41 @@ def test_an_experiment_that_cannot_fit_the_sites_gpus_is_refused_before_the_queu
     assert json.loads((tmp_path / "anyway.json").read_text())["fits"] is False
 
 
+def test_an_experiment_too_large_for_this_machines_memory_is_refused_on_the_local_default(tmp_path, monkeypatch):
+    """Issue 49: the plan checked GPU sites only, and on the local default a mixture too large for the machine's
+    memory failed at allocation with a traceback. There every process runs on this machine: the plan's fullest rank
+    and a process's runtime, times the processes, against 90 % of its memory, refused before the queue naming the
+    experiment, the figures and what to change. A cluster's CPU nodes (a site file) are not this machine."""
+    moe = load_config(None, ["model.n_layers=4", "model.moe={experts: 64, d_ff: 4096}", "parallel.strategy=ddp"])
+    large = Experiment("moe", "ddp", 1, 2, 1, moe, resolve_layout(moe, 2, 2))
+    plan = plan_experiment(large, SiteConfig(), 28785, host_bytes=12 * 2**30)
+    per_process = (plan["total_bytes"] + plan_check.PROCESS_RUNTIME_BYTES) / 2**30
+    assert plan["device"] == "cpu" and plan["fits"] is False and plan["host_processes"] == 2 and per_process > 6
+    with pytest.raises(
+        ConfigError,
+        match=rf"experiment moe \(1 x 2 = 2 processes on this machine, layout 2x1x1x1\) does not fit its memory of "
+        rf"12.0 GiB: scalelm.plan predicts {per_process:,.2f} GiB per process \(params [\d.]+, .*, the interpreter and "
+        rf"torch 0.29\) x 2 = {2 * per_process:,.2f} GiB against 10.8 GiB usable \(10% left to the system\)\. "
+        r"Shard more .*experiments.moe.check_memory: false to run it anyway",
+    ):
+        check_fits(large, plan)
+    check_fits(large, plan, check=False)  # check_memory: false
+    assert plan_experiment(large, SiteConfig(), 28785, host_bytes=2**40)["fits"]
+    assert plan_experiment(large, SiteConfig(), 28785)["fits"] is None  # a cluster's CPU nodes: not this machine
+
+    # the rule on the local default plans against this machine; a site's GPUs as before
+    study, prepared = Study(local_config()), tmp_path / "prepared"
+    write_corpus(prepared, vocab_size=28785)
+    ddp = SimpleNamespace(experiment="ddp", seed=1)
+    study.write_plan(ddp, str(prepared), tmp_path / "plan.json")
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["fits"] and written["host_memory_bytes"] == plan_check.host_memory_bytes()
+    monkeypatch.setattr(plan_check, "host_memory_bytes", lambda: 2**29)  # 512 MiB: two processes' runtime is more
+    with pytest.raises(ConfigError, match="experiment ddp .* does not fit its memory of 0.5 GiB"):
+        study.write_plan(ddp, str(prepared), tmp_path / "refused.json")
+    assert not (tmp_path / "refused.json").exists()
+
+
 def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_mismatch(tmp_path):
     study, _ = real_matrix(tmp_path, 40)
     runs = study.preflight
@@ -627,7 +662,8 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     def fake_run(name, losses):
         run = tmp_path / name
         run.mkdir()
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "loss": x}) + "\n" for x in losses))
+        lines = [{"kind": "train", "step": step, "loss": x} for step, x in enumerate(losses, 1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         results = Results("ddp", "2x1x1x1", len(losses), 2, 64, 1.0, losses[-1], {}, {}, 1000)
         write_record(run, RunRecord({}, 2, {"nodes": 1, "procs_per_node": 2}, ["n1"], "", "", 1.0, results))
         return run

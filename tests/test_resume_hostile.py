@@ -9,12 +9,15 @@ import torch
 
 import drills
 from conftest import run_dir_of, train_here
+from scalelm.config import Devices
 from scalelm.errors import CheckpointError, DataError
 from scalelm.train.checkpoint import complete_checkpoints
 from scalelm.train.consolidate import consolidate
 from scalelm.train.metrics import MetricsLogger
 from scalelm.train.record import read_metrics
 from scalelm.train.rundir import RunDir
+
+CPU = Devices(used="cpu", auto="cpu")
 
 
 def evaluations(run: RunDir) -> list[tuple[str, int]]:
@@ -138,7 +141,7 @@ def test_every_setting_declares_whether_it_belongs_to_a_runs_identity():
 
     for dotted, _, item in leaf_fields(Config()):
         assert isinstance(item.metadata.get("identity"), bool), f"{dotted}: say identity=True or False (setting)"
-    settings = identity(load_config(None, []), {"train": "abc"}, 1)["settings"]
+    settings = identity(load_config(None, []), {"train": "abc"}, 1, CPU)["settings"]
     kept = set()
     for section, values in settings.items():
         kept |= {f"{section}.{key}" for key in values} if isinstance(values, dict) else {section}
@@ -150,8 +153,38 @@ def test_every_setting_declares_whether_it_belongs_to_a_runs_identity():
     # from before mixtures of experts resume), and join it when set
     assert not {"model.moe", "parallel.ep"} & kept
     mixture = load_config(None, ["model.moe={experts: 4}", "parallel.ep=2"])
-    added = identity(mixture, {"train": "abc"}, 1)["settings"]
+    added = identity(mixture, {"train": "abc"}, 1, CPU)["settings"]
     assert added["model"]["moe"]["experts"] == 4 and added["parallel"]["ep"] == 2
+
+
+def test_settings_that_train_alike_on_a_machine_are_one_identity_and_older_records_of_them_resume(tmp_path):
+    """device cpu where auto picks the CPU, precision fp32 on a CPU (bf16 on CUDA) and parallel.ep 1 train as their
+    defaults do: the same run, never retrained. An identity.json an older scalelm wrote with them spelt out is the
+    run's too, its checkpoints' lineage kept known; elsewhere they stay apart."""
+    from scalelm.config import Devices, load_config
+    from scalelm.train.rundir import identity, lineage
+
+    def of(*settings: str, here: Devices = CPU) -> dict:
+        return identity(load_config(None, list(settings)), {"train": "abc"}, 1, here)
+
+    default = of()
+    assert of("device=cpu", "train.precision=fp32") == default
+    assert of("model.moe={experts: 4}", "parallel.ep=1") == of("model.moe={experts: 4}")
+    gpu = Devices("cuda", "cuda")
+    assert of("train.precision=bf16", "device=cuda", here=gpu) == of(here=gpu)
+    assert of("device=cpu", here=Devices("cpu", "cuda")) != of(here=gpu)  # the CPU of a GPU machine: another run
+    assert of("train.precision=bf16_params", here=gpu) != of(here=gpu)
+
+    run = RunDir(tmp_path / "run")
+    older = of()
+    older["settings"].update(device="cpu")
+    older["settings"]["train"]["precision"] = "fp32"
+    run.path.mkdir()
+    run.identity.write_text(json.dumps(older))
+    run.metrics.write_text('{"kind": "train", "step": 1}\n')
+    run.start(default, CPU)
+    assert json.loads(run.identity.read_text()) == older and not run.previous.exists() and run.metrics.stat().st_size
+    assert run.lineages(default, CPU) == {lineage(default), lineage(older)}
 
 
 def test_a_checkpoints_lineage_leaves_out_the_layout_and_the_staging_but_not_the_seed():
@@ -161,10 +194,41 @@ def test_a_checkpoints_lineage_leaves_out_the_layout_and_the_staging_but_not_the
     from scalelm.train.rundir import identity, lineage
 
     def of(world_size: int, *settings: str, data: str = "abc") -> tuple[dict, str]:
-        run_identity = identity(load_config(None, list(settings)), {"train": data}, world_size)
+        run_identity = identity(load_config(None, list(settings)), {"train": data}, world_size, CPU)
         return run_identity, lineage(run_identity)
 
     single, ddp = of(1), of(2, "parallel.strategy=ddp", "data.stage=shm", "data.stage_dir=/dev/shm/x")
     assert single[0] != ddp[0] and single[1] == ddp[1]
     assert of(1, "data.stage=local")[0] == single[0]
     assert {of(1, "seed=2")[1], of(1, "optim.lr=1e-3")[1], of(1, data="abd")[1]}.isdisjoint({single[1]})
+
+
+def test_a_training_aimed_at_a_directory_that_is_no_run_leaves_it_alone(tiny_config, tmp_path):
+    """A directory without identity.json is someone's (a project, the current directory): if it holds a name a run
+    writes, the training is refused naming them, before it writes anything there (not even its lock)."""
+    from scalelm.errors import ConfigError
+
+    mine = tmp_path / "project"
+    mine.mkdir()
+    files = {"config.yaml": "mine: 1\n", "metrics.jsonl": '{"step": 3}\n', "notes.txt": "keep\n"}
+    for name, text in files.items():
+        (mine / name).write_text(text)
+    (mine / "checkpoints").mkdir()
+    (mine / "checkpoints" / "model.bin").write_bytes(b"weights")
+    with pytest.raises(
+        ConfigError,
+        match=rf"run_dir {mine} is not a scalelm run directory \(it has no identity.json\) "
+        r"but holds checkpoints, metrics.jsonl, config.yaml, which a training would",
+    ):
+        train_here(tiny_config(), f"run_dir={mine}")
+    assert sorted(p.name for p in mine.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "notes.txt"]
+    assert all((mine / name).read_text() == text for name, text in files.items())
+    assert [p.name for p in (mine / "checkpoints").iterdir()] == ["model.bin"]
+    # but a checkpoint brought into a new directory, to be resumed there (by another layout), is a run's own
+    brought = RunDir(tmp_path / "brought")
+    (brought.checkpoints / "step_00000010").mkdir(parents=True)
+    brought.start({"settings": {}})
+    (brought.checkpoints / "mine.txt").write_text("not a checkpoint\n")
+    brought.identity.unlink()
+    with pytest.raises(ConfigError, match=r"but holds checkpoints, which a training would replace"):
+        brought.start({"settings": {}})

@@ -17,7 +17,7 @@ from snakemake.utils import validate
 from conftest import REPO
 from scalelm.errors import ConfigError, ScaleLMError
 from scalelm.report.figures import LIMITS
-from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.experiments import apply_local_overlay, command_line_values
 from scalelm.study.settings import Resources
 from scalelm.study.workflow import Study, stop_signal_seconds
 
@@ -128,6 +128,8 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
             "experiments.ddp: optim.weight_decay must be 0 or positive, got -1",
         ),
         ({"launcher": "mpirun"}, "'mpirun' is not one of \\['torchrun', 'spawn'\\]"),
+        # a mixture's shape is never defaulted (scalelm.config.MoEConfig)
+        ({"training": {"model": {"moe": {"top_k": 1}}}}, "experiments.ddp: model.moe: missing 'experts'"),
         ({"launcher": "spawn", "nodes": 2}, "experiments.ddp: launcher spawn starts one node's processes, but nodes"),
     ],
 )
@@ -135,6 +137,24 @@ def test_a_bad_experiment_is_refused_naming_the_key(change, message):
     config = local_config(lambda local: local["experiments"]["ddp"].update(change))
     with pytest.raises(Exception, match=message):
         resolve(config)
+
+
+def test_a_mixture_in_the_shared_training_is_refused_naming_the_experiments_it_would_convert():
+    """One model.moe key in the study-wide training: would make every dense experiment, the baseline among them, a
+    mixture of a defaulted shape; with the shape given there, every experiment is meant to be one."""
+    shared = local_config(lambda local: local["training"]["model"].update(moe={"aux_loss_coef": 0.02}))
+    with pytest.raises(ConfigError) as refused:
+        resolve(shared)
+    message = str(refused.value)
+    assert message.startswith("training: model.moe (aux_loss_coef) would make every experiment without its own ")
+    assert "single_gpu, ddp, " in message and "moe_ep" not in message  # the mixtures give their own model.moe
+
+    def every_one_a_mixture(local):  # the experiments a mixture can run as (Lightning and cp refuse one)
+        local["experiments"].update({name: None for name in local["experiments"] if name not in ("single_gpu", "ddp")})
+        local["training"]["model"].update(moe={"experts": 2})
+
+    study = resolve(local_config(every_one_a_mixture))
+    assert {e.name: e.config.model.moe.experts for e in study.matrix.values()} == {"single_gpu": 2, "ddp": 2}
 
 
 def test_the_machine_baseline_runs_once_per_node_count_on_its_widest_experiment():
@@ -270,6 +290,63 @@ def rename(old: str, new: str):
 def test_a_bad_study_setting_is_refused_before_any_job(change, message):
     with pytest.raises(Exception, match=message):
         resolve(local_config(change))
+
+
+def snakemake_config(given: dict) -> dict:
+    """What a plain `snakemake --config ...` hands the Snakefile: config/config.yaml, config/local.yaml and the
+    command line's `given` values, merged in that order as Snakemake merges them."""
+    from snakemake.utils import update_config
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    update_config(config, yaml.safe_load((REPO / "config/local.yaml").read_text()))
+    update_config(config, given)
+    return config
+
+
+def test_the_command_line_wins_over_the_local_overlay():
+    """`snakemake --config KEY=VALUE` on the local default: each value wins over what the overlay sets (results,
+    training, an experiment), typed as a config file would hold it, the rest of the overlay kept; `local={...}` still
+    changes the overlay. (tests/test_workflow.py shows once that Snakemake's own command line gets here.)"""
+    given = {  # results=results/mine 'seeds=[1,2]' ... as Snakemake 9's parse_config gives them: the items as text
+        "results": "results/mine",
+        "seeds": ["1", "2"],
+        "training": {"train": {"max_steps": "7"}},
+        "experiments": {"ddp": {"procs_per_node": "1"}},
+        "local": {"machine": {"iterations": "2"}},
+    }
+    study = resolve(apply_local_overlay(snakemake_config(given), command_line_values(given)))
+    assert study.results == "results/mine" and study.settings.seeds == [1, 2]
+    ddp = study.matrix["ddp", "2"]
+    assert (ddp.procs_per_node, ddp.config.train.max_steps, ddp.config.train.log_every) == (1, 7, 5)
+    assert str(ddp.config.run_dir) == "results/mine/runs/ddp/seed2" and ddp.config.model.d_model == 64
+    assert (study.settings.machine.iterations, study.settings.machine.max_mb) == (2, 4)
+    given = {"training": {"train": {"max_steps": "0"}}}  # checked, no longer hidden by the overlay's 60
+    with pytest.raises(ConfigError, match="experiments.single_gpu: train.max_steps must be positive or null, got 0"):
+        resolve(apply_local_overlay(snakemake_config(given), command_line_values(given)))
+
+
+@pytest.mark.parametrize(
+    "given, value",
+    [
+        (["1", "2"], [1, 2]),  # seeds=[1,2]
+        ("null", None),  # local=null, the Slurm profile's: the overlay off
+        ("true", True),  # expect_strict=true (Snakemake itself types True and False only)
+        ({"optim": {"lr": "0.5", "grad_clip": "null"}}, {"optim": {"lr": 0.5, "grad_clip": None}}),
+        ({"raw_dir": "raw #1"}, {"raw_dir": "raw #1"}),  # data={raw_dir: 'raw #1'}: text kept whole, never cut
+        ("results/x", "results/x"),
+        (3, 3),  # seeds=3: typed by Snakemake, refused by the schema (below)
+    ],
+)
+def test_command_line_values_are_typed_as_a_config_file_would_hold_them(given, value):
+    assert command_line_values({"key": given}) == {"key": value}
+
+
+def test_seeds_not_given_as_a_list_are_refused_saying_how_to_give_them():
+    given = {"seeds": 3}
+    with pytest.raises(
+        Exception, match=r"3 is not of type 'array'(.|\n)*a list: \[1, 2\] \(--config 'seeds=\[1,2\]'\)"
+    ):
+        resolve(apply_local_overlay(snakemake_config(given), command_line_values(given)))
 
 
 @pytest.mark.parametrize(

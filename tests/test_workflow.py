@@ -300,6 +300,16 @@ def test_an_invalid_config_fails_before_any_job(project):
     assert not (project / "results").exists() and not (project / "data").exists()
 
 
+def test_snakemakes_own_command_line_reaches_the_study_over_the_local_overlay(project):
+    """`snakemake --config KEY=VALUE` on the local default reaches the study over config/local.yaml's overlay, its
+    list typed: the run of seed 2 under results=elsewhere is planned (the merge is unit-tested in tests/test_study.py).
+    """
+    target = "elsewhere/runs/ddp/seed2/train.yaml"
+    result = snakemake(project, "-n", target, "--config", "results=elsewhere", "seeds=[1,2]")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert planned_jobs(result) == {"train_config": 1}
+
+
 SLURM_TOOLS = ("sbatch", "srun", "squeue", "sacct", "sinfo", "scontrol", "scancel")
 
 

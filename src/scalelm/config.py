@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -61,7 +62,7 @@ class MoEConfig:
     each token to its top_k experts (equal scores to the lower index, in every layout) and every token is computed
     (dropless: no capacity limit), so that every layout computes the same function."""
 
-    experts: int = setting(4, identity=True)
+    experts: int = setting(dataclasses.MISSING, identity=True)  # required: a mixture's shape is never defaulted
     top_k: int = setting(2, identity=True)
     every: int = setting(1, identity=True)  # block i is a mixture where (i + 1) % every == 0: 1 every block, 2 odd
     d_ff: int | None = setting(None, identity=True)  # each expert's hidden width; None: model.d_ff
@@ -369,7 +370,9 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def merge_setting(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
     """node[key] = value, but a mapping merges into the section there, and a value of another kind replaces none."""
     current = node.get(key)
-    if isinstance(current, dict) and isinstance(value, dict):
+    if value is None and optional_section(dotted):  # null is such a section's default: off
+        node[key] = None
+    elif isinstance(current, dict) and isinstance(value, dict):
         for name, item in value.items():
             merge_setting(current, name, item, f"{dotted}.{name}")
     elif isinstance(current, dict) and current:  # a value in place of a section would drop the section's settings
@@ -383,15 +386,61 @@ def merge_setting(node: dict[str, Any], key: str, value: Any, dotted: str) -> No
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=value` -> ('a.b', value), the value read as YAML (so 1e-3, true, null, [1, 2] work)."""
+    """`a.b=value` -> ('a.b', value), the value read as YAML (so 1e-3, true, null, [1, 2] work); a text setting (a
+    path, a name) keeps its text as given (`as_text`)."""
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
+    key = key.strip()
+    if not sep or not key:
         raise ConfigError(f"override {shown(text)} is not of the form key=value (e.g. optim.lr=1e-3)")
+    if takes_text(key):
+        return key, as_text(raw)
     try:
-        value = parse_settings(raw) if raw.strip() else ""
+        return key, parse_settings(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise load_error(err, f"override {shown(text)}") from None
-    return key.strip(), value
+
+
+def as_text(raw: str) -> str | None:
+    """A text setting's value as given on a command line: YAML would end it at ' #', fold its lines and read 2 as a
+    number, so only null and a quoted string are read as YAML."""
+    if raw.strip() in ("null", "Null", "NULL", "~"):
+        return None
+    if raw.strip()[:1] in ("'", '"'):
+        try:
+            quoted = parse_settings(raw)
+        except yaml.YAMLError:
+            return raw
+        return quoted if isinstance(quoted, str) else raw
+    return raw
+
+
+def field_hint(dotted: str) -> Any:
+    """The type annotation of the setting `dotted` names, as its field declares it; None for no setting."""
+    hint: Any = Config
+    for part in dotted.split("."):
+        sections = [arg for arg in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(arg)]
+        if not sections:
+            return None
+        hint = typing.get_type_hints(sections[0]).get(part)
+    return hint
+
+
+def optional_args(hint: Any) -> tuple[Any, ...]:
+    """What `hint` allows besides None, if it allows None (X | None); () otherwise."""
+    args = typing.get_args(hint)
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return tuple(arg for arg in args if arg is not type(None)) if is_union and type(None) in args else ()
+
+
+def takes_text(dotted: str) -> bool:
+    """Whether the setting `dotted` is free text (str, or str or null): a path or a name."""
+    hint = field_hint(dotted)
+    return hint is str or optional_args(hint) == (str,)
+
+
+def optional_section(dotted: str) -> bool:
+    """Whether `dotted` is a section that null switches off (model.moe)."""
+    return any(dataclasses.is_dataclass(arg) for arg in optional_args(field_hint(dotted)))
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -435,6 +484,11 @@ def validate(config: Config) -> None:
         "parallel.host_reuse_below_mb": config.parallel.host_reuse_below_mb,
         "parallel.pp_microbatches": config.parallel.pp_microbatches,
     }
+    for key, value in {"run_dir": config.run_dir, "data.prepared_dir": config.data.prepared_dir}.items():
+        if not value.strip():  # it would mean the current directory, and never on purpose
+            raise ConfigError(
+                f"{key} is empty (an unset variable in --set {key}=$VAR?): give the directory, e.g. {key}=runs/trial"
+            )
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
@@ -553,6 +607,31 @@ def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict
             if not (item is not None and item.metadata.get("added") and value == item.default):
                 kept[key] = value
     return kept
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The device type a run trains on, and the one device=auto picks on its machine: what tells which settings
+    train alike there (`equivalent_settings`)."""
+
+    used: str
+    auto: str
+
+
+def equivalent_settings(settings: dict[str, Any], here: Devices) -> dict[str, Any]:
+    """Identity settings (`identity_settings`) with a value that trains as its default does `here` written as that
+    default, so that spelling the default out is the same run: device cpu where auto picks the CPU, precision fp32
+    on a CPU (bf16 on CUDA), parallel.ep 1."""
+    settings = json.loads(json.dumps(settings))  # a copy, in identity.json's form
+    if settings.get("device") == here.auto:
+        settings["device"] = "auto"
+    train, parallel = settings.get("train"), settings.get("parallel")
+    if isinstance(train, dict) and train.get("precision") in ("fp32", "bf16"):
+        if train["precision"] == ("bf16" if here.used == "cuda" else "fp32"):
+            train["precision"] = "auto"
+    if isinstance(parallel, dict) and parallel.get("ep") == 1:
+        del parallel["ep"]  # unset: an added setting at its default is left out (`setting`)
+    return settings
 
 
 def as_yaml(value: Any) -> str:

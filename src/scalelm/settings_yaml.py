@@ -6,7 +6,8 @@ files and `--set KEY=VALUE` values. Stricter than yaml.safe_load where it would 
   anything walks or prints the value, and settings never need them (a study's `training:` defaults, merged into
   each experiment, and the `local:` overlay are the ways to share settings);
 - nesting deeper than MAX_DEPTH is refused (settings nest a few levels; a deep file exhausts Python's stack);
-- a file that cannot be read (a directory, not UTF-8, missing) is one error naming it.
+- a file that cannot be read (a directory, a pipe or a device, over MAX_BYTES, not UTF-8, missing) is one error
+  naming it.
 
 Every refusal is a ConfigError naming the file (or the override) and, where it has one, the line. JSON (Snakemake
 takes it for a config file) is read too. What scalelm writes as settings (dump_settings) holds no aliases, and error
@@ -15,6 +16,7 @@ messages quote a value at most a few hundred characters long (shown)."""
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import yaml
 
 from scalelm.errors import ConfigError
 
+MAX_BYTES = 2**20  # a settings file's size; YAML reads about 1 MB/s, and settings take a few KiB
 MAX_DEPTH = 32  # mappings and lists within each other; the deepest settings (a study's experiment's model) take 5
 
 
@@ -127,8 +130,20 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_text(path: Path, what: str) -> str:
+    """A settings file's text: a regular file (a FIFO or a device would block or never end) of at most MAX_BYTES."""
     try:
-        return path.read_text(encoding="utf-8")
+        if path.is_dir():
+            raise IsADirectoryError
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise ConfigError(f"{what} {path} is not a regular file (a pipe or a device?); give a YAML file")
+        with path.open("rb") as file:
+            data = file.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            raise ConfigError(
+                f"{what} {path} is larger than {MAX_BYTES // 2**20} MiB, far beyond any settings (a study's take a "
+                "few KiB): is it the right file?"
+            )
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
     except IsADirectoryError:

@@ -5,7 +5,7 @@ from snakemake.utils import validate
 from scalelm.config import write_settings
 from scalelm.errors import ScaleLMError
 from scalelm.settings_yaml import read_settings
-from scalelm.study.experiments import apply_local_overlay
+from scalelm.study.experiments import apply_local_overlay, command_line_values
 from scalelm.study.workflow import Study
 
 try:
@@ -13,7 +13,9 @@ try:
     # (scalelm.settings_yaml), which refuses both
     for path in workflow.configfiles:
         read_settings(path)
-    config = apply_local_overlay(config)
+    # --config KEY=VALUE wins over the local overlay (Snakemake merged it in before the overlay was applied)
+    given = command_line_values(workflow.config_settings.config)
+    config = apply_local_overlay(config, given)
     validate(config, "../schemas/config.schema.yaml")
     STUDY = Study(config, on_login_node=workflow.is_main_process)
 except ScaleLMError as err:

@@ -164,6 +164,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--host-suffix", default="", help="appended to the head node's name, e.g. 'i' at JSC")
     parser.add_argument("--port-range", type=int, nargs=2, default=(29500, 29999), metavar=("LOW", "HIGH"))
     args = parser.parse_args(argv)
+    if not train_args:  # torchrun would start the program with its defaults, and fail there with a traceback
+        raise ConfigError(
+            f"nothing to run: give the {args.program} program's arguments after `--`, e.g. `python -m scalelm.launch "
+            "--nodes 1 --procs-per-node 2 -- --config train.yaml` (--help lists the launcher's options)"
+        )
     for key in ("nodes", "procs_per_node"):
         if getattr(args, key) <= 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")

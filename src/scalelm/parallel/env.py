@@ -13,6 +13,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from scalelm.config import Devices
 from scalelm.errors import ConfigError
 from scalelm.parallel.hostmemory import keep_freed_memory
 
@@ -35,6 +36,11 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def here(self) -> Devices:
+        """The device type this process trains on, and the one device=auto picks on this machine."""
+        return Devices(used=self.device.type, auto="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:

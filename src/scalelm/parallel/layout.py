@@ -123,11 +123,6 @@ def check_experts(config: Config, dims: ParallelDims) -> None:
             f"model.moe balances its experts' load per sequence, and parallel.cp={dims.cp} splits every sequence "
             "across ranks: leave parallel.cp unset for a mixture of experts, or drop model.moe"
         )
-    if config.train.engine == "lightning":
-        raise ConfigError(
-            "model.moe is scalelm's engine only (its load-balancing loss and load measurements are not wired into "
-            "Lightning's strategy); set train.engine=scalelm, or drop model.moe"
-        )
 
 
 def check_bf16_params(precision: str, dims: ParallelDims) -> None:
@@ -156,20 +151,27 @@ def check_cpu_offload(config: Config, dims: ParallelDims) -> None:
 
 
 def check_engine(config: Config, dims: ParallelDims) -> None:
-    """train.engine=lightning runs Lightning's DDP strategy: data parallelism by replicas only, and none of the
-    settings whose field says Lightning refuses them (scalelm.config.refusals)."""
+    """train.engine=lightning runs Lightning's DDP strategy: data parallelism by replicas only, a dense model, and
+    none of the settings whose field says Lightning refuses them (scalelm.config.refusals); all named at once."""
     if config.train.engine != "lightning":
         return
-    for degree in ("dp_shard", "tp", "pp", "cp"):
-        if getattr(dims, degree) > 1:
-            raise ConfigError(
-                f"train.engine=lightning runs DDP only, not {dims.name} ({degree} {getattr(dims, degree)}): use "
-                "parallel.strategy=ddp (data parallelism is parallel.dp_replicate), or train.engine=scalelm for "
-                "this layout"
-            )
-    refused = refusals(config, "lightning")
-    if refused:
+    refused = [
+        f"train.engine=lightning runs DDP only, not {dims.name} ({degree} {getattr(dims, degree)}): use "
+        "parallel.strategy=ddp (data parallelism is parallel.dp_replicate), or train.engine=scalelm for this layout"
+        for degree in ("dp_shard", "tp", "pp", "cp")
+        if getattr(dims, degree) > 1
+    ][:1]
+    if config.model.moe is not None:
+        refused.append(
+            "model.moe is scalelm's engine only (its load-balancing loss and load measurements are not wired into "
+            "Lightning's strategy); set train.engine=scalelm, or drop model.moe"
+        )
+    refused += refusals(config, "lightning")
+    if len(refused) == 1:
         raise ConfigError(refused[0])
+    if refused:
+        listed = "; ".join(f"({i}) {why}" for i, why in enumerate(refused, 1))
+        raise ConfigError(f"train.engine=lightning refuses {len(refused)} things in these settings: {listed}")
 
 
 def check_cp(dims: ParallelDims, options: ParallelConfig, seq_len: int) -> None:

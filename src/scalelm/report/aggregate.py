@@ -21,10 +21,12 @@ summary.csv has one row per run (experiment x seed), summary_by_experiment.csv o
 standard deviation, min and max over its seeds (scalelm.report.repeats); expectations.csv says which of the
 experiments' reference values (`expect:`) were met (scalelm.report.expectations).
 
-Nothing is summarised from a run it cannot trust: a file of another shape than its writer gives it, a figure that is
-not a finite number (a broken run), or a run given twice is refused naming the file, the figure or the run; and a
-results history (--history) among the files the aggregation writes or inside a run directory is refused before
-anything is recorded (scalelm.report.history_store.check_location).
+Nothing is summarised from a run it cannot trust: a file of another shape than its writer gives it (a metrics line,
+by its number), a figure that is not a finite number (a broken run), or a run given twice is refused naming the file,
+the figure or the run; and a results history (--history) among the files the aggregation writes or inside a run
+directory, or an --out-dir inside a run directory, is refused before anything is recorded
+(scalelm.report.history_store.check_location). MFU divides by the peak of `train.peak_tflops` as the run is configured
+now (its config.yaml) where that is set, else by the peak the run recorded.
 """
 
 from __future__ import annotations
@@ -38,24 +40,30 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
+from scalelm.files import OutputError
 from scalelm.measure.peak import mfu
 from scalelm.report import bubble, expectations, experts, history_compare, history_store, machine, repeats, steptime
 from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
-from scalelm.report.figures import COLUMNS, RunSummary
+from scalelm.report.figures import COLUMNS, RunSummary, finite_number
 from scalelm.report.plots import plot_experts, plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
 from scalelm.report.tables import fmt, markdown_table, write_csv
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
+from scalelm.settings_yaml import read_settings, shown
 from scalelm.site import MachineReferences, load_site
-from scalelm.train.record import RunRecord, read_metrics, read_record
+from scalelm.train.record import RunRecord, metrics_lines, read_record
 from scalelm.train.rundir import RunDir
 
 # what writes a file of a run directory anew, for the error that refuses it: its kind, and what to do
 AGAIN = "remove run.json and run the training again: it resumes from its last checkpoint"
+# a finished run's metrics.jsonl is not written again (a rerun restores its run.json, the log kept as it is): what
+# the report cannot read of it goes, line by line
+LINES_AWAY = "the summary then leaves it out; training the run again would keep its log as it is"
 RUN_FILES = {
     "run.json": ("a run record", AGAIN),
-    "metrics.jsonl": ("a metrics log", AGAIN),
+    "config.yaml": ("the settings of a run", "set train.peak_tflops there to one device's TFLOP/s, or null"),
+    "metrics.jsonl": ("a metrics log", f"remove the lines the report cannot read ({LINES_AWAY})"),
     "identity.json": ("a run identity", AGAIN),
     "model.pt.json": ("a model record", "remove it and consolidate the run again"),
     "test.json": ("a test evaluation", "remove it and evaluate the model again"),
@@ -89,6 +97,43 @@ def read_object(path: Path, numbers: tuple[str, ...] = (), strings: tuple[str, .
         return found
 
 
+# what the report reads of each metrics record, by kind: numbers (and an evaluation's split)
+METRICS_NUMBERS = {
+    "train": ("step", "time", "tokens", "loss", "step_time_s", "tokens_per_step", "world_size", "peak_mem_mb"),
+    "eval": ("step", "time", "loss"),
+}
+
+
+def read_report_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl, each with what the report reads of it: a line without is named with
+    what to do (remove it: a rerun of a finished run would not write it again), never a KeyError in a figure."""
+    lines, _ = metrics_lines(path)
+    unread = [(line.number, metrics_problem(line.record)) for line in lines if metrics_problem(line.record)]
+    if unread:
+        (number, problem), more = unread[0], len(unread) - 1
+        others = f" (and {more} more line{'s' if more > 1 else ''})" if more else ""
+        raise DataError(
+            f"{path}, line {number}, is not a metrics record this scalelm reads ({problem}){others}: remove that "
+            f"line ({LINES_AWAY})"
+        )
+    return [line.record for line in lines]
+
+
+def metrics_problem(record: dict[str, Any]) -> str | None:
+    """What the report cannot read in one metrics record; None if nothing."""
+    kind = record.get("kind")
+    if kind not in METRICS_NUMBERS:
+        return f"kind {shown(kind, 40)}, not train or eval"
+    if kind == "eval" and not isinstance(record.get("split"), str):
+        return "an evaluation without its split"
+    for key in METRICS_NUMBERS[kind]:
+        if key not in record:
+            return f"no {key}"
+        if not finite_number(record[key]):
+            return f"{key} {shown(record[key], 40)}, not a finite number"
+    return None
+
+
 def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: float = DEFAULT_SHARE) -> RunSummary:
     """The run's row of summary.csv and what the plots draw besides. A file of the run of another shape than its
     writer gives it, or a figure that is not a finite number (a broken run), is refused naming the file. Other work
@@ -99,8 +144,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: floa
         model = read_object(run.model_meta, strings=("model", "sha256"))
         test = read_object(run.test_result, numbers=("loss", "perplexity"))
         identity = read_object(run.identity)
-        with shape_errors(run.metrics):
-            metrics = read_metrics(run.path)
+        metrics = read_report_metrics(run.metrics)
     except FileNotFoundError as err:
         raise DataError(f"{run.path} is incomplete ({err.filename} is missing): run the workflow up to it") from None
     with shape_errors(run.metrics):
@@ -142,7 +186,7 @@ def run_figures(
     results, config = record.results, record.config
     state = results.state_mb_per_rank or {}
     plan = results.plan_mb_per_rank  # what scalelm.plan predicts for the layout
-    peak = results.peak_flops_per_device  # None where the device's peak is unknown
+    peak = peak_now(run, record)  # None where the device's peak is unknown
     steady_mfu = None
     if peak and steady:
         steady_mfu = mfu(results.flops_per_token, steady["tokens_per_s"], record.world_size, peak)
@@ -187,6 +231,19 @@ def run_figures(
     }
 
 
+def peak_now(run: RunDir, record: RunRecord) -> float | None:
+    """One device's peak FLOP/s for the run's MFU: train.peak_tflops as the run is configured now (its config.yaml,
+    which a rerun that restores a finished run's record writes anew), winning as it does in training
+    (scalelm.measure.peak.peak_flops); else the peak the run recorded."""
+    if not run.config.is_file():
+        return record.results.peak_flops_per_device
+    with shape_errors(run.config):
+        configured = (read_settings(run.config).get("train") or {}).get("peak_tflops")
+        if configured is not None and not (finite_number(configured) and configured > 0):
+            raise ValueError(f"train.peak_tflops is {shown(configured, 40)}, not a device's TFLOP/s")
+    return configured * 1e12 if configured else record.results.peak_flops_per_device
+
+
 def check_finite(figures: dict[str, Any], sources: dict[str, Path], record: Path) -> None:
     """A NaN or an infinity in a run's figures is a broken run (a diverged loss, a clock that did not advance): one
     such figure would make its experiment's mean, spread and comparisons meaningless, or fail them."""
@@ -215,6 +272,21 @@ def check_distinct(run_dirs: list[Path], runs: list[RunSummary] | None = None) -
                 "twice; give one of them"
             )
         seeds[experiment, seed] = Path(path)
+
+
+def check_out_dir(out_dir: Path, run_dirs: list[Path]) -> None:
+    """The summary's files land apart from the runs they summarise, as every command's outputs lie apart from its
+    inputs (scalelm.files.check_apart): not in a run directory nor inside one (its checkpoints/). A directory that
+    holds run directories (results/) is where they belong: only the summary's own files are written there."""
+    target = Path(out_dir).resolve()
+    for run in run_dirs:
+        source = Path(run).resolve()
+        if target == source or source in target.parents:
+            where = "is" if target == source else "lies inside"
+            raise OutputError(
+                f"--out-dir {out_dir} {where} the run directory {run}: the summary would be written among the run's "
+                "files; choose another --out-dir"
+            )
 
 
 def fmt_spread(summary: dict[str, Any], figure: str) -> str:
@@ -444,6 +516,7 @@ def aggregate(
         history_store.check_location(
             history_db, [out_dir / name for name in OUTPUTS], run_dirs, "--history", f"{out_dir / 'history.sqlite'}"
         )
+    check_out_dir(out_dir, run_dirs)
     check_distinct(run_dirs)
     runs = [read_run(RunDir(Path(d)), warmup_steps, disturbed_share) for d in run_dirs]
     check_distinct(run_dirs, runs)

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from scalelm.errors import ConfigError, ScaleLMError, friendly_errors
+from scalelm.errors import ConfigError, DataError, ScaleLMError, friendly_errors
 from scalelm.report.disturbance import seeds_caveat
 from scalelm.report.figures import LIMITS, finite_number
 
@@ -262,14 +262,25 @@ def read_checks(path: Path) -> list[dict[str, Any]]:
     """expectations.csv as written by the aggregation, numbers as numbers."""
     if not path.is_file():
         raise ScaleLMError(f"{path} does not exist: run the aggregation first (python -m scalelm.report.aggregate)")
-    with path.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    for row in rows:
-        for key in ("value", "limit", "tolerance", "threshold"):
-            row[key] = float(row[key]) if row[key] else None
-        row["seeds"] = int(row["seeds"])
-        row.setdefault("reference", "")
-        row.setdefault("disturbed", "")
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            optional = ("reference", "disturbed")  # an older scalelm's file lacks them
+            missing = [c for c in COLUMNS if c not in optional and c not in (reader.fieldnames or [])]
+            if missing:
+                raise ValueError(f"no column {', '.join(missing)}")
+            rows = list(reader)
+        for row in rows:
+            for key in ("value", "limit", "tolerance", "threshold"):
+                row[key] = float(row[key]) if row[key] else None
+            row["seeds"] = int(row["seeds"])
+            row.setdefault("reference", "")
+            row.setdefault("disturbed", "")
+    except (UnicodeDecodeError, csv.Error, TypeError, ValueError) as err:  # another file, or one damaged
+        raise DataError(
+            f"{path} is not an expectations.csv as the aggregation writes it ({err}): give the one in a study's "
+            "results, or aggregate again"
+        ) from None
     return rows
 
 

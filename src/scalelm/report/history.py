@@ -2,7 +2,7 @@
 run attempt with its summary figures and the fingerprint of the environment it ran in, so that a rerun of the matrix
 a month or a cluster later can be compared with what came before.
 
-    python -m scalelm.report.history list [--db FILE] [--experiment NAME] [--since DATE]
+    python -m scalelm.report.history list [--db FILE] [--experiment NAME] [--since TIME]
     python -m scalelm.report.history compare [A [B]] [--db FILE] [--tolerance 0.05] [--alpha 0.05] [--out DIR] [--json]
     python -m scalelm.report.history export [--db FILE] > runs.jsonl
     python -m scalelm.report.history import FILE... [--db FILE]
@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,58 @@ def _cell(value: Any) -> str:
 
 
 def write_comparison(changes: list[Change], out: Path, title: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "compare.csv").open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(COLUMNS)
-        writer.writerows([[_cell(getattr(c, k)) for k in COLUMNS] for c in changes])
-    lines = [f"# {title}", "", *markdown_table(COLUMNS, [[_cell(getattr(c, k)) for k in COLUMNS] for c in changes])]
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    """compare.csv and compare.md in the directory `out`; one that cannot be (a file there, no permission) is one
+    error naming it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory for compare.md and compare.csv")
+    rows = [[_cell(getattr(c, k)) for k in COLUMNS] for c in changes]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "compare.csv").open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(COLUMNS)
+            writer.writerows(rows)
+        (out / "compare.md").write_text("\n".join([f"# {title}", "", *markdown_table(COLUMNS, rows)]) + "\n")
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out}: compare.md and compare.csv could not be written there ({err}); give a directory you may "
+            "write in"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------ list
+SINCE_FORMS = "a date or time in ISO 8601: 2026-12-01, 2026-12-01T09:30, 2026-12-01T09:30+01:00"
+
+
+def since_time(text: str) -> datetime:
+    """`--since`: an ISO 8601 date or time (a month or day of one digit too, 2026-12-1), UTC unless it names its
+    offset, as the history records its times; anything else is refused, not compared as text."""
+    short_date = re.fullmatch(r"(\d{4})-(\d{1,2})-(\d{1,2})", text.strip())
+    try:
+        when = datetime(*map(int, short_date.groups())) if short_date else datetime.fromisoformat(text.strip())
+    except ValueError as err:
+        raise ConfigError(f"--since {text!r} is not a time scalelm can read ({err}): give {SINCE_FORMS}") from None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def list_runs(db: str | Path, experiment: str | None, since: datetime | None) -> None:
+    """The studies and their runs, of `experiment` and recorded at or after `since` where given."""
+    rows = read_rows(db, "WHERE experiment = ?" if experiment else "", (experiment,) if experiment else ())
+    if since:  # by time, not as text: an imported history's times may have other UTC offsets
+        rows = [r for r in rows if datetime.fromisoformat(r["recorded"]) >= since]
+    if not rows and (experiment or since):
+        print(f"no run in {db} was recorded{f' of {experiment}' if experiment else ''}"
+              f"{f' since {since.isoformat()}' if since else ''}", file=sys.stderr)  # fmt: skip
+    for study in sorted({r["study"] for r in rows}):
+        print(study)
+        for r in (r for r in rows if r["study"] == study):
+            f, env = r["figures"], r["environment"]
+            disturbed = "  disturbed" if contaminated(f) else ""
+            print(
+                f"  {r['experiment']:<16} seed {r['seed']:<4} {r['layout'] or '':<10} "
+                f"{_cell(f.get('tokens_per_s_per_device')):>10} tokens/s/device  test loss "
+                f"{_cell(f.get('test_loss'))}  {env.get('device')} torch {env.get('torch')}{disturbed}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -108,8 +155,10 @@ def import_rows(db: str | Path, files: list[Path]) -> int:
             if line.strip():
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{number} is not a JSON line of a history export ({err})") from None
+                except (ValueError, RecursionError) as err:  # not JSON, an integer of thousands of digits, too deep
+                    raise DataError(
+                        f"{path}:{number} is not a JSON line of a history export ({err}); nothing was imported"
+                    ) from None
                 problem = row_problem(row)
                 if problem:
                     raise DataError(
@@ -127,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="the studies and their runs")
     listing.add_argument("--experiment")
-    listing.add_argument("--since", help="recorded on or after this date (YYYY-MM-DD)")
+    listing.add_argument("--since", help=f"recorded at or after this time, UTC unless it says: {SINCE_FORMS}")
     compared = commands.add_parser("compare", help="study B against study A, figure by figure")
     compared.add_argument("a", nargs="?", help="study A (default: the one before B)")
     compared.add_argument("b", nargs="?", help="study B (default: the latest)")
@@ -140,24 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     imported.add_argument("files", type=Path, nargs="+")
     args = parser.parse_args(argv)
     if args.command == "list":
-        where, values = [], []
-        if args.experiment:
-            where.append("experiment = ?")
-            values.append(args.experiment)
-        if args.since:
-            where.append("recorded >= ?")
-            values.append(args.since)
-        rows = read_rows(args.db, ("WHERE " + " AND ".join(where)) if where else "", tuple(values))
-        for study in sorted({r["study"] for r in rows}):
-            print(study)
-            for r in (r for r in rows if r["study"] == study):
-                f, env = r["figures"], r["environment"]
-                disturbed = "  disturbed" if contaminated(f) else ""
-                print(
-                    f"  {r['experiment']:<16} seed {r['seed']:<4} {r['layout'] or '':<10} "
-                    f"{_cell(f.get('tokens_per_s_per_device')):>10} tokens/s/device  test loss "
-                    f"{_cell(f.get('test_loss'))}  {env.get('device')} torch {env.get('torch')}{disturbed}"
-                )
+        list_runs(args.db, args.experiment, None if args.since is None else since_time(args.since))
     elif args.command == "compare":
         if not 0 <= args.tolerance < 1 or not 0 < args.alpha < 1:
             parser.error("--tolerance must be in [0, 1) and --alpha in (0, 1)")

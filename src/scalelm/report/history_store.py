@@ -257,6 +257,8 @@ def row_problem(row: Any) -> str | None:
             return f"{name} must be a string or null, got {_short(row[name])}"
     if not isinstance(row["seed"], int) or isinstance(row["seed"], bool):
         return f"seed must be a whole number, got {_short(row['seed'])}"
+    if not -(2**63) <= row["seed"] < 2**63:
+        return f"seed must be a whole number of 64 bits at most, as SQLite stores them, got {_short(row['seed'])}"
     if not _timestamp(row["recorded"]):
         return (
             "recorded must be an ISO 8601 time with its UTC offset (as `export` writes it, e.g. "
@@ -272,12 +274,20 @@ def figures_problem(figures: Any) -> str | None:
     if not isinstance(figures, dict):
         return f"figures must be a mapping of figure names to values, got {_short(figures)}"
     for name, value in figures.items():
-        finite = finite_number(value) or value is None
-        if (name in COMPARED and not finite) or (isinstance(value, float) and not finite):
+        finite = _finite(value) or value is None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (name in COMPARED or number) and not finite:
             return f"figures.{name} must be a finite number or null, got {_short(value)}"
         if not (finite or isinstance(value, str)):
             return f"figures.{name} must be a number, a string or null, got {_short(value)}"
     return None
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return finite_number(value)
+    except OverflowError:  # an integer beyond a float's range: no figure could be compared or averaged with it
+        return False
 
 
 def _timestamp(value: Any) -> bool:

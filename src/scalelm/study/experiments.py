@@ -8,14 +8,18 @@ the site's defaults included (`with_site_defaults`), and typed from then on.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import yaml
 
 from scalelm.config import SEED_LIMIT, Config, from_dict
 from scalelm.errors import ConfigError
 from scalelm.launch.launcher import check_launcher
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import Layout, resolve_layout
+from scalelm.settings_yaml import parse_settings
 from scalelm.site import SiteConfig
 from scalelm.study.settings import StudySettings
 from scalelm.train.rundir import RunDir
@@ -66,19 +70,45 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def apply_local_overlay(config: dict[str, Any]) -> dict[str, Any]:
+def apply_local_overlay(config: dict[str, Any], command_line: dict[str, Any] | None = None) -> dict[str, Any]:
     """`local:` holds the embedded default's changes; the Slurm profile switches it off (local=null). An experiment
-    set to null there (`experiments: {3d: null}`) is left out of the local matrix."""
+    set to null there (`experiments: {3d: null}`) is left out of the local matrix. What `command_line` gives
+    (`snakemake --config KEY=VALUE`, typed by `command_line_values`) comes after the overlay, so that it wins over
+    it as over config/config.yaml; `--config 'local={...}'` changes the overlay itself."""
+    command_line = command_line or {}
+    config = deep_merge(config, command_line)
     overlay = config.get("local")
     base = {k: v for k, v in config.items() if k != "local"}
     if isinstance(overlay, dict):
-        merged = deep_merge(base, overlay)
+        merged = deep_merge(deep_merge(base, overlay), {k: v for k, v in command_line.items() if k != "local"})
         if isinstance(merged.get("experiments"), dict):
             merged["experiments"] = {name: spec for name, spec in merged["experiments"].items() if spec is not None}
         return merged
     if overlay in (None, "", "null", "none", "None", False):
         return base
     raise ConfigError(f"local: expected a mapping of settings or null, got {overlay!r}")
+
+
+def command_line_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`snakemake --config KEY=VALUE`'s values as a config file would hold them. Snakemake types a plain value (an
+    integer, a number, True or False) but reads a mapping or a list with YAML's BaseLoader, every item in it a string
+    (seeds=[1,2] gives ['1', '2']): such a string that YAML reads as a number, true/false or null is that value; any
+    other is kept as written (a path with ' #' in it stays whole)."""
+    return {key: typed_value(value) for key, value in values.items()}
+
+
+def typed_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: typed_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [typed_value(item) for item in value]
+    if isinstance(value, str):
+        try:
+            read = parse_settings(value)
+        except yaml.YAMLError:
+            return value
+        return read if read is None or isinstance(read, (bool, int, float)) else value
+    return value
 
 
 def training_config(study: StudySettings, name: str, seed: int, run_dir: str) -> Config:
@@ -136,9 +166,34 @@ def check_seeds(seeds: Any) -> list[int]:
     return seeds
 
 
+def model_settings(training: dict[str, Any]) -> dict[str, Any]:
+    model = training.get("model")
+    return model if isinstance(model, dict) else {}
+
+
+def check_shared_mixture(study: StudySettings) -> None:
+    """A `model.moe` in the study-wide `training:` makes a mixture of every experiment that does not give its own
+    (a mapping, or null to stay dense). Without the mixture's shape (experts) it is a tuning of the mixtures that
+    would turn the dense experiments, the baseline among them, into mixtures of a defaulted shape: refused, naming
+    them."""
+    shared = model_settings(study.training).get("moe")
+    if not isinstance(shared, dict) or "experts" in shared:
+        return
+    converted = [name for name, spec in study.experiments.items() if "moe" not in model_settings(spec.training)]
+    if converted:
+        keys = ", ".join(map(str, shared)) or "{}"
+        raise ConfigError(
+            f"training: model.moe ({keys}) would make every experiment without its own model.moe a mixture of "
+            f"experts of no given shape: {', '.join(converted)}; set model.moe in the mixtures' own training:, "
+            "model.moe: null in those meant to stay dense, or model.moe.experts in training: if every experiment "
+            "is meant to be a mixture"
+        )
+
+
 def load_matrix(study: StudySettings, site: SiteConfig | None = None) -> list[Experiment]:
     matrix = []
     seeds = check_seeds(study.seeds)
+    check_shared_mixture(study)
     for name, spec in study.experiments.items():
         for seed in seeds:
             run_dir = str(RunDir.of(study.results, name, seed).path)

@@ -117,8 +117,10 @@ class Study:
 
     # ----------------------------------------------------------------------------------- before the queue
     def write_plan(self, wildcards, prepared_dir: str, out: str) -> None:
-        """The experiment's memory plan on the site's GPUs; an experiment that cannot fit is refused (rule plan)."""
-        plan_check.write_plan(self.experiment(wildcards), self.site, prepared_dir, out)
+        """The experiment's memory plan on the site's GPUs (on the local default, this machine's memory); an
+        experiment that cannot fit is refused (rule plan)."""
+        on_this_machine = not self.settings.site  # the local default: every process runs here
+        plan_check.write_plan(self.experiment(wildcards), self.site, prepared_dir, out, on_this_machine)
 
     @functools.cached_property
     def preflight(self) -> dict[str, dict[str, Any]]:

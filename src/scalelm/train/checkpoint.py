@@ -54,6 +54,7 @@ from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, global_reduce, is_distributed
 from scalelm.parallel.runtime import Parallel
+from scalelm.train.rundir import CHECKPOINT_PREFIX
 
 # of the files below; a change in what they hold or how is a new format. 2: the feed-forward network's matrices
 # named ffn.up and ffn.down (ffn.0 and ffn.3 in 1)
@@ -67,7 +68,7 @@ TRAINER_FILE = "trainer.pt"
 TRAINER_KEYS = ("format", "state", "scheduler", "rng")  # and, since they were recorded, "seed" and "lineage"
 METADATA_FILE = ".metadata"
 MARKER = "COMPLETE"
-PREFIX = "step_"
+PREFIX = CHECKPOINT_PREFIX
 
 # What a DCP .metadata file may name: DCP's own records (the dataclasses and enums of the modules below, whatever
 # the torch version that wrote them), torch.Size, dtypes and layouts, paths.

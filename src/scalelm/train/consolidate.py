@@ -17,26 +17,30 @@ from typing import Any
 
 import torch
 
-from scalelm.config import ModelConfig, from_mapping, load_config
-from scalelm.errors import CheckpointError, friendly_errors
+from scalelm.config import Config, ModelConfig, from_mapping, identity_settings, load_config
+from scalelm.errors import CheckpointError, ConfigError, friendly_errors
 from scalelm.files import atomic_path, atomic_write_text, check_apart, check_file_output, load_tensors, sha256
 from scalelm.model.transformer import TransformerLM
+from scalelm.settings_yaml import shown
 from scalelm.train.checkpoint import (
     Origin,
     TrainerState,
     check_origin,
+    check_shape,
     complete_checkpoints,
     load_weights,
     read_trainer,
     require_usable,
     trainer_state,
 )
-from scalelm.train.record import read_record
+from scalelm.train.record import changed_settings, read_record
 from scalelm.train.rundir import RunDir, lineage, read_identity
 
 
 def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     """The newest complete checkpoint of `run` as one model file (default: the run's model.pt) and `<out>.json`."""
+    from scalelm.train.engine import model_shape  # here: the engine imports the evaluation, which imports this
+
     out = Path(out or run.model)
     check_out(run, out)
     found = complete_checkpoints(run.checkpoints)
@@ -49,8 +53,9 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
         raise CheckpointError(
             f"{err}; remove {run.record} and run the training again: it resumes from the last good checkpoint"
         ) from None
-    config = load_config(run.config)
+    config = checked_config(run)
     state = checked_state(run, checkpoint, config.seed)
+    check_shape(state.model_shape, model_shape(config, state.model_shape.get("vocab_size")), checkpoint)
     model = TransformerLM(config.model, state.model_shape["vocab_size"])
     load_weights(checkpoint, model)
     payload = {
@@ -86,6 +91,36 @@ def check_out(run: RunDir, out: Path) -> None:
     for written in (out, Path(f"{out}.json")):
         check_file_output(written)
         check_apart(written, {f"the run's {p.name}": p for p in others})
+
+
+# what consolidation reads of config.yaml: the model it builds, the sequence length it records, the seed it checks
+BUILT_FROM = ("model", "data", "seed")
+
+
+def checked_config(run: RunDir) -> Config:
+    """The run's config.yaml, once what consolidation reads of it (BUILT_FROM) is what identity.json records (which
+    the checkpoint's lineage is checked against: `checked_state`): an edited setting would build another function
+    around the trained weights (model.norm, model.moe.top_k), or one they do not fit, and a good checkpoint would be
+    called damaged."""
+    config = load_config(run.config)
+    run_identity = read_identity(run.identity)
+    if not (isinstance(run_identity, dict) and isinstance(run_identity.get("settings"), dict)):
+        return config  # not a run directory scalelm trained in: the checkpoint's recorded shape is still checked
+    recorded, described = (
+        {key: value for key, value in settings.items() if key in BUILT_FROM}
+        for settings in (run_identity["settings"], identity_settings(config.to_dict()))
+    )
+    differ = changed_settings(recorded, described)
+    if differ:
+        details = "; ".join(
+            f"{key} {shown(now, 60)} there, {shown(then, 60)} in {run.identity.name}"
+            for key, (then, now) in differ.items()
+        )
+        raise ConfigError(
+            f"{run.config} does not describe the model this run trained ({details}): set it back as {run.identity} "
+            "records it; consolidation builds the model config.yaml describes"
+        )
+    return config
 
 
 def checked_state(run: RunDir, checkpoint: Path, seed: int) -> TrainerState:

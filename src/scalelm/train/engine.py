@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from scalelm import seeds
-from scalelm.config import Config, dump_config
+from scalelm.config import Config, Devices, dump_config
 from scalelm.data.prepared import PreparedData
 from scalelm.data.stage import Staged
 from scalelm.data.windows import TrainBatches
@@ -67,9 +67,11 @@ def total_steps(config: Config, batches: TrainBatches) -> int:
     return min(total, config.train.max_steps) if config.train.max_steps else total
 
 
-def origin(config: Config, run_identity: dict[str, Any], batches: TrainBatches, run_dir: RunDir) -> Origin:
+def origin(
+    config: Config, run_identity: dict[str, Any], batches: TrainBatches, run_dir: RunDir, here: Devices
+) -> Origin:
     """What this run's checkpoints record of it, and what it expects of those it resumes."""
-    steps, accepts = total_steps(config, batches), run_dir.lineages(run_identity)
+    steps, accepts = total_steps(config, batches), run_dir.lineages(run_identity, here)
     return Origin(seed=config.seed, lineage=lineage(run_identity), steps=steps, accepts=accepts)
 
 
@@ -154,7 +156,8 @@ class Engine:
         self.optimizer = build_optimizer(self.model, config.optim, lr, compiled=config.train.compile_optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.optim, self.total_steps)
 
-        run_origin = origin(config, identity(config, data.checksums(), env.world_size), batches, self.run_dir)
+        run_identity = identity(config, data.checksums(), env.world_size, env.here)
+        run_origin = origin(config, run_identity, batches, self.run_dir, env.here)
         self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, run_origin)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
@@ -186,6 +189,7 @@ class Engine:
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, train.hang_factor, train.hang_floor_s)
         # between logged steps: the summed step losses of this rank, and how many steps they are
         self.loss_acc, self.steps_acc = torch.zeros((), device=env.device), 0
+        self.nonfinite_norms = torch.zeros((), device=env.device)  # the interval's steps with one: no sync per step
         self.last_loss = math.nan
         self.validation: dict[str, Any] | None = None  # the last step's
         self.stop_requested = False
@@ -251,6 +255,7 @@ class Engine:
         state, cadence = self.state, self.cadence
         self.loss_acc += step_loss
         self.steps_acc += 1
+        self.nonfinite_norms += ~grad_norm.detach().isfinite().to(self.nonfinite_norms.device)
         if self.experts is not None:
             self.experts.end_step(self.env.device)
         epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
@@ -271,22 +276,37 @@ class Engine:
     def log_train(self, grad_norm: torch.Tensor, elapsed: float) -> None:
         """The interval's line: its loss averaged over steps and ranks (the gradient norm: its last step's), and a
         mixture of experts' aux loss and load balance, summed over the ranks in the same reduction; the only
-        host-device sync of the hot loop. A non-finite loss stops the run, the last good checkpoint kept."""
+        host-device sync of the hot loop. A non-finite loss, or a non-finite gradient norm at any step of the interval
+        (a loss that overflows only in its gradients), stops the run, the last good checkpoint kept."""
         steps = self.steps_acc
-        values = torch.stack([self.loss_acc / steps, grad_norm.detach().float().to(self.loss_acc.device)])
+        norm_now = grad_norm.detach().float().to(self.loss_acc.device)
+        values = torch.stack([self.loss_acc / steps, norm_now, self.nonfinite_norms])
         if self.experts is not None:  # the mixtures' counts ride in the same reduction
             values = torch.cat([values, self.experts.take(values.device)])
         summed = global_reduce(values)
         # every rank holds the same gradient norm; the loss only on those that compute it (a pipeline's last stage)
-        divisors = torch.tensor([self.parallel.loss_ranks, self.env.world_size], device=values.device)
-        loss, norm = (summed[:2] / divisors).tolist()
-        experts = self.experts.interval(summed[2:].tolist()) if self.experts is not None else {}
+        world = self.env.world_size
+        divisors = torch.tensor([self.parallel.loss_ranks, world, world], device=values.device)
+        loss, norm, nonfinite_norms = (summed[:3] / divisors).tolist()
+        experts = self.experts.interval(summed[3:].tolist()) if self.experts is not None else {}
+        kept = f"the last good checkpoint stays in {self.checkpointer.directory}"
         if not math.isfinite(loss):
             bad = ranks_where(~self.loss_acc.isfinite(), self.env)
             raise TrainingError(
-                f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; the last good "
-                f"checkpoint stays in {self.checkpointer.directory}. Lower optim.lr or set optim.grad_clip"
+                f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; {kept}. Lower "
+                "optim.lr or set optim.grad_clip"
             )
+        if nonfinite_norms:
+            coefficient = (
+                f", or model.moe.aux_loss_coef ({self.config.model.moe.aux_loss_coef})"
+                if self.experts is not None
+                else ""
+            )
+            raise TrainingError(
+                f"non-finite gradient norm at {round(nonfinite_norms)} of the {steps} steps up to step "
+                f"{self.state.step} (the last: {norm}): the gradients overflow; {kept}. Lower optim.lr{coefficient}"
+            )
+        self.nonfinite_norms.zero_()
         self.loss_acc.zero_()
         self.steps_acc = 0
         state = self.state

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="at most this many tokens per batch")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
+    for option, value in (("--batch-size", args.batch_size), ("--batch-tokens", args.batch_tokens)):
+        if value < 1:
+            parser.error(f"{option} must be 1 or more, got {value}")
     check_file_output(args.out)  # before the evaluation: its result must have somewhere to go
     check_apart(
         args.out, {"--model": args.model, "the model's record": Path(f"{args.model}.json"), "--data": args.data}

@@ -64,7 +64,7 @@ class MetricsLogger:
             evaluation_redone = evaluations_redone and record.get("kind") == "eval"
             return record["step"] > step or (record["step"] == step and evaluation_redone)
 
-        atomic_write_text(self.path, "".join(line + "\n" for line, record in lines if not redone(record)))
+        atomic_write_text(self.path, "".join(line.text + "\n" for line in lines if not redone(line.record)))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scalelm.config import identity_settings
 from scalelm.errors import DataError
 from scalelm.files import atomic_write_text
+from scalelm.settings_yaml import shown
 from scalelm.train.rundir import RunDir
 
 RECORD_FORMAT = 1  # of run.json: a change in what a key means, or a key removed, is a new format
@@ -89,13 +91,21 @@ class RunRecord:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl, less a torn last line (`metrics_lines`)."""
     lines, _ = metrics_lines(RunDir(Path(run_dir)).metrics)
-    return [record for _, record in lines]
+    return [line.record for line in lines]
 
 
-def metrics_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
-    """Each line of a metrics.jsonl with its record, and whether the last line was torn: what follows the last
-    newline that is not a complete record (a write cut short, as on a full disk, or one still under way), left out.
-    A damaged line before it is an error naming the file and the line."""
+@dataclass(frozen=True)
+class MetricsLine:
+    number: int  # in the file, from 1: what an error names
+    text: str
+    record: dict[str, Any]
+
+
+def metrics_lines(path: Path) -> tuple[list[MetricsLine], bool]:
+    """Each line of a metrics.jsonl with its number and record, and whether the last line was torn: what follows the
+    last newline that is not a complete record (a write cut short, as on a full disk, or one still under way), left
+    out. A damaged line before it, or a record without a step number (what a resume and the report order records
+    by), is an error naming the file and the line."""
     lines = Path(path).read_text(encoding="utf-8", errors="replace").split("\n")
     parsed, torn = [], False
     for number, line in enumerate(lines, 1):
@@ -105,13 +115,22 @@ def metrics_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
         if record is None and number == len(lines):
             torn = True
         elif record is None:
+            raise DataError(damaged_line(path, number, "is not a complete JSON record"))
+        elif not is_step(record.get("step")):
             raise DataError(
-                f"{path}, line {number}, is not a complete JSON record: the file is damaged; repair or delete that "
-                "line, then run again"
+                damaged_line(path, number, f"is a record without a step number (step: {shown(record.get('step'), 40)})")
             )
         else:
-            parsed.append((line, record))
+            parsed.append(MetricsLine(number, line, record))
     return parsed, torn
+
+
+def damaged_line(path: Path, number: int, problem: str) -> str:
+    return f"{path}, line {number}, {problem}: the file is damaged; repair or delete that line, then run again"
+
+
+def is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def metrics_record(line: str) -> dict[str, Any] | None:
@@ -121,6 +140,31 @@ def metrics_record(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None  # a line cut short is no JSON object: its brace is gone
+
+
+def changed_settings(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """The settings (dotted keys, sections unfolded) whose values differ between two settings trees
+    (Config.to_dict()'s form), with both values (None where absent)."""
+    changed = {}
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed |= changed_settings(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed[f"{prefix}{key}"] = (a, b)
+    return changed
+
+
+# the settings that say where a run's files are: the same record wherever they lie
+PLACES = ("run_dir", "data.prepared_dir", "data.stage_dir")
+
+
+def unreflected_settings(record: RunRecord, settings: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The settings outside the run's identity that `settings` (Config.to_dict()) gives other values than the record
+    was measured with (its `config`), where its files lie aside: what a restored record does not reflect."""
+    changed = changed_settings(record.config, settings)
+    trained = changed_settings(identity_settings(record.config), identity_settings(settings))
+    return {key: values for key, values in changed.items() if key not in trained and key not in PLACES}
 
 
 def write_record(run_dir: str | Path, record: RunRecord) -> None:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 from pathlib import Path
 
-from scalelm.config import Config, load_config
+from scalelm.config import Config, dump_config, load_config, validate
 from scalelm.data.prepare import offline_hub
 from scalelm.data.prepared import load_prepared
 from scalelm.data.stage import Staged, staged
@@ -30,7 +32,7 @@ from scalelm.parallel.runtime import Parallel
 from scalelm.train.checkpoint import Origin, check_origin, complete_checkpoints, read_trainer, verify
 from scalelm.train.engine import Engine, origin, train_batches
 from scalelm.train.flight_recorder import flight_recorder_env
-from scalelm.train.record import RunRecord, read_finished, restore_record
+from scalelm.train.record import RunRecord, read_finished, restore_record, unreflected_settings
 from scalelm.train.rundir import RunDir, identity
 from scalelm.train.trainer import Trainer
 from scalelm.train.wandb_offline import check_available
@@ -75,11 +77,12 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
     batches = train_batches(config, parallel, data)
     run_dir = RunDir(Path(config.run_dir))
     with run_dir.lock() if env.is_main else contextlib.nullcontext(), disk_errors(run_dir.path):
-        run_identity = identity(config, data.checksums(), env.world_size)
+        run_identity = identity(config, data.checksums(), env.world_size, env.here)
         if env.is_main:
-            run_dir.start(run_identity)
+            run_dir.start(run_identity, env.here)
         barrier()
-        finished = finished_before(run_dir, origin(config, run_identity, batches, run_dir)) if env.is_main else None
+        run_origin = origin(config, run_identity, batches, run_dir, env.here)
+        finished = finished_before(run_dir, run_origin, config) if env.is_main else None
         finished = all_gather_object(finished)[0]  # rank 0's answer, on every rank
         if finished is not None:
             return finished
@@ -93,11 +96,13 @@ def train_from(config: Config, env: DistEnv, staging: Staged) -> RunRecord:
     return record
 
 
-def finished_before(run_dir: RunDir, run_origin: Origin) -> RunRecord | None:
+def finished_before(run_dir: RunDir, run_origin: Origin, config: Config) -> RunRecord | None:
     """The record this attempt kept when it finished, if its latest checkpoint is still the one it finished at:
     then run.json is restored as it was written (its provenance, its results) and nothing is trained or evaluated,
     as when the run is rerun for settings outside its identity (staging, logging) after Snakemake removed run.json.
-    A run whose last checkpoint is damaged, or whose record was not kept, resumes as any other."""
+    config.yaml takes this attempt's settings (the report's MFU follows its train.peak_tflops), and those the
+    restored record was measured with otherwise are named. A run whose last checkpoint is damaged, or whose record
+    was not kept, resumes as any other."""
     record = read_finished(run_dir.path)
     if record is None or record.results.checkpoint is None or record.results.steps != run_origin.steps:
         return None
@@ -106,11 +111,24 @@ def finished_before(run_dir: RunDir, run_origin: Origin) -> RunRecord | None:
         return None
     check_origin(found[-1], read_trainer(found[-1]), run_origin)
     restore_record(run_dir.path)
+    dump_config(config, run_dir.config)
     print(
         f"the run in {run_dir.path} finished at step {record.results.steps} (checkpoint {found[-1]}): nothing to train "
         f"or evaluate; {run_dir.record} restored as it finished",
         flush=True,
     )
+    unreflected = unreflected_settings(record, config.to_dict())
+    if unreflected:
+        settings = ", ".join(
+            f"{key} {json.dumps(then)} (now {json.dumps(now)})" for key, (then, now) in unreflected.items()
+        )
+        peak_now = unreflected.get("train.peak_tflops", (None, None))[1]  # (a configured peak wins: measure.peak)
+        mfu = f"; the report takes MFU from train.peak_tflops {peak_now}" if peak_now else ""
+        print(
+            f"{run_dir.record} was measured with {settings}{mfu}: to measure with the settings of now, train the run "
+            "afresh in another run_dir",
+            flush=True,
+        )
     return record
 
 
@@ -119,10 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m scalelm.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, help="YAML file of settings (defaults: the course's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
-    parser.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    parser.add_argument("--run-dir", help="where the run writes (--set run_dir=DIR, the path taken as it is)")
     args = parser.parse_args(argv)
-    overrides = args.set + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
-    run(load_config(args.config, overrides))
+    config = load_config(args.config, args.set)
+    if args.run_dir is not None:
+        config = dataclasses.replace(config, run_dir=args.run_dir)
+        validate(config)
+    run(config)
 
 
 if __name__ == "__main__":

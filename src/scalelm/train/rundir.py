@@ -33,18 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelm.config import Config, identity_settings
+from scalelm.config import Config, Devices, equivalent_settings, identity_settings
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text, remove
+
+IDENTITY = "identity.json"
+PARKED = ".previous-returning"  # previous/ while `start` swaps it with the attempt here
+CHECKPOINT_PREFIX = "step_"  # checkpoints/step_00000420/ (scalelm.train.checkpoint)
 
 # What says how the ranks share the work, not what they train: a checkpoint loads into any layout and world size.
 LAYOUT = ("world_size", "settings.parallel")
 
 
-def identity(config: Config, data_checksums: dict[str, str], world_size: int) -> dict[str, Any]:
-    """What determines the trained model: the settings that say they do (scalelm.config.setting), the data's content
-    and the world size."""
-    return {"settings": identity_settings(config.to_dict()), "data": data_checksums, "world_size": world_size}
+def identity(config: Config, data_checksums: dict[str, str], world_size: int, here: Devices) -> dict[str, Any]:
+    """What determines the trained model: the settings that say they do (scalelm.config.setting), those that train
+    alike `here` written one way, the data's content and the world size."""
+    settings = equivalent_settings(identity_settings(config.to_dict()), here)
+    return {"settings": settings, "data": data_checksums, "world_size": world_size}
 
 
 def without(tree: dict[str, Any], dotted_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -79,7 +84,7 @@ class RunDir:
     # scalelm.plan's figures for the layout, written before the training (scalelm.study.preflight)
     plan = _entry("plan.json")
     config = _entry("config.yaml")
-    identity = _entry("identity.json")
+    identity = _entry(IDENTITY)
     metrics = _entry("metrics.jsonl")
     tensorboard = _entry("tensorboard")
     wandb = _entry("wandb")
@@ -126,6 +131,7 @@ class RunDir:
     def lock(self) -> Iterator[None]:
         """Held by the training that writes here (rank 0) from before `start` to its end; a second training in the
         same directory is refused, naming the first, instead of crashing it mid-checkpoint."""
+        self.refuse_foreign()
         self._make_writable()
         path = self.path / ".lock"
         self._refuse_links([path])
@@ -145,18 +151,20 @@ class RunDir:
         finally:
             os.close(fd)  # releases the lock
 
-    def start(self, run_identity: dict[str, Any]) -> None:
+    def start(self, run_identity: dict[str, Any], here: Devices | None = None) -> None:
         """Before training (rank 0, under `lock`): the directory exists, is writable and holds no link; a finished run
         is marked unfinished again. An attempt with another identity is set aside in previous/ (replacing an older
         one) if it got anywhere (a checkpoint, a logged step, a result), else dropped, so that an attempt that
         failed before its first step never costs the one before it; and an attempt in previous/ with this identity
-        comes back, to be resumed rather than retrained."""
+        comes back, to be resumed rather than retrained. An identity.json recorded with settings that train alike
+        `here` (written out by an older scalelm) is this run's."""
+        self.refuse_foreign()
         self._make_writable()
         self._refuse_links([self.path / ".lock", *self.attempt, self.previous])
-        current = read_identity(self.identity)
+        current = read_identity(self.identity, here)
         if current is not None and current != run_identity:
-            earlier = read_identity(self.previous / self.identity.name) == run_identity
-            parked = self.path / ".previous-returning"
+            earlier = read_identity(self.previous / self.identity.name, here) == run_identity
+            parked = self.path / PARKED
             if earlier:
                 remove(parked)
                 self.previous.rename(parked)
@@ -179,18 +187,38 @@ class RunDir:
                     path.rename(self.path / path.name)
                 remove(parked)
                 print(f"the attempt with these settings is back from {self.previous}: it resumes")
-        if read_identity(self.identity) != run_identity:  # the same run's, as recorded, keeps its earlier lineage
+        if read_identity(self.identity, here) != run_identity:  # the same run's, as recorded, keeps its lineage
             atomic_write_text(self.identity, json.dumps(run_identity, indent=1) + "\n")
         self.record.unlink(missing_ok=True)
 
-    def lineages(self, run_identity: dict[str, Any]) -> frozenset[str]:
+    def lineages(self, run_identity: dict[str, Any], here: Devices | None = None) -> frozenset[str]:
         """The lineages this run's checkpoints may carry: its identity's, and that of the identity.json recorded here
         when it is this run's under an older rule of what identity holds (checkpoints an older scalelm wrote)."""
         recorded = recorded_identity(self.identity)
         known = {lineage(run_identity)}
-        if isinstance(recorded, dict) and read_identity(self.identity) == run_identity:
+        if isinstance(recorded, dict) and read_identity(self.identity, here) == run_identity:
             known.add(lineage(recorded))
         return frozenset(known)
+
+    def refuse_foreign(self) -> None:
+        """A directory that holds no identity.json (nor one set aside by `start`) is no run's: if it holds any name a
+        run writes, it is someone's files (a project, the current directory), which `start` would replace, set aside
+        or write beside; refused. But checkpoints/ holding checkpoints only is a run's checkpoint brought here to be
+        resumed (by another layout, say: its lineage says whether it may be)."""
+        parked = self.path / PARKED
+        if not self.path.is_dir() or any(
+            p.is_file() for p in (self.identity, self.previous / IDENTITY, parked / IDENTITY)
+        ):
+            return
+        brought = self.checkpoints.is_dir() and all(holds_checkpoint(p) for p in self.checkpoints.iterdir())
+        names = [p.name for p in (*self.attempt, self.previous, parked) if os.path.lexists(p)]
+        names = [name for name in names if not (brought and name == self.checkpoints.name)]
+        if names:
+            raise ConfigError(
+                f"run_dir {self.path} is not a scalelm run directory (it has no {IDENTITY}) but holds "
+                f"{', '.join(names)}, which a training would replace: choose a new or empty run_dir, or move those "
+                "files elsewhere first"
+            )
 
     def holds_work(self) -> bool:
         """Whether the attempt here got anywhere: a checkpoint, a logged step or a result."""
@@ -217,6 +245,12 @@ class RunDir:
             )
 
 
+def holds_checkpoint(path: Path) -> bool:
+    """Whether `path` is named as scalelm.train.checkpoint names a checkpoint (step_N, step_N.partial)."""
+    step = path.name.removeprefix(CHECKPOINT_PREFIX).removesuffix(".partial")
+    return path.is_dir() and not path.is_symlink() and path.name.startswith(CHECKPOINT_PREFIX) and step.isdigit()
+
+
 def recorded_identity(path: Path) -> Any:
     """A run's identity.json as written; an unreadable one is an identity no run has."""
     if not path.is_file():
@@ -227,10 +261,12 @@ def recorded_identity(path: Path) -> Any:
         return {"unreadable": str(path)}
 
 
-def read_identity(path: Path) -> dict[str, Any] | None:
+def read_identity(path: Path, here: Devices | None = None) -> dict[str, Any] | None:
     """A run's identity.json, less the settings an older scalelm counted in it that are not identity today (staging,
-    compile, ...); an unreadable one is an identity no run has."""
+    compile, ...), and with those that train alike `here` written as `identity` writes them; an unreadable one is
+    an identity no run has."""
     recorded = recorded_identity(path)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
         return recorded
-    return {**recorded, "settings": identity_settings(recorded["settings"])}
+    settings = identity_settings(recorded["settings"])
+    return {**recorded, "settings": equivalent_settings(settings, here) if here else settings}

@@ -28,9 +28,14 @@ thread then
   answers nothing.
 
 Checkpoints are written whole or not at all (scalelm.train.checkpoint): the last complete one stays and the rerun
-resumes from it. The watchdog arms after the first step (which may compile, or wait for the other ranks' start).
-Between steps it acts on a silent rank or store only: a rank alive but stuck in an evaluation or a checkpoint ends at
-the collective timeout (parallel.timeout_s).
+resumes from it. A step is overdue only once one has ended (the first may compile, or wait for the other ranks'
+start); before, and between steps, the watchdog acts on a silent rank or store only, with hang_floor_s as the limit
+until a step has ended: a rank that compiles for minutes keeps publishing, one frozen before its first step does not.
+A rank alive but stuck in an evaluation or a checkpoint ends at the collective timeout (parallel.timeout_s).
+
+A rank that leaves the job early (exit 0 included, which torchrun does not count as a failure) makes the others fail
+in their next collective; the watchdog of a rank that such an error ends (closed while it is under way) names the
+ranks that left (left_early), in the log and <run_dir>/autopsy/summary.txt.
 """
 
 from __future__ import annotations
@@ -163,6 +168,11 @@ def silent_ranks(progress: dict[int, dict[str, Any] | None], now: float, after_s
     return sorted(r for r, p in progress.items() if p is None or not p.get("closed") and now - p["time"] > after_s)
 
 
+def in_step(progress: dict[str, Any]) -> str:
+    """Where a rank's published progress says it is: "in step 8", or before the first step of this attempt."""
+    return f"in step {progress['step']}" if progress["step"] else "before its first step"
+
+
 def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
     """The ranks the others wait for, in words: in each process group and backend the members that issued fewer
     operations than the most advanced one, and the ranks whose progress is missing or stale."""
@@ -173,10 +183,18 @@ def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
         when = "never published its progress"
         if last is not None:
             when = (
-                f"stopped publishing its progress {now - last['time']:.0f} s ago, in step {last['step']}, "
+                f"stopped publishing its progress {now - last['time']:.0f} s ago, {in_step(last)}, "
                 f"on {last['host']} (pid {last.get('pid', '?')})"
             )
         findings.append(f"rank {rank} {when} (a stopped or dead process, or a lost node)")
+    return findings + [finding for _, finding in shortfalls(progress, silent)]
+
+
+def shortfalls(progress: dict[int, dict[str, Any] | None], silent: list[int]) -> list[tuple[int, str]]:
+    """In each process group and backend, each member that issued fewer operations than the most advanced one, with
+    the finding in words: (rank, finding). The `silent` ranks' counts are left out (they may have issued more than
+    they published); a rank whose training ended (its watchdog closed) and issued fewer left the job before the
+    others' next operation."""
     counters: dict[tuple[str, str], dict[int, int]] = {}
     descs: dict[str, str] = {}
     for rank, p in progress.items():
@@ -185,20 +203,53 @@ def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
                 for backend, issued in _counts(group).items():
                     counters.setdefault((name, backend), {})[rank] = issued
                 descs[name] = group["desc"]
+    found = []
     for (name, backend), counts in sorted(counters.items()):
         ahead = max(counts.values())
-        waiting = sorted(r for r, n in counts.items() if n == ahead)
+        waiting = ", ".join(str(r) for r, n in sorted(counts.items()) if n == ahead)
         several = len({b for n, b in counters if n == name}) > 1  # the group has several backends: say which
         where = f"process group {descs[name]}" + (f" on {backend}" if several else "")
+        members = ", ".join(map(str, sorted(counts)))
         for rank in sorted(r for r, n in counts.items() if n < ahead):
-            p = progress[rank]
-            findings.append(
-                f"rank {rank} is behind in {where} (ranks {', '.join(map(str, sorted(counts)))}): "
-                f"it issued {counts[rank]} collectives, rank(s) {', '.join(map(str, waiting))} issued {ahead} and "
-                f"wait for it in collective #{counts[rank] + 1} (rank {rank} is in step {p['step']} since "
-                f"{p['in_step_s']:.0f} s, on {p['host']})"
+            p, issued = progress[rank], counts[rank]
+            waits = f"rank(s) {waiting} issued {ahead} and wait for it in collective #{issued + 1}"
+            if p.get("closed"):
+                finding = (
+                    f"rank {rank} left the job: its training ended {in_step(p)}, on {p['host']} (pid "
+                    f"{p.get('pid', '?')}), after it issued {issued} collectives in {where} (ranks {members}); {waits}"
+                )
+            else:
+                finding = (
+                    f"rank {rank} is behind in {where} (ranks {members}): it issued {issued} collectives, {waits} "
+                    f"(rank {rank} is {in_step(p)} since {p['in_step_s']:.0f} s, on {p['host']})"
+                )
+            found.append((rank, finding))
+    return found
+
+
+def left_early(progress: dict[int, dict[str, Any] | None], host: str) -> list[str]:
+    """The ranks that left the job before this rank's collective failed, in words: those whose training ended (their
+    watchdog closed) having issued fewer operations than the others, and those on `host` (where their process can be
+    looked at) whose process is gone without ending its training. Not a rank that is only late in publishing."""
+    found = [finding for rank, finding in shortfalls(progress, []) if progress[rank].get("closed")]
+    for rank, p in sorted(progress.items()):
+        if p and not p.get("closed") and p["host"] == host and process_gone(p.get("pid")):
+            found.append(
+                f"rank {rank}'s process (pid {p['pid']}, on {host}) ended {in_step(p)} without ending its training"
             )
-    return findings
+    return found
+
+
+def process_gone(pid: int | None) -> bool:
+    """Whether the process `pid` of this host has ended (gone, or a zombie its launcher has not reaped yet)."""
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to look at: alive
+        return False
 
 
 def diagnosis(
@@ -297,7 +348,7 @@ class Watchdog:
         self.durations: deque[float] = deque(maxlen=200)
         self.step = 0
         self.started: float | None = None  # the running step's start (monotonic); None between steps
-        self.ended = time.monotonic()  # the last step's end (monotonic)
+        self.ended = time.monotonic()  # the last step's end, or the watchdog's start (monotonic)
         self.peers_read = 0.0  # when _silent_peers last read the others' progress (monotonic)
         self.host = socket.gethostname()
         self.notes: list[str] = []  # what the thread could not do, said once each
@@ -331,15 +382,21 @@ class Watchdog:
             return None
         return max(self.factor * statistics.median(self.durations), self.floor_s)
 
+    def rule(self) -> str:
+        """How the limit is set, in words, for the autopsy."""
+        if not self.durations:
+            return f"hang_floor_s {self.floor_s:g} until a step has ended"
+        return f"hang_factor {self.factor:g} x the median step, at least hang_floor_s {self.floor_s:g}"
+
     def progress(self) -> dict[str, Any]:
-        in_step = time.monotonic() - self.started if self.started is not None else 0.0
+        in_step_s = time.monotonic() - self.started if self.started is not None else 0.0
         unread: list[str] = []
         groups = sequence_numbers(unread)
         for what in unread:
             self.note(what)
         return {
             "step": self.step,
-            "in_step_s": in_step,
+            "in_step_s": in_step_s,
             "groups": groups,
             "time": time.time(),
             "host": self.host,
@@ -352,30 +409,40 @@ class Watchdog:
             self.notes.append(what)
             sys.stderr.write(f"scalelm: [rank {self.rank}] watchdog: {what}; it watches what it can\n")
 
-    def close(self) -> None:
-        """Stop watching; back once the thread is done with the process groups, before they are shut down."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop watching; back once the thread is done with the process groups, before they are shut down. `error`:
+        what ends the training, if anything; by default the exception under way (the engine closes its watchdog in
+        a `finally`). A collective's failure (a RuntimeError) names the ranks that left the job before it."""
+        error = error if error is not None else sys.exc_info()[1]
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10 * PUBLISH_EVERY_S)  # a store that no longer answers: not forever
             if not self._thread.is_alive():  # silent from now on, and not stopped: the others are told so
                 self._publish({**self.progress(), "closed": True})
+                if isinstance(error, RuntimeError):  # torch's collectives raise one when a peer is gone
+                    self._survive(self._tell_left)
 
     def overdue(self) -> str | None:
         """Why the job is to stop now, or None: this rank's step is overdue, or this rank has ended no step for the
-        limit while another rank published no progress for as long (it waits for a rank that is stopped or gone)."""
+        limit while another rank published no progress for as long (it waits for a rank that is stopped or gone) or
+        the store has not answered for as long. Until a step has ended there is no median: the first step is never
+        overdue (it may compile for minutes), and the silence's limit is the floor."""
         started, limit, now = self.started, self.threshold(), time.monotonic()
-        if limit is None:
+        if started is not None and limit is not None:  # in a step: its own limit only
+            return f"step {self.step} has run for over {limit:.0f} s" if now - started > limit else None
+        limit = self.floor_s if limit is None else limit
+        if now - self.ended <= limit:
             return None
-        if started is not None and now - started > limit:
-            return f"step {self.step} has run for over {limit:.0f} s"
-        if started is None and now - self.ended > limit:
+        if self.durations:
             waited = f"rank {self.rank} has waited {now - self.ended:.0f} s since step {self.step} ended"
-            waited += f" (limit {limit:.0f} s)"
-            if self.store is not None and self.store.unanswered_s() > limit:
-                return f"{waited}, and the job's store has not answered for {self.store.unanswered_s():.0f} s"
-            silent = self._silent_peers(limit)
-            if silent:
-                return f"{waited}, and rank(s) {', '.join(map(str, silent))} published no progress for as long"
+        else:  # since the watchdog started, just before the training loop
+            waited = f"rank {self.rank} has ended no step in the {now - self.ended:.0f} s since its training started"
+        waited += f" (limit {limit:.0f} s)"
+        if self.store is not None and self.store.unanswered_s() > limit:
+            return f"{waited}, and the job's store has not answered for {self.store.unanswered_s():.0f} s"
+        silent = self._silent_peers(limit)
+        if silent:
+            return f"{waited}, and rank(s) {', '.join(map(str, silent))} published no progress for as long"
         return None
 
     def _silent_peers(self, limit: float) -> list[int]:
@@ -454,8 +521,7 @@ class Watchdog:
         dumps = self._flight_recorder(self.world_size - max(len(silent), len(stopped)))
         findings = self._unanswered() if progress is None else diagnosis(progress, dumps, now)
         message = (
-            f"scalelm: {reason} (hang_factor {self.factor:g} x the median step, at least hang_floor_s "
-            f"{self.floor_s:g}); stopping the job. "
+            f"scalelm: {reason} ({self.rule()}); stopping the job. "
             + "; ".join(findings)
             + f". Stacks: {self.autopsy_dir}/rank*.txt. The last complete checkpoint is kept: rerun to resume."
         )
@@ -465,7 +531,7 @@ class Watchdog:
                 f"once continued): {named(stopped, progress)}."
             )
         message += self._flight_recorder_text(dumps)
-        if self._first_to_tell():
+        if self._first_to_tell("hang"):
             append_text(self.autopsy_dir / "summary.txt", message + "\n")
             sys.stderr.write(message + "\n")
         else:
@@ -503,11 +569,28 @@ class Watchdog:
             f"{unanswered:.0f} s: the process that holds it is stopped, or its node lost"
         ]
 
-    def _first_to_tell(self) -> bool:
-        """Whether this rank is the first whose watchdog fired (the others' would only repeat its findings)."""
+    def _tell_left(self) -> None:
+        """Name the ranks that left the job before this rank's collective failed, in the log and the autopsy's
+        summary: torchrun names the first rank that failed, which is this one where the rank that left exited 0."""
+        progress = self._read()
+        found = left_early(progress, self.host) if progress else []
+        if not found or not self._first_to_tell("left"):
+            return
+        message = (
+            f"scalelm: rank {self.rank} failed in a collective: " + "; ".join(found) + ". Its error and the root cause "
+            "torchrun names (the first rank that failed; a rank that exits 0 has not) follow from that: the output of "
+            "the rank that left says why it ended. The last complete checkpoint is kept: rerun to resume."
+        )
+        self.autopsy_dir.mkdir(parents=True, exist_ok=True)
+        append_text(self.autopsy_dir / "summary.txt", message + "\n")
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    def _first_to_tell(self, event: str) -> bool:
+        """Whether this rank is the first to tell of `event` (the others' would only repeat its findings)."""
         if self.store is None:
             return True
         try:
-            return self.store.ask("add", KEY.format("told"), 1) == 1
+            return self.store.ask("add", KEY.format(f"told-{event}"), 1) == 1
         except Unanswered:
             return True
