@@ -61,7 +61,7 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run.identity.write_text(json.dumps({"settings": {"seed": seed, "batch": {"mode": mode}}, "world_size": world_size}))
     record = {
-        "config": {"seed": seed, "batch": {"mode": mode}},
+        "config": {"seed": seed, "batch": {"mode": mode}, "model": {"n_layers": 2, "d_model": 10}, "data": {"seq_len": 8}},
         "world_size": world_size,
         "launch": {"nodes": 1, "procs_per_node": world_size},
         "nodes": [f"{experiment}-{seed}"],  # a host of its own: no overlaps
@@ -79,7 +79,7 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         },
     }  # fmt: skip
     if moe:
-        record["config"]["model"] = {"moe": {"experts": 4, "top_k": 2}}
+        record["config"]["model"]["moe"] = {"experts": 4, "top_k": 2}
         record["results"] |= {
             "parameters": {"total": 3000, "active": 2000},
             "experts": {"aux_loss": 1.005, "expert_load_max_over_mean": 1.5, "expert_token_share": [0.25] * 4},
@@ -812,3 +812,24 @@ def test_a_machine_baseline_beside_other_work_flags_the_step_times_planned_from_
     assert error_cell(planned | {"machine_disturbed": "other work ..."}) == "+200% (machine baseline disturbed)"
     assert error_cell(planned | {"machine_disturbed": "x", "disturbed": "y"}) == (
         "+200% (machine baseline and run disturbed)")  # fmt: skip
+
+
+def test_mfu_is_reported_under_both_conventions_beside_the_peak(tmp_path):
+    """Issue 50: `mfu` counts attention over the whole sequence (the run's recorded flops_per_token, 6,000 here),
+    `mfu_causal` the causal half of it as llm.c does: 12 L s d = 1,920 of the model of 2 blocks of width 10 on
+    8-token sequences, so 6,000 - 960 = 5,040 FLOPs per token; both at 5,120 tokens/s over the peak, which
+    summary.csv names and summary.md states with the conventions."""
+    run = RunDir(fake_run(tmp_path, "single", 1))
+    run.config.write_text("train:\n  peak_tflops: 0.002\n")
+    figures = read_run(run).figures
+    assert figures["mfu"] == pytest.approx(6000 * 5120 / 2e9)
+    assert figures["mfu_causal"] == pytest.approx(5040 * 5120 / 2e9)
+    assert figures["peak_tflops"] == pytest.approx(0.002)
+    aggregate([run.path], tmp_path / "summary")
+    (row,) = read_csv(tmp_path / "summary" / "summary.csv")
+    assert float(row["mfu_causal"]) == pytest.approx(5040 * 5120 / 2e9) and float(row["peak_tflops"]) == 0.002
+    text = (tmp_path / "summary" / "summary.md").read_text()
+    assert "| mfu | mfu_causal |" in text and "(0.002 TFLOP/s per device;" in text and "`mfu_causal` the causal" in text
+    run.config.write_text("train:\n  peak_tflops: null\n")  # an unknown GPU's: neither convention, no note
+    figures = read_run(run).figures
+    assert figures["mfu"] is figures["mfu_causal"] is figures["peak_tflops"] is None

@@ -499,9 +499,38 @@ def test_the_ring_compiles_without_a_graph_break_with_and_without_checkpointing(
         torch._dynamo.reset()
 
 
+def _permuted_inputs(dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+    """q, k, v (batch, heads, seq, head_dim) laid out as (batch, seq, heads, head_dim): dense (separate projections),
+    and gapped, the model's views of its packed qkv projection."""
+    g = torch.Generator().manual_seed(0)
+    dense = [torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2) for _ in range(3)]
+    packed = torch.randn(B, S, H, 3, D, generator=g).to(dtype)
+    return {"dense": dense, "gapped": list(packed.permute(3, 0, 2, 1, 4))}
+
+
+def test_the_ring_operators_fake_kernels_lay_out_their_outputs_as_the_real_ones_do():
+    """Review 3 finding 11: the ring's outputs are always contiguous, whatever q, k, v's strides; fake kernels that
+    kept a permuted input's strides made compiled code read them wrong (Inductor's stride check failed on the model's
+    own gapped views). torch.library.opcheck compares the fake and real outputs' metadata, and checks the operators'
+    registrations (every check once: AOT dispatch costs a second a call), on dense and gapped permuted inputs, with
+    and without dropout, in fp32 and bf16."""
+    forward, backward = torch.ops.scalelm.ring_attention.default, torch.ops.scalelm.ring_attention_backward.default
+    cases = ((torch.float32, "dense", 0.0), (torch.float32, "gapped", 0.1), (torch.bfloat16, "gapped", 0.0))
+    for i, (dtype, layout, p) in enumerate(cases):
+        checks = {} if i == 0 else {"test_utils": ("test_schema", "test_faketensor")}  # {}: all of them
+        q, k, v = _permuted_inputs(dtype)[layout]
+        options = (torch.tensor(7) if p else None, None, False, p, 0, 0)
+        assert not q.is_contiguous()
+        torch.library.opcheck(forward, (q.clone().requires_grad_(), k, v, *options), **checks)
+        out, lse = forward(q, k, v, *options)
+        d_out = _permuted_inputs(dtype)["dense"][0]
+        torch.library.opcheck(backward, (d_out, q, k, v, out, lse, *options), **checks)
+
+
 def test_the_plan_counts_the_rings_working_memory():
     """Finding 1's plan: the block at work holds (4 + 8e) bytes per token and d/t through a fused kernel, and a
-    score block of the local length through the products (dropout, or fp32 on GPUs), 8 or 20 bytes a score."""
+    score block of the local length through the products (dropout, or fp32 on GPUs), 8 or 20 bytes a score, with
+    16 bytes per token and d/t (32 in bf16: the blocks' fp32 copies)."""
     from dataclasses import replace
 
     from scalelm.config import load_config
@@ -515,9 +544,9 @@ def test_the_plan_counts_the_rings_working_memory():
     assert ring_transient_bytes(work, ParallelDims(cp=4, tp=2), tokens) == tokens * 384 * (4 + 8 * 2)
     dropout = replace(work, config=load_config(None, overrides + ["model.dropout=0.1", "train.precision=bf16"]))
     assert not ring_fused(dropout)
-    assert ring_transient_bytes(dropout, dims, tokens) == tokens * 2048 * 12 * 20  # 2 x 12 x 2048^2 fp32 scores
+    assert ring_transient_bytes(dropout, dims, tokens) == tokens * (2048 * 12 * 20 + 768 * 32)  # 2 x 12 x 2048^2 scores
     fp32 = replace(work, config=load_config(None, overrides + ["model.dropout=0.0", "train.precision=fp32"]))
-    assert not ring_fused(fp32) and ring_transient_bytes(fp32, dims, tokens) == tokens * 2048 * 12 * 8
+    assert not ring_fused(fp32) and ring_transient_bytes(fp32, dims, tokens) == tokens * (2048 * 12 * 8 + 768 * 16)
     assert ring_fused(replace(fp32, device="cpu"))
     # the plan's buffers carry it: the products' block is the larger by far at cp_long's shapes
     assert plan_memory(dropout, dims).bytes["buffers"] - plan_memory(work, dims).bytes["buffers"] == pytest.approx(
@@ -525,3 +554,22 @@ def test_the_plan_counts_the_rings_working_memory():
         - ring_transient_bytes(work, dims, plan_memory(work, dims).micro_batch_tokens),
         rel=1e-9,
     )
+
+
+def test_the_plan_counts_what_dropout_costs_the_ring_in_bf16():
+    """Review 3 finding 14: with dropout a bf16 ring runs its blocks as fp32 matrix products in place of the bf16
+    kernel. Its plan holds, beyond the kernel's, each score's fp32 value and the mask's int64 hash with its shifted
+    temporary (20 bytes a score), and the block's fp32 copies of its queries, keys, values and output gradient and
+    fp32 gradients in place of the kernel's bf16 ones and copies (32 - (4 + 8 x 2) = 12 bytes per token and d/t)."""
+    from scalelm.config import load_config
+    from scalelm.parallel.dims import ParallelDims
+    from scalelm.plan.memory import Workload, plan_memory
+
+    shape = ["model.d_model=256", "model.n_heads=4", "data.seq_len=512", "model.max_seq_len=512"]
+    dims = ParallelDims(cp=4, tp=2)
+    configs = {p: load_config(None, [*shape, f"model.dropout={p}", "train.precision=bf16"]) for p in (0.0, 0.1)}
+    plans = {p: plan_memory(Workload(config, 512, "cuda"), dims) for p, config in configs.items()}
+    tokens = plans[0.0].micro_batch_tokens
+    scores, width = tokens * (512 // 4) * 4 / 2, tokens * 256 / 2  # per rank: L a/t scores and d/t per token
+    extra = plans[0.1].bytes["buffers"] - plans[0.0].bytes["buffers"]
+    assert extra == pytest.approx(scores * 20 + width * 12, rel=1e-9)

@@ -34,6 +34,7 @@ CHANGED = {
     "compile": True,
     "compile_mode": "max-autotune-no-cudagraphs",
     "compile_optimizer": True,
+    "fused_loss": "plain",
     "attention_kernels": "auto",
     "hang_factor": 3.0,
     "hang_floor_s": 30.0,
@@ -70,11 +71,13 @@ PROBES = {
     "wandb": lambda run: (run.dir / "wandb").is_dir() and any((run.dir / "wandb").iterdir()),
     "deterministic": lambda run: run.applied["deterministic"],
     "activation_checkpointing": lambda run: all(
-        getattr(b.forward, "func", None).__name__ == "_checkpointed" for b in run.engine.model.blocks.values()
+        getattr(b, "activation_checkpointing", None) == "full" for b in run.engine.model.blocks.values()
     ),
     "compile": lambda run: len(run.applied["compile"]) == 1,
     "compile_mode": lambda run: run.applied["compile"] == ["max-autotune-no-cudagraphs"],
     "compile_optimizer": lambda run: run.applied["optimizer_step"] == [True],
+    # the head's loss on the logits, not fused with the projection as a CPU's in fp32 is by default
+    "fused_loss": lambda run: run.engine.model.head.fused_loss == "plain",
     "attention_kernels": lambda run: run.applied["attention_kernels"] == ["auto"],
     "hang_factor": lambda run: run.engine.watchdog.factor == 3.0,
     "hang_floor_s": lambda run: run.engine.watchdog.floor_s == 30.0,

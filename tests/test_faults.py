@@ -82,6 +82,12 @@ def test_the_autopsy_names_late_and_silent_ranks_in_every_process_group():
         "wait for it in collective #20 (rank 1 is in step 9 since 30 s, on node7)",
     ]
     assert behind({0: progress(50, 20), 1: progress(50, 20)}, 1000.0) == []  # nobody behind: a slow step everywhere
+    # a rank the watchdog's own limit (hang_floor_s under SILENT_AFTER_S) found silent, or that is stopped beside it:
+    # named so, whatever the age of its last progress, never as a rank "behind" with its stale counts
+    assert behind({0: progress(50, 20), 1: progress(50, 19, age=3)}, 1000.0, found_silent=[1]) == [
+        "rank 1 stopped publishing its progress 3 s ago, in step 9, on node7 (pid 42) (a stopped or dead process, "
+        "or a lost node)"
+    ]
 
 
 def test_a_rank_that_left_the_job_is_named_by_the_rank_whose_collective_failed(tmp_path, monkeypatch, capsys):
@@ -151,7 +157,9 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config,
     assert re.match(r"scalelm: rank 0 has waited \d+ s since step 7 ended \(limit 4 s\), and rank\(s\) 1 published no "
                     r"progress for as long", summary), summary  # fmt: skip
     pid = drills.pid_in(site / "paused")
-    assert re.search(rf"rank 1 stopped publishing its progress \d+ s ago, in step \d, on \S+ \(pid {pid}\)", summary)
+    assert re.search(rf"rank 1 stopped publishing its progress \d+ s ago, in step \d, on \S+ \(pid {pid}\)", summary), (
+        summary
+    )
     assert re.search(rf"Stopped beside rank 0, killed \(SIGKILL[^)]*\): rank 1 \(pid {pid}\)\.", summary), summary
     assert summary.count("scalelm:") == 1 and "scalelm: rank 0 has waited" in freeze.output  # told once, in the log
     assert "in log_train" in (run.autopsy / "rank0.txt").read_text()  # where rank 0 waited

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -323,13 +324,23 @@ def test_with_cpu_offload_parameters_are_materialised_on_the_host_and_buffers_on
 def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable(tmp_path):
     """bench/gpu_probe.py, bench/gpu_smoke.sh and bench/gpu_paths.py in --cpu mode, as CI runs them so the kit
     cannot rot (side by side: each is mostly one core's work): every check that a CPU can run passes, every
-    CUDA-only one says N/A (never PASS); gpu_paths.py runs each of its checks in its own process on tiny shapes and
-    paths.json holds one result per check with its figures."""
+    CUDA-only one says N/A (never PASS); gpu_paths.py runs each of its checks in its own process on tiny shapes, and
+    brings back two files only (paths.json, one result per check with its figures, and logs.tgz), as the lent GPU
+    machine returns at most 8 files of at most 16 MiB."""
     env = {**os.environ, "PYTHONPATH": f"src{os.pathsep}.", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    paths_out = tmp_path / "paths"
     commands = {
         "probe": [sys.executable, "bench/gpu_probe.py", "--cpu", "--out", str(tmp_path / "probe")],
         "smoke": ["bash", "bench/gpu_smoke.sh", str(tmp_path / "smoke"), "--cpu"],
-        "paths": [sys.executable, "bench/gpu_paths.py", "--cpu", "--out", str(tmp_path / "paths")],
+        "paths": [
+            sys.executable,
+            "bench/gpu_paths.py",
+            "--cpu",
+            "--out",
+            str(paths_out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
     }
     running = {
         name: subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -353,10 +364,17 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
             for line in outputs[name][0].splitlines()
             if line.startswith(("PASS", "N/A", "FAIL"))
         )
-    results = {r["check"]: r for r in json.loads((tmp_path / "paths/paths.json").read_text())}
-    assert set(results) == {"A.versions", "B.nccl", "C.ring", "D.stack", "E.levers", "F.lightning", "G.world8",
-                            "H.baseline"}  # fmt: skip
+    returned = {path.name: path.stat().st_size for path in paths_out.rglob("*")}
+    assert returned.keys() == {"paths.json", "logs.tgz"} and max(returned.values()) < 16 * 2**20
+    recorded = json.loads((paths_out / "paths.json").read_text())
+    results = {r["check"]: r for r in recorded["checks"]}
+    assert list(results) == ["A.versions", "J.moe", "B.nccl", "F.lightning", "C.ring", "H.baseline", "G.world8",
+                             "D.stack", "I.share", "E.levers"]  # fmt: skip
     assert {r["status"] for r in results.values()} == {"PASS"}, {n: r["status"] for n, r in results.items()}
+    assert recorded["summary"] == "10 PASS, 0 FAIL, 0 N/A, 0 SKIPPED" and recorded["logs"]["truncated"] == {}
+    with tarfile.open(paths_out / "logs.tgz") as logs:
+        assert {"C.ring.log", "I.smoke.rank1.log", "E.levers.json"} <= set(logs.getnames())
+    assert "sdp_priority_order" in results["A.versions"]["figures"]
     ring = results["C.ring"]["figures"]
     assert ring["gpt2"]["ring_host_syncs"] == ring["cp_long"]["ring_dropout_host_syncs"] == 0
     assert not any(ring["graph_breaks"].values()) and ring["gpt2"]["ring_cp4_error"] <= 1e-5
@@ -365,6 +383,14 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     assert {"fsdp8_compile_selective", "cp4_long", "pp2_stage0"} == set(results["G.world8"]["figures"])
     products = results["H.baseline"]["figures"]["output_products"]["products"]
     assert (products["output_unpadded"]["shape"][2], products["output_padded"]["shape"][2]) == (33_278, 33_280)
+    assert results["J.moe"]["figures"]["worst_relative"] <= 1e-4
+    shared = results["I.share"]["figures"]  # several ranks (gloo here): the smoke, then a layout against one process
+    assert all(shared["smoke"][rank][op] for rank in ("0", "1") for op in ("all_reduce", "all_to_all_single",
+                                                                            "batch_isend_irecv"))  # fmt: skip
+    assert shared["moe_ep"]["worst_relative"] <= 1e-4 and len(shared["moe_ep"]["losses"]) == 4
+    levers = results["E.levers"]["figures"]  # interleaved in one process: each variant's rounds and MFU
+    assert set(levers) == {"configured", "cudnn_attention"}
+    assert all(v["rounds"] == 2 and v["mfu"] > 0 for v in levers.values()) and "resolved" in levers["cudnn_attention"]
 
 
 def test_the_output_projection_pads_its_rows_on_cuda_and_computes_the_same(monkeypatch):
@@ -503,19 +529,20 @@ def test_the_gpu_paths_script_refuses_an_unknown_check_and_fails_when_a_check_wa
     both exit 0. The first is refused naming the checks and the closest; a check the budget left unrun is SKIPPED,
     the last line counts each status and the exit status is 1 (nothing starts: the budget is below a check's 10 s)."""
     gpu_paths = bench("gpu_paths")
+    work = ["--work", str(tmp_path / "work")]
     with pytest.raises(SystemExit) as refused:
-        gpu_paths.main(["--cpu", "--out", str(tmp_path / "typo"), "--only", "A", "C.rnig"])
+        gpu_paths.main(["--cpu", "--out", str(tmp_path / "typo"), "--only", "A", "C.rnig", *work])
     error = capsys.readouterr().err
-    assert refused.value.code == 2 and not (tmp_path / "typo").exists()
+    assert refused.value.code == 2 and not (tmp_path / "typo").exists() and not (tmp_path / "work").exists()
     assert "--only: unknown check 'C.rnig' (did you mean 'C.ring'?); choose from A.versions, B.nccl, C.ring" in error
-    assert "(or its letter, A, B, C, D, E, F, G, H)" in error
+    assert "(or its letter, A, B, C, D, E, F, G, H, I, J)" in error
 
-    assert gpu_paths.main(["--cpu", "--out", str(tmp_path / "spent"), "--budget", "5", "--only", "A", "C"]) == 1
+    assert gpu_paths.main(["--cpu", "--out", str(tmp_path / "spent"), "--budget", "5", "--only", "A", "C", *work]) == 1
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == "paths on cpu: 0 PASS, 0 FAIL, 0 N/A, 2 SKIPPED; skipped: A.versions, C.ring"
     assert [line.split()[:2] for line in printed[:-1]] == [["SKIPPED", "A.versions"], ["SKIPPED", "C.ring"]]
     recorded = json.loads((tmp_path / "spent/paths.json").read_text())
-    assert [(r["check"], r["status"]) for r in recorded] == [("A.versions", "SKIPPED"), ("C.ring", "SKIPPED")]
+    assert [(r["check"], r["status"]) for r in recorded["checks"]] == [("A.versions", "SKIPPED"), ("C.ring", "SKIPPED")]
 
     statuses = ["PASS", "FAIL", "N/A", "SKIPPED", "PASS"]
     results = [{"check": f"{letter}.x", "status": s} for letter, s in zip("ABCDE", statuses)]
@@ -526,15 +553,146 @@ def test_the_gpu_paths_script_refuses_an_unknown_check_and_fails_when_a_check_wa
     )
 
 
+def test_the_gpu_paths_checks_fit_a_cold_lease_cheapest_first(bench):
+    """Review 3, finding 2: the planned seconds summed to 760 against a budget of 470, so a cold call ran out of time
+    in the levers and skipped the rest. Each check's limit is its cold estimate on an H200; their sum with a minute's
+    margin fits the 9 minutes one call may take of a 15-minute lease; the levers, the costliest, run last (and take
+    what the others left)."""
+    gpu_paths = bench("gpu_paths")
+    limits = gpu_paths.plan(list(gpu_paths.RUN_ORDER), cpu=False)
+    assert sorted(gpu_paths.RUN_ORDER) == sorted(gpu_paths.CHECKS) and limits.keys() == gpu_paths.CHECKS.keys()
+    assert sum(limits.values()) + gpu_paths.MARGIN_S <= gpu_paths.WINDOW_S <= 9 * 60
+    assert gpu_paths.RUN_ORDER[-1] == "E.levers" and limits["E.levers"] == max(limits.values())
+    order = gpu_paths.RUN_ORDER.index  # a first compile fills the shared cache before the check that reuses it
+    assert order("H.baseline") < order("E.levers") and order("G.world8") < order("D.stack")
+
+
+def test_the_gpu_paths_runner_ends_a_hung_check_with_its_children_and_brings_back_two_files(bench, tmp_path, capsys):
+    """Review 3, findings 1 and 3: `subprocess.run(timeout=)` killed a check's process only, leaving what it started
+    (a training on the GPU) running into the next check; and the call wrote hundreds of files into the machine's
+    output folder, of which at most 8 come back. The rehearsal's hung check ignores SIGTERM and has a child of its
+    own: both are gone after its limit (SIGKILL to its process group), the check FAILs, a check left no time is
+    SKIPPED, the exit status is 1, and --out holds paths.json and logs.tgz only."""
+    gpu_paths = bench("gpu_paths")
+    out, work = tmp_path / "out", tmp_path / "work"
+    arguments = ["--cpu", "--rehearse", "--only", "A", "Z", "--budget", "3", "--out", str(out), "--work", str(work)]
+    assert gpu_paths.main(arguments) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "paths on cpu: 0 PASS, 1 FAIL, 0 N/A, 1 SKIPPED; fail: Z.hang; skipped: A.versions"
+    )
+    hung, child = map(int, (work / "call" / "Z.hang.pids").read_text().split())
+    assert not _alive(hung) and not _alive(child)
+    recorded = json.loads((out / "paths.json").read_text())
+    ended = recorded["checks"][-1]
+    assert ended["figures"].startswith("its limit of 3 s ran out") and ended["process_group"] == {
+        "running": sorted([hung, child]),
+        "killed": sorted([hung, child]),
+        "left": [],
+    }
+    assert {p.name for p in out.iterdir()} == {"paths.json", "logs.tgz"}
+    assert recorded["budget_s"] == 3 and recorded["limits_s"] == {"A.versions": 60, "Z.hang": 2.0}
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie waiting for its parent runs nothing)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_the_logs_that_come_back_are_capped_cutting_the_largest_first(bench, tmp_path):
+    """logs.tgz must stay under the 16 MiB a returned file may have: the largest logs are cut to one common length,
+    keeping their head and their tail (where a traceback ends); paths.json names each cut file; no checkpoint or
+    cache goes in."""
+    gpu_paths = bench("gpu_paths")
+    assert gpu_paths.kept_bytes({"a": 10, "b": 100, "c": 1000, "d": 5000}, 500) == {
+        "a": 10,
+        "b": 100,
+        "c": 195,
+        "d": 195,
+    }
+    assert gpu_paths.kept_bytes({"a": 10, "b": 100}, 500) == {"a": 10, "b": 100}
+    folder = tmp_path / "call"
+    (folder / "runs" / "r" / "checkpoints").mkdir(parents=True)
+    (folder / "small.log").write_text("fine\n")
+    (folder / "big.log").write_text("start\n" + "x" * 60_000 + "\nTraceback: the end\n")
+    (folder / "runs" / "r" / "metrics.jsonl").write_text("{}\n" * 10)
+    (folder / "runs" / "r" / "checkpoints" / "model.json").write_text("{}")
+    (folder / "weights.pt").write_bytes(b"0" * 100)
+    logs = gpu_paths.write_logs(folder, tmp_path / "logs.tgz", cap=40_000)
+    assert logs["members"] == 3 and list(logs["truncated"]) == ["big.log"]
+    with tarfile.open(tmp_path / "logs.tgz") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert set(members) == {"small.log", "big.log", "runs/r/metrics.jsonl"} and members["small.log"] == b"fine\n"
+    big = members["big.log"]
+    assert big.startswith(b"start") and big.endswith(b"Traceback: the end\n") and b"bytes cut by" in big
+    assert sum(map(len, members.values())) + 1024 * len(members) <= 40_000
+
+
+def test_the_mfu_levers_are_interleaved_in_one_process(bench, tmp_path, monkeypatch):
+    """Review 3, finding 15: each lever was a CLI run of 36 steps, ~3% apart run to run, above the 0.5-2 points to
+    resolve. The variants are built once in one process, then take turns (A/B/A/B), each turn timed; the figures go
+    out after every warm-up and every round."""
+    gpu_mfu = bench("gpu_mfu")
+    turns, reports = [], []
+    timed = gpu_mfu.Variant.timed
+    monkeypatch.setattr(gpu_mfu.Variant, "timed", lambda self, n: turns.append(self.name) or timed(self, n))
+    names = ["configured", "cudnn_attention"]
+    results = gpu_mfu.measure(names, True, tmp_path, 2, 1, 1, lambda r: reports.append(json.loads(json.dumps(r))))
+    assert turns == names * 2
+    assert [sorted(r) for r in reports] == [["configured"], names, names, names]
+    assert [r["configured"].get("rounds") for r in reports] == [None, None, 1, 2]
+    assert results["configured"]["steps_measured"] == 2 and results["configured"]["mfu"] > 0
+    assert "vs_configured_points" in results["cudnn_attention"]
+
+
+def test_every_rank_may_share_the_one_gpu_each_an_nccl_host_of_its_own(monkeypatch):
+    """Review 3, finding 5: one GPU can host several NCCL ranks to test a layout's correctness only if each rank looks
+    like a node of its own (NCCL_HOSTID); pick_device refused LOCAL_RANK 1 on one GPU. SCALELM_SHARE_GPU=1 puts every
+    rank on cuda:0 with an NCCL host id of its own (CUDA faked here: one device)."""
+    from scalelm.parallel import env as dist_env
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="LOCAL_RANK 1 has no GPU: 1 visible; .* or set SCALELM_SHARE_GPU=1"):
+        pick_device("cuda", 1)
+    assert pick_device("cuda", 1, share_gpu=True) == pick_device("auto", 0) == torch.device("cuda", 0)
+    assert not dist_env.shares_gpu({}) and not dist_env.shares_gpu({"SCALELM_SHARE_GPU": "0"})
+    assert dist_env.shares_gpu({"SCALELM_SHARE_GPU": "1"})
+    with pytest.raises(ConfigError, match="SCALELM_SHARE_GPU='yes': set it to 1"):
+        dist_env.shares_gpu({"SCALELM_SHARE_GPU": "yes"})
+    site = {"NCCL_HOSTID": "job", "NCCL_SOCKET_IFNAME": "eth0"}
+    first, second = (dist_env.shared_gpu_environment(rank, site) for rank in (0, 1))
+    assert first["NCCL_HOSTID"] != second["NCCL_HOSTID"] != "job" and second["NCCL_HOSTID"].endswith("-rank1")
+    assert first["NCCL_SOCKET_IFNAME"] == "eth0" and first["NCCL_IB_DISABLE"] == "1"
+
+    # setup reads it: rank 1 of 2 on cuda:0 with its own host id, torchrun's local rank kept (one world of one here)
+    devices = []
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for name in ("NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "NCCL_MNNVL_ENABLE"):
+        monkeypatch.setenv(name, "")  # so that the test's end removes what setup sets
+        monkeypatch.delenv(name)
+    for name, value in {"SCALELM_SHARE_GPU": "1", "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    here = dist_env.setup("cuda", timeout_s=10)
+    assert (here.device, here.local_rank, devices) == (torch.device("cuda", 0), 1, [torch.device("cuda", 0)])
+    assert os.environ["NCCL_HOSTID"].endswith("-rank1") and os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+
+
 BAD_BENCH_ARGUMENTS = [  # script, its arguments ({tmp}: the test's directory, holding a_file), the error's line
     ("activation_memory", ["--repeats", "0"], "argument --repeats: 0: give a whole number at least 1"),
     ("activation_memory", ["--json", "{tmp}/a_file/out.json"], "a_file/out.json cannot be written: .*a_file is not a directory"),
     ("fault_trials", ["--trials", "200"], "argument --trials: 200: give a whole number from 1 to 108"),
     ("fault_trials", ["--strategies", "ddp,fsdb"], "unknown strategy 'fsdb' \\(did you mean 'fsdp'\\?\\); choose from single"),
     ("gpu_mfu", ["{tmp}/a_file", "--cpu"], "argument out: .*a_file is a file: give a directory"),
-    ("gpu_mfu", ["{tmp}/mfu", "--steps", "3"], "argument --steps: 3: give a whole number at least 6"),
-    ("gpu_mfu", ["{tmp}/mfu", "--timeout", "-1"], "argument --timeout: '-1': give a positive number"),
+    ("gpu_mfu", ["{tmp}/mfu", "--rounds", "1"], "argument --rounds: 1: give a whole number at least 2"),
+    ("gpu_mfu", ["{tmp}/mfu", "--steps", "0"], "argument --steps: 0: give a whole number at least 1"),
     ("gpu_paths", ["--cpu", "--out", "{tmp}/p", "--budget", "nan"], "argument --budget: 'nan': give a positive"),
+    ("gpu_paths", ["--cpu"], "--out is required: the folder paths.json and logs.tgz go to"),
+    ("gpu_paths", ["--cpu", "--out", "{tmp}/p", "--work", "{tmp}/p/work"], "--out .*/p holds --work .*/p/work"),
+    ("gpu_paths", ["--out", "{tmp}/p", "--rehearse"], "--rehearse is the runner's drill for CI: use it with --cpu"),
     ("gpu_probe", ["--cpu", "--out", "{tmp}/p", "--only", "a.fats"], "unknown check 'a.fats' \\(did you mean 'a.facts'\\?\\)"),
     ("gpu_smoke_report", ["{tmp}/missing"], "argument out: .*missing is not an existing directory"),
     ("gpu_smoke_report", ["{tmp}", "--cpu"], "holds no status file: give the directory bench/gpu_smoke.sh wrote"),

@@ -65,6 +65,7 @@ def profiled_event(name, start_us, end_us, device="CPU", id=0, linked=0, parent=
     """One of the profiler's events, as scalelm.measure.comm reads them."""
     return SimpleNamespace(
         name=name,
+        is_async=False,
         time_range=SimpleNamespace(start=start_us, end=end_us),
         device_type=SimpleNamespace(name=device),
         id=id,
@@ -105,6 +106,26 @@ def test_the_all_to_all_is_counted_apart_on_gloo_and_on_nccl():
     )
     assert set(nccl["ops_s_per_step"]) == {"nccl:all_to_all", kernel}
     assert nccl["share"] == pytest.approx(0.25) and nccl["all_to_all_share"] == pytest.approx(0.15)
+
+
+def test_a_cuda_runtime_event_sharing_an_ops_id_moves_no_kernel_into_or_out_of_the_all_to_all():
+    """Review 3 finding 12: kernels link to torch's own (frontend) operations, whose ids count apart from the CUDA
+    runtime's events' (CUPTI's correlation ids, CPU events too, linked to the operation that made the call): a
+    runtime event with an operation's id must not take its place, whichever collective it was launched in."""
+    steps = [profiled_event("scalelm:train_step", 0, 1000), profiled_event("scalelm:train_step", 2000, 3000)]
+    exchange = profiled_event("nccl:all_to_all", 90, 95, id=7)
+    launch = profiled_event("record_param_comms", 91, 94, id=8, parent=exchange)
+    send = profiled_event("nccl:send 0->1", 2050, 2060, id=9)
+    kernel = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    runtime = [  # cudaLaunchKernel with CUPTI ids 8 and 9, each inside the other collective
+        profiled_event("cudaLaunchKernel", 2055, 2056, id=8, linked=9, parent=send),
+        profiled_event("cudaLaunchKernel", 92, 93, id=9, linked=8, parent=launch),
+    ]
+    events = [*steps, exchange, launch, send, *runtime]
+    events += [profiled_event(kernel, 100, 400, "CUDA", linked=8), profiled_event(kernel, 2100, 2300, "CUDA", linked=9)]
+    nccl = CommProfile(2, 2, 0, torch.device("cuda"), True).summarise(events)
+    assert nccl["ops_s_per_step"] == {"nccl:all_to_all": pytest.approx(150e-6), kernel: pytest.approx(100e-6)}
+    assert nccl["all_to_all_share"] == pytest.approx(0.15)
 
 
 def stage_of(config: ModelConfig, blocks: list[int]) -> nn.Module:
@@ -484,3 +505,19 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     assert "WARNING: rank 5 on n2: GPU not healthy" in lines
     assert "WARNING: the site has InfiniBand but NCCL uses Socket" in lines
     assert baseline.nccl_debug_env(Path("/r"))["NCCL_DEBUG_FILE"] == "/r/nccl.%h.%p.log"
+
+
+def test_mfu_counts_gpt2_smalls_flops_under_both_conventions_against_the_h200s_peak():
+    """Issue 50: gpt2_small (12 blocks of width 768, FFN 3,072, 1,024-token sequences, WikiText-2's 33,278 words,
+    tied weights) makes 6 x 110,492,160 matmul weights = 662,952,960 FLOPs per token, plus attention: over the whole
+    sequence 12 L s d = 113,246,208 (scalelm's and torchtitan's count, `mfu`), causal at half 56,623,104 (llm.c's,
+    `mfu_causal`). Against the H200's datasheet bf16 peak of 989 TFLOP/s, the 554,000 tokens/s of batch 32 are 43.5%
+    and 40.3%."""
+    gpt2 = ModelConfig(d_model=768, n_heads=12, n_layers=12, d_ff=3072, dropout=0.0, norm="pre", tie_weights=True)
+    full = flops_per_token(gpt2, 33278, 1024)
+    causal = peak.causal_flops_per_token(full, gpt2.n_layers, gpt2.d_model, 1024)
+    assert (full, causal) == (776_199_168, 719_576_064)
+    h200 = peak.cuda_peak_flops("NVIDIA H200", "bf16")
+    assert h200 == 989e12 and peak.cuda_peak_flops("NVIDIA H200 NVL", "bf16") == 835e12
+    assert round(peak.mfu(full, 554_000, 1, h200), 3) == 0.435
+    assert round(peak.mfu(causal, 554_000, 1, h200), 3) == 0.403

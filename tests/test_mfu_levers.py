@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import SDPBackend
 
 import drills
@@ -27,9 +28,11 @@ from scalelm.parallel import data as data_module
 from scalelm.parallel import runtime
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.env import DistEnv
+from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters
 from scalelm.parallel.layout import check_bf16_params, resolve_layout
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.site import SiteConfig
+from scalelm.train import optim
 from scalelm.train.checkpoint import complete_checkpoints
 from scalelm.train.optim import build_optimizer, build_scheduler, optimizer_step
 from scalelm.train.record import read_metrics
@@ -108,17 +111,46 @@ def test_each_lever_is_a_typed_setting_refused_by_name_where_it_cannot_act(monke
 
 def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
     """attention_kernels=auto: on compute capability 9.0 the forward passes run under sdpa_kernel with cuDNN's
-    attention first (set_priority), elsewhere and with `default` under torch's own order; the training and the
-    evaluation forward both call SDPA inside that context, and the order is torch's again after them."""
-    capability = {"value": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    attention first (set_priority) where torch's own order does not already start with it (torch 2.9 on, and from
+    2.10 only with a cuDNN above 9.15.0: torch 2.11's CUDA 13 wheels) and its cuDNN is 9.9 or later; elsewhere, with
+    torch's own switches against cuDNN, and with `default`, under torch's own order. With a cuDNN older than 9.15.1 a
+    sequence length that is not a multiple of 128 is refused. The training and the evaluation forward both call SDPA
+    inside that context, and the order is torch's again after them."""
+    torch_prefers_cudnn = runtime.torch_prefers_cudnn  # asks torch: its order after a choice of backend
+    assert not torch_prefers_cudnn(torch.device("cpu"))
+    with monkeypatch.context() as changed:
+        changed.setattr(torch._C, "_get_sdp_priority_order", lambda: [int(b) for b in runtime.CUDNN_FIRST])
+        assert torch_prefers_cudnn(torch.device("cpu"))
+    probe = {"capability": (9, 0), "cudnn": 91002, "torch_prefers": False}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: probe["capability"])
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: probe["cudnn"])
+    monkeypatch.setattr(runtime, "torch_prefers_cudnn", lambda device: probe["torch_prefers"])
+    for variable in ("TORCH_CUDNN_SDPA_DEPRIORITIZED", "TORCH_CUDNN_SDPA_PREFERRED"):
+        monkeypatch.delenv(variable, raising=False)
     cuda = torch.device("cuda", 0)
     assert runtime.attention_backends("auto", cuda) == [
         SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # fmt: skip
     assert runtime.attention_backends("default", cuda) is None
     assert runtime.attention_backends("auto", torch.device("cpu")) is None
-    capability["value"] = (8, 0)
-    assert runtime.attention_backends("auto", cuda) is None
+    for name, value in (("torch_prefers", True), ("cudnn", 90701), ("capability", (8, 0))):
+        with monkeypatch.context() as changed:
+            changed.setitem(probe, name, value)
+            assert runtime.attention_backends("auto", cuda) is None, name
+    for variable, value in (("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1"), ("TORCH_CUDNN_SDPA_PREFERRED", "0")):
+        with monkeypatch.context() as changed:
+            changed.setenv(variable, value)
+            assert runtime.attention_backends("auto", cuda) is None, variable
+
+    def lengths(seq_len: int, kernels: str = "auto") -> Config:
+        return from_dict({"model": TINY_MODEL, "data": {"seq_len": seq_len}, "train": {"attention_kernels": kernels}})
+
+    with pytest.raises(ConfigError, match=r"cuDNN 91002, older than 9.15.1, .* data.seq_len=100 is not one: set"):
+        runtime.check_on_device(lengths(100), cuda)
+    runtime.check_on_device(lengths(128), cuda)
+    runtime.check_on_device(lengths(100, "default"), cuda)
+    with monkeypatch.context() as changed:
+        changed.setitem(probe, "cudnn", 91900)
+        runtime.check_on_device(lengths(100), cuda)
 
     asked = []
     monkeypatch.setattr(
@@ -246,6 +278,78 @@ def test_compiled_optimizer_step_equals_fused_adamw_and_resumes_bitwise(tiny_con
     assert train_losses(run_dir_of(resumed)) == train_losses(run_dir_of(compiled))[5:]
     a, b = drills.final_weights(compiled, tmp_path / "a.pt"), drills.final_weights(resumed, tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compiled_optimizers_cuda_form_steps_dtensors_of_two_meshes_as_fused_adamw(monkeypatch):
+    """train.compile_optimizer's CUDA form (foreach, capturable, a tensor learning rate: `compiled_implementation` on
+    a device in CAPTURABLE_DEVICES, the CPU here, whose capturable device asserts torch.compile skips) over an
+    expert-parallel model of one gloo rank: FSDP's DTensors on one mesh, the experts' on the ep mesh, one parameter
+    group per mesh (in one group the compiled foreach step fails: "different meshes"). Six steps of warm-up and cosine
+    decay give fused AdamW's parameters within fp32 rounding from the same gradients, all from the first step's
+    graph."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(optim, "CAPTURABLE_DEVICES", ("cpu",))
+    config = from_dict({"model": {**TINY_MODEL, "n_layers": 1, "moe": {"experts": 2, "top_k": 1}},
+                        "optim": {"weight_decay": 0.1, "warmup_steps": 2, "schedule": "cosine"}})  # fmt: skip
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+
+        def expert_parallel_model() -> torch.nn.Module:
+            torch.manual_seed(1)
+            model = TransformerLM(config.model, VOCAB)
+            apply_ep(model, ExpertMeshes.of("cpu", ParallelDims()))
+            return data_module.apply_fsdp(
+                model, init_device_mesh("cpu", (1,)), torch.float32, False, False, set(expert_parameters(model))
+            )
+
+        models = [expert_parallel_model() for _ in range(2)]
+        optimizers = [build_optimizer(m, config.optim, 2e-3, compiled=c) for m, c in zip(models, (False, True))]
+        group = optimizers[1].param_groups[0]
+        assert group["foreach"] and group["capturable"] and torch.is_tensor(group["lr"]) and not group["fused"]
+        assert optimizers[0].param_groups[0]["fused"]
+        schedules = [build_scheduler(o, config.optim, 6) for o in optimizers]
+        steps = [optimizer_step(o, c) for o, c in zip(optimizers, (False, True))]
+        graphs = []
+        for seed in range(6):
+            generator = torch.Generator().manual_seed(seed)
+            for a, b in zip(*(m.parameters() for m in models)):
+                gradient = torch.randn(a.shape, generator=generator)
+                a.grad = distribute_tensor(gradient, a.device_mesh, a.placements)
+                b.grad = distribute_tensor(gradient.clone(), b.device_mesh, b.placements)
+            for step, schedule, optimizer in zip(steps, schedules, optimizers):
+                step(), schedule.step(), optimizer.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[0] > 0 and set(graphs) == {graphs[0]}, graphs  # compiled at the first step, never again
+        gaps = [
+            (a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(*(m.parameters() for m in models))
+        ]
+        assert max(gaps) <= 1e-6 and any(gaps), gaps
+        assert all(isinstance(p, DTensor) for p in models[1].parameters())
+        meshes = [{p.device_mesh for p in group["params"]} for group in optimizers[1].param_groups]
+        assert len(meshes) == 2 and all(len(mesh) == 1 for mesh in meshes) and meshes[0] != meshes[1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_schedule_resumes_into_an_optimizer_grouped_otherwise():
+    """A checkpoint's schedule loads whatever the writer's parameter groups were (one per mesh: a layout of its own,
+    or a checkpoint from before the experts had a group of their own), every group then following it."""
+    optim_config = from_dict({"optim": {"schedule": "cosine", "warmup_steps": 2}}).optim
+
+    def grouped(groups: int) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=1.0)
+
+    written = build_scheduler(grouped(1), optim_config, 10)
+    for _ in range(4):
+        written.optimizer.step(), written.step()
+    for groups in (2, 1):
+        optimizer = grouped(groups)
+        resumed = build_scheduler(optimizer, optim_config, 10)
+        resumed.load_state_dict(written.state_dict())
+        optimizer.step(), resumed.step()
+        assert resumed.get_last_lr() == [resumed.lr_lambdas[0](5)] * groups
+        assert [g["lr"] for g in optimizer.param_groups] == resumed.get_last_lr()
 
 
 def test_compile_mode_reaches_torch_compile_and_keeps_inductor_caches(monkeypatch):

@@ -1,12 +1,15 @@
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scalelm.config import ModelConfig, MoEConfig
+from scalelm.model import moe as moe_module
 from scalelm.model.architecture import parameter_counts, parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
 from scalelm.model.loss import IGNORE_INDEX
-from scalelm.model.moe import mixtures
+from scalelm.model.moe import GroupedExperts, mixtures
 from scalelm.model.transformer import TransformerLM, count_parameters
 
 
@@ -143,10 +146,73 @@ def test_a_mixture_is_causal_routes_ties_to_the_lower_expert_and_declares_its_pa
     with torch.no_grad():
         moe.router.weight.zero_()  # every score equal
     seen = []
-    moe.dispatch = lambda rows, counts, experts: seen.append(counts.tolist()) or experts(rows, counts.tolist())
+    moe.dispatch = lambda rows, counts, experts: seen.append(counts.tolist()) or experts(rows, counts)
     with torch.no_grad():
         moe(torch.randn(1, 5, 32))
     assert seen == [[5, 5, 0, 0]]
+
+
+def _experts_product(experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> list[torch.Tensor]:
+    """The experts' outputs, then the gradients of the tokens and of every expert parameter."""
+    tokens = tokens.detach().requires_grad_()
+    experts.zero_grad()
+    out = experts(tokens, counts, counts.tolist())
+    out.float().square().sum().backward()
+    return [out.detach(), tokens.grad, *(p.grad for p in experts.parameters())]
+
+
+def test_the_experts_grouped_product_computes_the_per_expert_loop(monkeypatch):
+    """Review 3, finding 8: the experts' products are one grouped product per matrix (torch._grouped_mm, the rows'
+    experts given by offsets on the device), where torch has it for the device and precision and the operands are
+    16-byte aligned (the CPU's fp32 and bf16 here, as CUDA's bf16 on sm90); else one product per expert. Both give
+    the same outputs and gradients, an expert with no rows included, in fp32 within rounding (the biases' gradients
+    are summed in another order); under bf16 autocast the grouped product computes in bf16 too (its bias is added
+    after the product's rounding, not inside it: bf16's rounding apart)."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 64)
+    experts.reset_parameters()
+    with torch.no_grad():
+        for bias in (experts.up_bias, experts.down_bias):
+            bias.normal_()
+    counts, tokens = torch.tensor([5, 0, 9, 18]), torch.randn(32, 32)
+    unaligned = torch.randn(32 * 32 + 1)[1:].view(32, 32)  # 4 bytes past an aligned address
+    assert experts.grouped(tokens) and not experts.grouped(unaligned)
+    assert not GroupedExperts(4, 30, 64).grouped(torch.randn(8, 30))  # rows of 120 bytes
+
+    def both_ways() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        grouped = _experts_product(experts, tokens, counts)
+        with monkeypatch.context() as patched:
+            patched.setattr(moe_module, "grouped_product", lambda tokens, weights: False)
+            assert not experts.grouped(tokens)
+            return grouped, _experts_product(experts, tokens, counts)
+
+    grouped, looped = both_ways()
+    for mine, theirs in zip(grouped, looped, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+    assert grouped[2][1].abs().sum() == 0 and grouped[4][1].abs().sum() == 0  # expert 1 had no row: no gradient
+    experts(tokens, counts).sum().backward()  # an expanded gradient (a sum's), made dense for the grouped backward
+    with torch.autocast("cpu", torch.bfloat16):
+        grouped, looped = both_ways()
+    assert grouped[0].dtype == looped[0].dtype == torch.bfloat16
+    assert (grouped[0] - looped[0]).abs().max() <= 1e-2 * looped[0].abs().max()
+
+
+def test_the_experts_grouped_product_meets_cudas_kernel_requirements(monkeypatch):
+    """On fake CUDA tensors, as on an sm90 GPU: bf16 takes the grouped product, whose CUDA meta function checks what
+    the kernel needs (bf16 operands, 16-byte strides, int32 offsets), without a host read (repeat_interleave with
+    its output_size); fp32 on CUDA is no grouped kernel's (the loop)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not moe_module._grouped_mm_runs(torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(moe_module, "_grouped_mm_runs", lambda device, dtype: dtype == torch.bfloat16)
+    with FakeTensorMode(), torch.device("cuda"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+        experts = GroupedExperts(4, 32, 64)
+        tokens, counts = torch.empty(40, 32, dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64)
+        assert experts.grouped(tokens) and not experts.grouped(tokens.float())
+        with torch.no_grad():
+            out = experts(tokens, counts)
+        assert (out.shape, out.dtype, out.device.type) == ((40, 32), torch.bfloat16, "cuda")
 
 
 def _imbalance_after_training(aux_loss_coef: float) -> float:
@@ -178,3 +244,221 @@ def test_the_load_balancing_loss_evens_the_tokens_per_expert():
     """Against coefficient 0, a coefficient of 0.1 measurably evens the tokens the experts get."""
     unbalanced, balanced = _imbalance_after_training(0.0), _imbalance_after_training(0.1)
     assert balanced < unbalanced - 0.3 and balanced < 1.5, (balanced, unbalanced)
+
+
+# ------------------------------------------------------------------- the head's loss paths (issue 50)
+HEAD_MODEL = ModelConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0, tie_weights=True)
+SPLIT_MODEL = ModelConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0)  # the course's: an untied head
+
+
+def _loss_and_grads(model: TransformerLM, tokens: torch.Tensor, targets: torch.Tensor, path: str, autocast: bool):
+    """The training loss of `model` with its head's loss on `path` (train.fused_loss), scaled by 0.25 in the backward
+    as one of 4 accumulated micro-batches, and every parameter's gradient."""
+    model.zero_grad()
+    model.head.fused_loss = path
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(tokens, targets)
+    (loss * 0.25).backward()
+    return loss.detach(), type(loss.grad_fn).__name__, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_the_chunked_loss_is_the_cross_entropy_of_the_logits_and_the_cpu_paths_stay_as_they_were(monkeypatch):
+    """train.fused_loss=chunked: the head and its loss chunk by chunk (3 chunks of 7 here, the last one partial),
+    every gradient computed in the forward and scaled in the backward. Under bf16 autocast on the CPU (where the CPU's
+    fused loss does not apply, as on a GPU) it equals the plain composition within bf16's rounding of the weight
+    gradient's sum over chunks; in fp32 F.cross_entropy's to rounding. On the CPU in fp32 `auto` and `chunked` keep
+    the CPU's fused loss, bit for bit; `plain` is lm_loss on the logits, bit for bit; no_grad takes the plain path."""
+    from scalelm.model.gpu_ops import ChunkedLinearCrossEntropy, chunked_linear_cross_entropy
+    from scalelm.model.loss import lm_loss
+
+    monkeypatch.setattr(ChunkedLinearCrossEntropy, "CHUNK_ROWS", 7)
+    torch.manual_seed(0)
+    model = TransformerLM(HEAD_MODEL, vocab_size=97)
+    tokens, targets = torch.randint(0, 97, (3, 7)), torch.randint(0, 97, (3, 7))
+    targets[0, ::3] = IGNORE_INDEX
+
+    chunked, kind, grads = _loss_and_grads(model, tokens, targets, "chunked", autocast=True)
+    plain, _, reference = _loss_and_grads(model, tokens, targets, "plain", autocast=True)
+    assert kind == "ChunkedLinearCrossEntropyBackward" and chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name
+        assert (grad - reference[name]).abs().max() <= 1e-2 * reference[name].abs().max(), name
+
+    hidden, weight, bias, words = torch.randn(20, 16), torch.randn(50, 16), torch.randn(50), torch.randint(0, 50, (20,))
+    words[::4] = IGNORE_INDEX
+    leaves, plain_leaves = ([t.clone().requires_grad_() for t in (hidden, weight, bias)] for _ in range(2))
+    loss = chunked_linear_cross_entropy(*leaves, words)
+    expected = F.cross_entropy(F.linear(*plain_leaves), words, ignore_index=IGNORE_INDEX)
+    (loss + expected).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for mine, theirs in zip(leaves, plain_leaves, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+
+    auto, fused = (_loss_and_grads(model, tokens, targets, path, autocast=False) for path in ("auto", "chunked"))
+    assert auto[1] == fused[1] == "LinearCrossEntropyBackward" and torch.equal(auto[0], fused[0])
+    assert all(torch.equal(auto[2][name], fused[2][name]) for name in auto[2])
+    loss, kind, _ = _loss_and_grads(model, tokens, targets, "plain", autocast=False)
+    assert kind != "LinearCrossEntropyBackward" and torch.equal(loss, lm_loss(model(tokens), targets).detach())
+    model.head.fused_loss = "chunked"
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        torch.testing.assert_close(model(tokens, targets), lm_loss(model(tokens), targets), rtol=0, atol=0)
+
+
+def test_the_chunked_loss_compiles_its_chunk_once_and_computes_what_it_computes_eagerly(monkeypatch):
+    """train.compile with train.fused_loss=chunked: the head's compile also compiles the chunk function with the same
+    options (the loop over chunks stays outside every graph); two equal chunks make one graph, which later steps
+    reuse; the compiled chunks (dynamo alone here: inductor's CPU kernels take long to build) give the eager loss and
+    gradients."""
+    from torch._dynamo.testing import CompileCounter
+
+    from scalelm.model.gpu_ops import ChunkedLinearCrossEntropy
+
+    monkeypatch.setattr(ChunkedLinearCrossEntropy, "CHUNK_ROWS", 16)  # 24 tokens: two chunks of 12
+    torch.manual_seed(0)
+    model = TransformerLM(HEAD_MODEL, vocab_size=50)
+    tokens = torch.randint(0, 50, (3, 8))
+    eager = _loss_and_grads(model, tokens, tokens.roll(-1, 1), "chunked", autocast=True)
+    counter = CompileCounter()
+    model.head.compile(backend=counter)
+    frames = []
+    for _ in range(3):
+        compiled = _loss_and_grads(model, tokens, tokens.roll(-1, 1), "chunked", autocast=True)
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames == [frames[0]] * 3  # compiled at the first step, never again
+    assert compiled[1] == "ChunkedLinearCrossEntropyBackward" and torch.equal(compiled[0], eager[0])
+    assert all(torch.equal(compiled[2][name], grad) for name, grad in eager[2].items())
+
+
+def _vocabulary_parallel_runs(state: dict, tokens: torch.Tensor, targets: torch.Tensor, vocab: int) -> list[dict]:
+    """Both ranks of a tensor-parallel group of 2 with loss_parallel, as threads of this process (torch's threaded
+    process group): each rank's loss, its local logits' row stride, its state dict's shapes, and the whole gradients."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    from scalelm.parallel.tensor import apply_tp
+
+    results: list[dict | BaseException] = [{}, {}]
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        dist.init_process_group("threaded", rank=r, world_size=2, store=store)
+        try:
+            with torch.device("meta"):
+                model = TransformerLM(SPLIT_MODEL, vocab)
+            apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=True, sequence_parallel=False)
+            model.to_empty(device="cpu")
+            model.init_buffers()
+            set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))  # (it fills it)
+            loss = model(tokens, targets)
+            loss.backward()
+            full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+            results[r] = {
+                "loss": loss.detach(),
+                "stride": model.logits(model.norm(torch.zeros(1, 2, SPLIT_MODEL.d_model))).to_local().stride(-2),
+                "shapes": {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                "grads": {name: full(p.grad) for name, p in model.named_parameters()},
+            }
+        except BaseException as error:  # noqa: BLE001 (handed to the test's thread)
+            results[r] = error
+        finally:
+            dist.destroy_process_group()
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        with loss_parallel():  # (torch's vocabulary-parallel cross-entropy: a switch of the whole process)
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def test_a_vocabulary_split_head_pads_each_ranks_rows_and_computes_the_unsplit_loss(monkeypatch):
+    """Review 3, finding 13: under loss_parallel the head's weight is split by vocabulary rows, unevenly where tp does
+    not divide it into multiples of 64 (51 words over tp 2: 26 and 25 here, 8,320/8,319 of WikiText-2's 33,278 over
+    tp 4 on a GPU), and the rows went unpadded to the GPU's matrix products. Where the padding applies (forced on the
+    CPU here) each rank pads its own rows: its logits come from rows of 64 (their row stride), the loss and every
+    gradient equal one process's within fp32 rounding, and the state dict keeps the vocabulary's shape, so that
+    checkpoints load across layouts."""
+    from scalelm.model import gpu_ops
+
+    torch.manual_seed(0)
+    vocab = 51
+    plain = TransformerLM(SPLIT_MODEL, vocab)
+    tokens, targets = torch.randint(0, vocab, (2, 6)), torch.randint(0, vocab, (2, 6))
+    expected = plain(tokens, targets)
+    expected.backward()
+    state = plain.state_dict()
+
+    assert gpu_ops.PADDED_DEVICES == ("cuda",)  # the CPU's layouts compute as before (tests/test_training.py)
+    monkeypatch.setattr(gpu_ops, "PADDED_DEVICES", ("cuda", "cpu"))
+    padded = _vocabulary_parallel_runs(state, tokens, targets, vocab)
+
+    assert [r["stride"] for r in padded] == [64, 64]  # 26 and 25 unpadded
+    for result in padded:
+        torch.testing.assert_close(result["loss"], expected.detach(), rtol=1e-6, atol=0)
+        assert result["shapes"] == {k: tuple(v.shape) for k, v in state.items()}
+        assert result["shapes"]["head.bias"] == (vocab,)
+        for name, param in plain.named_parameters():
+            torch.testing.assert_close(result["grads"][name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_chunked_loss_under_fsdps_bf16_policy_gives_the_plain_loss_and_fp32_gradients(monkeypatch):
+    """train.fused_loss=chunked with train.precision=bf16_params (the combination config.yaml suggests for
+    gpt2_small): FSDP's policy on a mesh of one rank (forced on the CPU) hands the head bf16 weights; the chunked loss
+    computes in bf16, its gradients reach FSDP, which reduces them into the fp32 parameters' gradients, as the plain
+    composition's do, within bf16 rounding."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from scalelm.config import from_dict
+    from scalelm.model import transformer
+    from scalelm.parallel import runtime
+    from scalelm.parallel.env import DistEnv
+
+    monkeypatch.setattr(runtime, "resolve_precision", lambda precision, device_type: "bf16")
+    chunked_calls = []
+    chunked_loss = transformer.chunked_linear_cross_entropy
+    monkeypatch.setattr(
+        transformer,
+        "chunked_linear_cross_entropy",
+        lambda *args: chunked_calls.append(args[1].dtype) or chunked_loss(*args),
+    )
+    settings = {"model": {**vars(HEAD_MODEL), "moe": None}, "data": {"seq_len": 8}, "batch": {"size": 4}}
+    config = from_dict(settings | {"train": {"precision": "bf16_params", "fused_loss": "chunked"}})
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        parallel = runtime.Parallel.start(config, env, 50)
+        model = parallel.build(lambda: TransformerLM(config.model, 50), 1, runtime.ModelOptions.of(config.train))
+        assert model.head.fused_loss == "chunked" and parallel.uses_fsdp
+        results = {}
+        for path in ("chunked", "plain"):
+            model.zero_grad()
+            model.head.fused_loss = path
+            loss = parallel.forward_backward(model, tokens[:, :-1], tokens[:, 1:], 1.0, step=1)
+            results[path] = loss, {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+            assert all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32 for p in model.parameters())
+        assert chunked_calls == [torch.bfloat16]  # the chunked step's head: FSDP's bf16 weights
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (chunked, grads), (plain, reference) = results["chunked"], results["plain"]
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        assert (grad - reference[name]).abs().max() <= 2e-2 * reference[name].abs().max(), name

@@ -33,6 +33,7 @@ from scalelm.plan.layouts import Machine, candidates, smallest_fsdp
 from scalelm.plan.memory import (
     Workload,
     block_bytes_per_token,
+    checkpointed_bytes_per_token,
     held,
     in_flight,
     moe_block_bytes_per_token,
@@ -185,6 +186,12 @@ def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
     tokens, d, c, g, n, e = fsdp.micro_batch_tokens, 128, 2, 1024, 8, 2
     moe, _ = moe_block_bytes_per_token(work, ParallelDims())
     assert moe == e * (2 * d + 2 * d + 4 * d + c * (2 * d + g)) + 2 * d + 4 * n + 32 * c  # a GPU's dropout masks
+    # checkpointed, a mixture's block recomputes its attention's and experts' insides (full), or nothing (selective)
+    kept = {
+        mode: checkpointed_bytes_per_token(replace(work, activation_checkpointing=mode), ParallelDims(), mixture=True)
+        for mode in ("full", "selective")
+    }
+    assert kept == {"full": moe - e * (4 * d + c * g), "selective": moe}
     dense = plan_memory(replace(work, config=load_config(None, ["model.n_layers=4"])), ParallelDims(dp_shard=8))
     per_block, _ = block_bytes_per_token(work, ParallelDims())
     assert fsdp.bytes["activations"] - dense.bytes["activations"] == int(4 * tokens * (moe - per_block))
@@ -198,7 +205,7 @@ def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
 def test_expert_parallelisms_all_to_alls_and_gradients():
     """Per mixture and pass: the counts, then the rows there and back; backward their gradients; (ep - 1)/ep of every
     row leaves the rank (uniform routing). The experts' gradients are all-reduced over their replicas, FSDP moves
-    only the dense parameters; checkpointing runs the forward's all-to-alls again."""
+    only the dense parameters; checkpointing runs none of the forward's all-to-alls again."""
     work = mixture_work("batch.size=16")
     tokens, d, c, e, blocks, ep = 16 * 32, 128, 2, 2, 4, 2
     flows = {f.collective: f for f in traffic(work, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
@@ -222,8 +229,8 @@ def test_expert_parallelisms_all_to_alls_and_gradients():
     assert "all-reduce expert gradients (EP replicas)" not in whole  # every rank's experts its own
     recomputed = replace(work, activation_checkpointing="full")
     again = {f.collective: f for f in traffic(recomputed, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
-    assert again["all-to-all gradients (EP, backward)"].bytes == 2 * back.bytes
-    assert again["all-to-all row counts (EP)"].messages == 2 * blocks
+    assert again["all-to-all gradients (EP, backward)"].bytes == back.bytes
+    assert again["all-to-all row counts (EP)"].messages == blocks
 
 
 def test_the_step_time_prices_a_mixtures_experts_and_all_to_alls():
@@ -675,3 +682,46 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
         preflight.PreflightError, match=r"the loss of bad \(layout 2x1x1x1: 3 steps, largest gap 2.50e-02\)"
     ):
         preflight.compare({"good": (good, reference), "bad": (bad, reference)}, tmp_path / "out.csv")
+
+
+def test_bf16_params_plans_fsdps_bf16_copies_and_the_chunked_loss_its_gradients_and_one_chunk():
+    """Issue 50: train.precision=bf16_params in one process is FSDP on a mesh of one rank, which keeps every unit's
+    bf16 weights from forward to backward (2 bytes a parameter) and holds a unit's gradients in bf16 and fp32 (6
+    bytes a parameter of the largest unit, the head's), beyond bf16 autocast's plan, to the byte; resharding after
+    the forward keeps two units' instead. train.fused_loss=chunked keeps the loss's fp32 gradients in place of the
+    log-probabilities and logits, and holds one chunk's fp32 logits, exponentials and bf16 gradient at a time."""
+    vocab, d, tokens = 1000, 32, 8 * 16
+    shape = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=16", "batch.size=8"]
+
+    def plan(*changes: str):
+        return plan_memory(Workload(load_config(None, [*shape, *changes]), vocab), ParallelDims())
+
+    autocast, one_rank_fsdp = plan("train.precision=bf16"), plan("train.precision=bf16_params")
+    params = count_parameters(TransformerLM(load_config(None, shape).model, vocab))
+    head = vocab * d + vocab
+    assert one_rank_fsdp.state == autocast.state and one_rank_fsdp.bytes["activations"] == autocast.bytes["activations"]
+    assert one_rank_fsdp.bytes["buffers"] - autocast.bytes["buffers"] == 2 * params + 6 * head
+    resharded = plan("train.precision=bf16_params", "parallel.reshard_after_forward=true")
+    assert resharded.bytes["buffers"] - autocast.bytes["buffers"] == 2 * 2 * head + 6 * head
+
+    chunked = plan("train.precision=bf16", "train.fused_loss=chunked")
+    logits = tokens * 4 * vocab + tokens * 8 * vocab  # the log-probabilities, and the backward's two fp32 gradients
+    gradients = 4 * (tokens * d + vocab * (d + 1))
+    assert autocast.bytes["activations"] - chunked.bytes["activations"] == logits - gradients
+    assert chunked.bytes["buffers"] - autocast.bytes["buffers"] == vocab * (tokens * (8 + 2) + 4 * d)
+    cpu = {path: plan_memory(Workload(load_config(None, [*shape, f"train.fused_loss={path}"]), vocab, "cpu"),
+                             ParallelDims()) for path in ("auto", "chunked", "plain")}  # fmt: skip
+    assert cpu["auto"].bytes == cpu["chunked"].bytes != cpu["plain"].bytes  # fp32 on a CPU: its own fused loss
+
+
+def test_gpt2_small_accum_steps_a_quarter_million_tokens_through_gpt2_smalls_micro_batches():
+    """Issue 50: gpt2_small_accum is gpt2_small's model, data and optimizer at 256 sequences of 1,024 tokens per
+    optimizer step (262,144 tokens, as llm.c and nanoGPT measure MFU), accumulated in gpt2_small's micro-batches of
+    32: the same plan per GPU."""
+    experiments = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["experiments"]
+    small, accum = (from_dict(experiments[name]["training"]) for name in ("gpt2_small", "gpt2_small_accum"))
+    assert (accum.model, accum.data, accum.optim) == (small.model, small.data, small.optim)
+    assert accum.batch.sizes(1) == (256, small.batch.sizes(1)[1]) == (256, 32)
+    assert 256 * accum.data.seq_len >= 250_000 and accum.train.compile
+    planned = [plan_memory(Workload(config, vocab_size=33278), ParallelDims()).bytes for config in (small, accum)]
+    assert planned[0] == planned[1]

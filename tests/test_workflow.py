@@ -61,7 +61,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
     assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 17
+        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 18
     )  # plan: memory, before the queue
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -74,8 +74,8 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert launched == {
         "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
         "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
-        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "ddp_spawn": ("1", "4"), "cp": ("1", "4"), "cp_long": ("1", "4"),
-        "ddp_lightning": ("1", "4"), "moe": ("1", "1"), "moe_ep": ("1", "4"),
+        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "gpt2_small_accum": ("1", "1"), "ddp_spawn": ("1", "4"),
+        "cp": ("1", "4"), "cp_long": ("1", "4"), "ddp_lightning": ("1", "4"), "moe": ("1", "1"), "moe_ep": ("1", "4"),
     }  # fmt: skip
     # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
     assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]

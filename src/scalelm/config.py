@@ -173,8 +173,16 @@ class TrainConfig:
     compile_optimizer: bool = setting(
         False, identity=False, lightning_refuses=(True, "Lightning calls the optimizer's step itself")
     )
-    # scaled-dot-product attention's kernels: default, torch's own order; auto, cuDNN's first where it is the faster
-    # one (Hopper, compute capability 9.0: torch does not prefer it by itself), torch's order elsewhere
+    # the output projection with its cross-entropy, one function by three paths: auto, fused on CPU in fp32
+    # (scalelm.model.cpu_ops), plain elsewhere (on CUDA compiled with the head); chunked, on GPUs chunk by chunk of
+    # tokens, each chunk's loss and gradients in the forward (compiled with train.compile), the logits never kept for
+    # the backward (scalelm.model.gpu_ops; docs/benchmarks.md); plain, the logits then the cross-entropy everywhere
+    fused_loss: Literal["auto", "chunked", "plain"] = setting("auto", identity=False)
+    # scaled-dot-product attention's kernels: default, torch's own order; auto, cuDNN's first on Hopper (compute
+    # capability 9.0, where it is the faster one) where torch's own order does not already start with it and the cuDNN
+    # is 9.9 or later: torch 2.6-2.8, and 2.10 on with a cuDNN older than 9.15.1 (CUDA 12 wheels); with a cuDNN older
+    # than 9.15.1 only for a data.seq_len multiple of 128. With torch 2.9, or a cuDNN of 9.15.1 on (torch 2.11+cu130),
+    # a no-op: torch already puts cuDNN first (scalelm.parallel.runtime.attention_backends; docs/benchmarks.md)
     attention_kernels: Literal["default", "auto"] = setting(
         "default", identity=False, lightning_refuses=("auto", "Lightning runs the forward outside scalelm's step")
     )

@@ -66,11 +66,23 @@ def launched_by_all_to_all(kernel, cpu_ops: dict[int, Any]) -> bool:
     return False
 
 
+def frontend_ops(events) -> dict[int, Any]:
+    """The CPU operations that the profile links device kernels to, by id: torch's own (its profiler's frontend
+    events: linked to nothing, not asynchronous). The CUDA runtime's calls (cudaLaunchKernel, ...) are CPU events as
+    well, but their ids are CUPTI's correlation ids, another counter: keyed with the operations, one would replace
+    the operation whose id it shares."""
+    return {
+        e.id: e
+        for e in events
+        if e.device_type.name == "CPU" and not getattr(e, "linked_correlation_id", 0) and not e.is_async
+    }
+
+
 def collective_intervals(events, device: torch.device) -> dict[str, list[tuple[float, float]]]:
     """Each collective's (start, end) in seconds, by name, from a profiler's events: on CUDA by kernel name, but an
     all-to-all's kernels (NCCL's send and receive kernel, which a pipeline's transfers use too) by theirs."""
     found: dict[str, list[tuple[float, float]]] = {}
-    cpu_ops = {e.id: e for e in events if e.device_type.name == "CPU"} if device.type == "cuda" else {}
+    cpu_ops = frontend_ops(events) if device.type == "cuda" else {}
     for event in events:
         name = event.name
         if device.type == "cuda":

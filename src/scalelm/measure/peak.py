@@ -1,4 +1,6 @@
-"""The peak FLOP/s of one device, the denominator of model FLOPs utilisation (MFU).
+"""The peak FLOP/s of one device, the denominator of model FLOPs utilisation (MFU), and MFU under two conventions:
+scalelm's (`mfu`: the model's matrix products with attention over the whole sequence, torchtitan's and nanoGPT's
+count) and llm.c's (`causal_flops_per_token`: causal attention counted at half).
 
 CUDA: the vendor's dense (no sparsity) tensor-core figure for the device and precision, from `CUDA_PEAK_TFLOPS`.
 CPU: there is no datasheet figure for "one process's share of a host", so it is measured: the fp32 matrix-multiply
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from scalelm.files import atomic_write_text
 from scalelm.measure.hostload import OtherWork
+from scalelm.model.architecture import attention_flops_per_token
 
 if TYPE_CHECKING:
     import torch
@@ -141,3 +144,10 @@ def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_per_devi
     if not peak_per_device:
         return None
     return flops_per_token * tokens_per_s / (devices * peak_per_device)
+
+
+def causal_flops_per_token(flops_per_token: float, n_layers: int, d_model: int, seq_len: int) -> float:
+    """`flops_per_token` (scalelm.model.architecture's: attention over the whole sequence, 12 L s d, as torchtitan,
+    nanoGPT and PaLM count it) with causal attention counted at half, 6 L s d, as llm.c counts it: the products a
+    causal kernel computes. The numerator of `mfu_causal` in the report, the figure to compare with llm.c's MFU."""
+    return flops_per_token - attention_flops_per_token(n_layers, d_model, seq_len) // 2

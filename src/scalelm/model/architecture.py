@@ -28,6 +28,9 @@ QKV_WEIGHT = "attn.qkv.weight"  # one per block
 # tokens per chunk of the fused CPU loss (scalelm.model.cpu_ops.LinearCrossEntropy): its logits workspace holds
 # (vocab x this) floats, which the memory plan counts
 CPU_LOSS_CHUNK_ROWS = 1024
+# tokens per chunk of the chunked GPU loss (train.fused_loss: chunked; scalelm.model.gpu_ops): a chunk's logits and
+# their gradient live at once (the plan counts them); fewer, larger chunks sum the fp32 weight gradient fewer times
+GPU_LOSS_CHUNK_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,16 @@ def ffn_matmul_params(config: ModelConfig, index: int) -> int:
 
 def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls only, as in the PaLM/nanoGPT estimate; a
-    mixture counts the experts a token goes through (its active parameters)."""
+    mixture counts the experts a token goes through (its active parameters). MFU's numerator (scalelm.measure.peak),
+    attention over the whole sequence (`attention_flops_per_token`)."""
     d, layers = config.d_model, config.n_layers
     ffn = sum(ffn_matmul_params(config, i) for i in range(layers))
     matmul_params = layers * 4 * d * d + ffn + d * vocab_size
-    attention = 12 * layers * seq_len * d  # QK^T and AV over the full (unmasked) sequence, as nanoGPT counts them
-    return 6 * matmul_params + attention
+    return 6 * matmul_params + attention_flops_per_token(layers, d, seq_len)
+
+
+def attention_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> int:
+    """Attention's QK^T and AV per token in training, over the full (unmasked) sequence: 12 L s d, as nanoGPT, PaLM and
+    torchtitan count them. A causal mask leaves half of those products to compute: llm.c counts 6 L s d
+    (scalelm.measure.peak.causal_flops_per_token)."""
+    return 12 * n_layers * seq_len * d_model

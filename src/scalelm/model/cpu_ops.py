@@ -27,7 +27,7 @@ from torch import nn
 
 from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS
 from scalelm.model.gpu_ops import aligned_linear
-from scalelm.model.loss import IGNORE_INDEX, lm_loss
+from scalelm.model.loss import IGNORE_INDEX, lm_loss, stored_gradients
 
 
 class Dropout(nn.Dropout):
@@ -180,9 +180,16 @@ def linear_cross_entropy(
     """`lm_loss(F.linear(hidden, weight, bias), targets)`: the mean loss of the output projection's logits.
 
     hidden (tokens, d_model), weight (vocab, d_model), targets (tokens,). Fused on CPU in fp32 when gradients are
-    wanted (training); the plain composition everywhere else (GPUs, autocast, bf16, no_grad).
+    wanted (training: `cpu_fusable`); the plain composition everywhere else (GPUs, autocast, bf16, no_grad).
     """
-    fusable = (
+    if cpu_fusable(hidden, weight, bias):
+        return LinearCrossEntropy.apply(hidden, weight, bias, targets)
+    return lm_loss(aligned_linear(hidden, weight, bias), targets)
+
+
+def cpu_fusable(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Where `LinearCrossEntropy` computes the loss: on the CPU in fp32, gradients wanted, some tokens."""
+    return (
         torch.is_grad_enabled()
         and hidden.device.type == "cpu"
         and hidden.dtype == weight.dtype == torch.float32
@@ -191,9 +198,6 @@ def linear_cross_entropy(
         and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         and hidden.shape[0] > 0
     )
-    if fusable:
-        return LinearCrossEntropy.apply(hidden, weight, bias, targets)
-    return lm_loss(aligned_linear(hidden, weight, bias), targets)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -296,10 +300,4 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        if ctx.grads is None:
-            raise RuntimeError("LinearCrossEntropy: backward through the same loss twice is not supported")
-        grads, ctx.grads = ctx.grads, None
-        if grad_loss.item() != 1.0:  # a CPU scalar: no synchronisation
-            grads = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
-        needed = ctx.needs_input_grad
-        return (*(g if need else None for g, need in zip(grads, needed)), None)
+        return (*stored_gradients(ctx, grad_loss, "LinearCrossEntropy"), None)

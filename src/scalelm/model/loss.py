@@ -65,3 +65,18 @@ def join_auxiliary_loss(output: torch.Tensor, aux: torch.Tensor, weight: float) 
     if not (weight and torch.is_grad_enabled() and aux.requires_grad):
         return output
     return _AuxiliaryLoss.apply(output, aux, weight * _loss_weight)
+
+
+def stored_gradients(ctx, grad_loss: torch.Tensor, name: str) -> list[torch.Tensor | None]:
+    """For a loss whose forward computes its inputs' gradients (cpu_ops' and gpu_ops' fused head and loss, which keep
+    no logits for a backward): those gradients (`ctx.grads`), scaled by `grad_loss`, None where no input needs one;
+    taken once."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{name}: backward through the same loss twice is not supported")
+    grads, ctx.grads = ctx.grads, None
+    # a factor on the CPU is read for free (1: nothing to scale); on a GPU it is never read: the host would wait
+    scale = grad_loss.device.type != "cpu" or grad_loss.item() != 1.0
+    return [
+        (g.mul_(grad_loss) if scale else g) if g is not None and need else None
+        for g, need in zip(grads, ctx.needs_input_grad)
+    ]

@@ -11,8 +11,11 @@
 
 The experts hold their FFNs stacked along dim 0 (`GroupedExperts`): expert parallelism (scalelm.parallel.expert)
 splits them there and replaces `dispatch`, which runs the routed tokens through their experts, by an all-to-all to
-the experts' ranks and back. The layer counts the tokens each expert got and its aux loss once per trained
-micro-batch (in the backward: a recomputed forward would count twice, an evaluation not at all); scalelm's
+the experts' ranks and back. That exchange (`MoE.exchange`) is the routing's one data-dependent part: it runs
+eagerly and once (torch.compile compiles the block around it; activation checkpointing recomputes none of it) and
+reads the host at most once (expert parallelism's row counts; in one process none where the experts' product is
+grouped, `grouped_product`). The layer counts the tokens each expert got and its aux loss once per trained
+micro-batch (in the backward: a forward without one, an evaluation's, counts nothing); scalelm's
 instruments read and reset them (`take_load`). While a pipeline infers its stages' shapes (`shapes_only`: torch runs
 the stage on placeholder or meta tensors) a mixture routes nothing, sends nothing and counts nothing.
 """
@@ -20,6 +23,7 @@ the stage on placeholder or meta tensors) a mixture routes nothing, sends nothin
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,7 +44,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """`experts` FFNs (up, ReLU, down, as FeedForward, without its inner dropout: a token's place in its expert's
     batch depends on the layout) stacked along dim 0; a rank holds all of them, or its share under expert
-    parallelism."""
+    parallelism. Their products are one grouped product per matrix (`torch._grouped_mm`, the expert of each row
+    given by offsets on the device: no host read), where `grouped_product` says it runs; elsewhere one product per
+    expert, for which the caller reads the row counts to the host once."""
 
     def __init__(self, experts: int, d_model: int, d_ff: int):
         super().__init__()
@@ -57,19 +63,95 @@ class GroupedExperts(nn.Module):
         nn.init.zeros_(self.up_bias)
         nn.init.zeros_(self.down_bias)
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e -> their outputs, in order."""
-        weights = [local(p).to(tokens.dtype) for p in (self.up_weight, self.up_bias, self.down_weight, self.down_bias)]
+    def grouped(self, tokens: torch.Tensor) -> bool:
+        """Whether `forward` runs `tokens` through one grouped product (else a product per expert: the caller passes
+        the row counts on the host)."""
+        return grouped_product(tokens, [local(self.up_weight), local(self.down_weight)])
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e (on the tokens' device; where
+        the product loops over the experts, `host_counts`, the same on the host) -> their outputs, in order."""
+        if self.grouped(tokens):
+            dtype = product_dtype(tokens)
+            up_w, up_b, down_w, down_b = self.weights(dtype)
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            hidden = F.relu(_grouped_linear(tokens.to(dtype), up_w, up_b, counts, offsets))
+            return _DenseGradient.apply(_grouped_linear(hidden, down_w, down_b, counts, offsets))
+        up_w, up_b, down_w, down_b = self.weights(tokens.dtype)  # (autocast casts them for its products)
         outputs = []
-        for e, rows in enumerate(tokens.split(counts)):
-            up_w, up_b, down_w, down_b = (w[e] for w in weights)
-            outputs.append(F.linear(F.relu(F.linear(rows, up_w, up_b)), down_w, down_b))
+        for e, rows in enumerate(tokens.split(host_counts if host_counts is not None else counts.tolist())):
+            outputs.append(F.linear(F.relu(F.linear(rows, up_w[e], up_b[e])), down_w[e], down_b[e]))
         return torch.cat(outputs)
+
+    def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's up weight and bias, down weight and bias, in `dtype`."""
+        return [local(p).to(dtype) for p in (self.up_weight, self.up_bias, self.down_weight, self.down_bias)]
+
+
+def _grouped_linear(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """F.linear of each expert's rows with its weight (experts, out, in) and bias (experts, out): one grouped
+    product, each row's bias gathered by its expert (as torchtitan's GPT-OSS experts; output_size: no host read)."""
+    product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    return product + bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
+
+
+class _DenseGradient(torch.autograd.Function):
+    """Passes `output` through; its gradient made contiguous, as the grouped product's backward requires (a sum's
+    gradient, say, is expanded from one number)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def product_dtype(tokens: torch.Tensor) -> torch.dtype:
+    """The precision of the experts' products: autocast's where it is on (F.linear's), else the tokens'."""
+    device = tokens.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
+
+
+@functools.cache
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch runs `torch._grouped_mm` on `device` in `dtype` without reading the offsets back to the
+    host: CUDA's grouped kernel for bf16 on sm90 (elsewhere CUDA copies the offsets to the host and loops, as the
+    per-expert loop does visibly; sm100's kernel failed to launch in torch 2.10 builds, so Blackwell keeps the loop
+    until a GPU shows otherwise); on CPU, where the offsets already are, its loop of products (torch 2.9 and later:
+    tried once)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] == 9
+    if device.type != "cpu":
+        return False
+    rows, weights = torch.zeros(1, 8, dtype=dtype, device=device), torch.zeros(1, 8, 8, dtype=dtype, device=device)
+    try:
+        torch._grouped_mm(rows, weights, offs=torch.ones(1, dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_product(tokens: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """The one place the experts' product is chosen: grouped where torch runs it for the tokens' device and the
+    products' precision and every operand (the rows, the weights they multiply) meets its alignment (16 bytes, for
+    addresses and rows); else the per-expert loop."""
+    dtype = product_dtype(tokens)
+    if not _grouped_mm_runs(tokens.device, dtype):
+        return False
+    aligned = 16 // dtype.itemsize
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] % aligned == 0 for t in [tokens, *weights])
 
 
 def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-    """Every expert on this rank: the routed rows (grouped by expert, counts[e] for expert e) through their experts."""
-    return experts(routed, counts.tolist())
+    """Every expert on this rank: the routed rows (grouped by expert, counts[e] for expert e) through their experts;
+    the counts read to the host only where the product loops over the experts."""
+    return experts(routed, counts, None if experts.grouped(routed) else counts.tolist())
 
 
 _shapes_only = False
@@ -84,6 +166,13 @@ def shapes_only() -> Iterator[None]:
         yield
     finally:
         _shapes_only = before
+
+
+def tally(choices: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of `choices` (expert indices along the last dimension) went to each expert: torch.bincount, batched,
+    in a shape known without reading the data (no host read, where bincount and one_hot make one on some devices;
+    torch.compile traces it)."""
+    return choices.new_zeros(*choices.shape[:-1], experts).scatter_add_(-1, choices, torch.ones_like(choices))
 
 
 class _CountOnBackward(torch.autograd.Function):
@@ -117,9 +206,6 @@ class MoE(nn.Module):
         self.aux_sum: torch.Tensor | None = None  # the aux losses since `take_load`, and their count
         self.aux_count = 0
 
-    # the routing's sizes depend on the data (a split per expert, an all-to-all's counts): torch.compile would
-    # recompile it at every step; the rest of a compiled block compiles, this runs eagerly
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _shapes_only:
             return x * 0
@@ -133,22 +219,30 @@ class MoE(nn.Module):
         # rows (token, choice) grouped by expert, in token order within each: the order does not depend on the layout
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.experts_count)
-        routed = self.dispatch(tokens[order // self.top_k], counts, self.experts)
+        counts = tally(flat, self.experts_count)
+        aux = self.balance_loss(probs.view(batch, seq, -1), chosen.view(batch, seq, -1))
+        routed = self.exchange(tokens[order // self.top_k], counts, aux)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
         y = (unsorted.view(-1, self.top_k, d) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(dim=1)
+        return y.view(batch, seq, d)
 
-        aux = self.balance_loss(probs.view(batch, seq, -1), chosen.view(batch, seq, -1))
-        y = join_auxiliary_loss(y, aux, self.aux_weight)
+    # the routing's data-dependent part (rows per expert; under expert parallelism all-to-alls whose sizes the host
+    # must know) and what changes the layer's state: eager, run once. torch.compile compiles the rest of the block
+    # around it, and activation checkpointing recomputes none of it (scalelm.parallel.activation_checkpoint)
+    @torch.compiler.disable
+    def exchange(self, routed: torch.Tensor, counts: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The routed rows (grouped by expert, counts[e] for expert e) through their experts, wherever they are;
+        the aux loss joins the training loss through them, and the load is counted in their backward."""
+        out = join_auxiliary_loss(self.dispatch(routed, counts, self.experts), aux, self.aux_weight)
         if torch.is_grad_enabled():
             counted = counts.detach().float()
-            y = _CountOnBackward.apply(y, lambda: self.count(counted, aux.detach()))
-        return y.view(batch, seq, d)
+            out = _CountOnBackward.apply(out, lambda: self.count(counted, aux.detach()))
+        return out
 
     def balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Switch's load-balancing loss, per sequence, averaged over the sequences: probs (batch, seq, experts),
         chosen (batch, seq, top_k)."""
-        choices = F.one_hot(chosen, self.experts_count).sum(dim=(1, 2)).float()  # (batch, experts)
+        choices = tally(chosen.flatten(1), self.experts_count).float()  # (batch, experts)
         share = choices / (chosen.shape[1] * self.top_k)
         return self.experts_count * (share * probs.mean(dim=1)).sum(dim=-1).mean()
 

@@ -8,7 +8,8 @@ Training calls `model(inputs, targets)`, which returns the mean next-token cross
 On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
 its gradient, chunk by chunk, and so never materialises the (tokens x vocabulary) logits, their log-softmax and
 its gradient as separate tensors (see docs/benchmarks.md); elsewhere it is the plain
-`lm_loss(head(x), targets)` (scalelm.model.loss). Both compute the same function.
+`lm_loss(head(x), targets)` (scalelm.model.loss), or with train.fused_loss: chunked the chunked GPU loss
+(scalelm.model.gpu_ops). All compute the same function.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from torch import nn
 
 from scalelm.config import ModelConfig
 from scalelm.model.architecture import is_moe_block
-from scalelm.model.cpu_ops import Dropout, linear_cross_entropy, stream_attention
-from scalelm.model.gpu_ops import aligned_linear
+from scalelm.model.cpu_ops import Dropout, cpu_fusable, linear_cross_entropy, stream_attention
+from scalelm.model.gpu_ops import (
+    ChunkLoss,
+    aligned_linear,
+    chunked_linear_cross_entropy,
+    chunked_loss_applies,
+    loss_chunk,
+)
 from scalelm.model.loss import lm_loss
 from scalelm.model.moe import GroupedExperts, MoE
 
@@ -97,13 +104,32 @@ class Block(nn.Module):
 
 
 class OutputHead(nn.Linear):
-    """The output projection; given targets, it returns the mean cross-entropy of its logits instead of them, fused
-    with the projection on CPU (scalelm.model.cpu_ops). Its own forward, so that FSDP can shard it as a unit."""
+    """The output projection; given targets, it returns the mean cross-entropy of its logits instead of them, by the
+    path train.fused_loss (`fused_loss`, set with the model's options) chooses: auto, fused with the projection on CPU
+    in fp32 (scalelm.model.cpu_ops), the plain composition elsewhere (on CUDA compiled with the head); chunked, chunk
+    by chunk where the CPU's fused loss does not apply (scalelm.model.gpu_ops: the logits never kept for the
+    backward); plain, the plain composition everywhere. All compute the same function. Its own forward, so that FSDP
+    can shard it as a unit."""
+
+    fused_loss = "auto"
+    chunk: ChunkLoss = staticmethod(loss_chunk)  # one chunk of the chunked loss; compiled by `compile`
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return aligned_linear(x, self.weight, self.bias)
-        return linear_cross_entropy(x.flatten(0, -2), self.weight, self.bias, targets.flatten())
+        hidden, targets = x.flatten(0, -2), targets.flatten()
+        if self.fused_loss == "plain":
+            return lm_loss(aligned_linear(hidden, self.weight, self.bias), targets)
+        chunked = self.fused_loss == "chunked" and not cpu_fusable(hidden, self.weight, self.bias)
+        if chunked and chunked_loss_applies(hidden, self.weight, self.bias):
+            return chunked_linear_cross_entropy(hidden, self.weight, self.bias, targets, self.chunk)
+        return linear_cross_entropy(hidden, self.weight, self.bias, targets)
+
+    def compile(self, **options) -> None:
+        """nn.Module.compile, and the chunked loss's chunk function compiled with the same `options`: the chunked
+        loss runs outside the compiled forward (a loop over chunks), each chunk through one compiled graph."""
+        super().compile(**options)
+        self.chunk = torch.compile(loss_chunk, **options)
 
 
 class TransformerLM(nn.Module):

@@ -2,7 +2,8 @@
 torchtitan uses), so that FSDP's hooks stay outside the compiled code and every block shares one compiled graph.
 
 Modules are compiled in place (`nn.Module.compile`): parameter names, and so checkpoints, are those of the eager
-model, and a compiled run resumes an eager one's checkpoint and the other way round.
+model, and a compiled run resumes an eager one's checkpoint and the other way round. Evaluation runs them eagerly
+(scalelm.train.evaluation): under no_grad and eval() they would compile again.
 
 `train.compile_mode` is passed on as torch.compile's mode. max-autotune-no-cudagraphs benchmarks kernels at the first
 step (minutes); what it found is worth keeping, so Inductor's persistent caches stay on (FX graphs and autotuning

@@ -196,7 +196,8 @@ def _ring_backward(d_out, q, k, v, out, lse, *options) -> tuple[torch.Tensor, to
     ring, plan, drop, kernel = _setup(q, k, v, *options)
     dq = _rank_backward(d_out.to(q.dtype), q, out, lse, ring, plan, drop, kernel)
     dk, dv = ring.own_dkv().unbind(0)
-    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype)  # copy: an operator's outputs may not alias
+    # copies: an operator's outputs may not alias each other, and are fresh, as its fake kernel makes them
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
 
 
 @torch.library.custom_op("scalelm::ring_attention", mutates_args=())
@@ -214,9 +215,15 @@ def _ring_attention_op(
     return _ring_forward(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset)
 
 
+def _contiguous_like(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An empty tensor laid out as the ring's outputs always are, contiguous: what its fake kernels return (empty_like
+    would keep the strides of a permuted input, dense or gapped, and compiled code would read the outputs wrong)."""
+    return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
+
+
 @_ring_attention_op.register_fake
 def _(q, k, v, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+    return _contiguous_like(q), _contiguous_like(q, q.shape[:3], _acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("scalelm::ring_attention_backward", mutates_args=())
@@ -240,7 +247,7 @@ def _ring_attention_backward_op(
 
 @_ring_attention_backward_op.register_fake
 def _(d_out, q, k, v, out, lse, seed, group_name, load_balance, dropout_p, batch_offset, head_offset):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -1,11 +1,18 @@
-"""Process group and device from torchrun's environment: NCCL on the LOCAL_RANK's GPU, gloo on CPU."""
+"""Process group and device from torchrun's environment: NCCL on the LOCAL_RANK's GPU, gloo on CPU.
+
+SCALELM_SHARE_GPU=1 puts every rank of a node on its first GPU (cuda:0), for correctness tests of multi-rank layouts
+on a machine with one GPU (bench/gpu_paths.py, check I), never for speed: NCCL refuses two ranks on one device
+("Duplicate GPU detected") unless each looks like a node of its own, so each rank gets an NCCL_HOSTID of its own
+and NCCL's transport between nodes over the loopback interface (`shared_gpu_environment`; unsupported by NVIDIA,
+contexts time-sliced). DistEnv.local_rank stays torchrun's (one rank of a node stages the data and samples the GPU).
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NoReturn
@@ -43,7 +50,29 @@ class DistEnv:
         return Devices(used=self.device.type, auto="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
+SHARE_GPU = "SCALELM_SHARE_GPU"
+
+
+def shares_gpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """SCALELM_SHARE_GPU: 1, every rank of a node on its first GPU; unset, empty or 0, one GPU per rank."""
+    value = environ.get(SHARE_GPU, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{SHARE_GPU}={value!r}: set it to 1 (every rank on the node's first GPU) or 0, or unset it")
+    return value == "1"
+
+
+def shared_gpu_environment(rank: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What NCCL needs to run this rank beside others on one GPU: a host id of its own (NCCL hashes NCCL_HOSTID in
+    place of the host name, so the ranks look like nodes of one GPU each and NCCL's duplicate check passes), and its
+    transport between nodes on the loopback interface without InfiniBand or NVLink SHARP (transport settings already
+    made stay; a job-wide NCCL_HOSTID does not)."""
+    defaults = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0", "NCCL_MNNVL_ENABLE": "0"}
+    made = {name: environ[name] for name in defaults if name in environ}
+    return {**defaults, **made, "NCCL_HOSTID": f"{socket.gethostname()}-rank{rank}"}
+
+
+def pick_device(preference: str, local_rank: int, share_gpu: bool = False) -> torch.device:
+    """The device of the process with torchrun's `local_rank`: its own GPU, or with `share_gpu` the node's first."""
     if preference == "cuda" and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise ConfigError(
@@ -51,12 +80,14 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
             "GPU node with a CUDA build of torch, or use device=auto or device=cpu"
         )
     if preference in ("cuda", "auto") and torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+        index = 0 if share_gpu else local_rank
+        if index >= torch.cuda.device_count():
             raise ConfigError(
                 f"LOCAL_RANK {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
-                "start at most one process per GPU (torchrun --nproc-per-node)"
+                f"start at most one process per GPU (torchrun --nproc-per-node), or set {SHARE_GPU}=1 to test a "
+                "layout's correctness with every rank on one GPU"
             )
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -69,15 +100,18 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
 
 
 def setup(preference: str, timeout_s: int, cpu_collectives: bool = False) -> DistEnv:
-    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device and, for more
-    than one process, start the process group (`backend_for`).
+    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device (SCALELM_SHARE_GPU:
+    the module's docstring) and, for more than one process, start the process group (`backend_for`).
 
     On CPU, host memory freed by one step is kept for the next (scalelm.parallel.hostmemory).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(preference, local_rank)
+    local_rank, rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0"))
+    share_gpu = shares_gpu()
+    device = pick_device(preference, local_rank, share_gpu)
     if device.type == "cuda":
+        if share_gpu:  # before NCCL starts: it reads its host id once
+            os.environ.update(shared_gpu_environment(rank))
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()
@@ -88,7 +122,7 @@ def setup(preference: str, timeout_s: int, cpu_collectives: bool = False) -> Dis
             device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(
-        rank=int(os.environ.get("RANK", "0")),
+        rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         device=device,

@@ -6,7 +6,9 @@ choice), each token sent to its experts' ranks and back by all-to-all.
                 tokens go to whichever rank of its group holds their experts
     dispatch    every rank tells each rank of its group how many rows it sends to each of that rank's experts (an
                 all-to-all of counts), then sends the rows (an all-to-all with those splits), which the receiver
-                groups by expert, runs through them, and sends back in the order they came (the same splits swapped)
+                groups by expert, runs through them, and sends back in the order they came (the same splits swapped);
+                the host reads the counts sent and received once, together (the one sync of a mixture's forward),
+                the backward reuses those splits, and activation checkpointing never runs the exchange again
     gradients   the all-to-all's backward carries the gradients back, so an expert's gradient on its rank sums the
                 group's tokens; `reduce_expert_gradients` sums it over the ranks holding the same experts (the
                 other shard groups and the replicas) and divides by the data-parallel ranks, as FSDP and DDP average
@@ -62,16 +64,25 @@ class ExpertDispatch:
         # counts[e]: rows of this rank for expert e; rank r of the group holds experts r x local_experts, ...
         incoming = torch.empty_like(counts)
         dist.all_to_all_single(incoming, counts, group=self.group)
-        incoming = incoming.view(self.ranks, self.local_experts)  # [source rank, local expert]
-        sent = counts.view(self.ranks, self.local_experts).sum(dim=1).tolist()
-        received = incoming.sum(dim=1).tolist()
+        sent, received, per_expert = self.splits(torch.cat([counts, incoming]).tolist())  # the one host read
         rows = all_to_all(routed, received, sent, self.group)
         # the rows came by source rank, each source's by expert: regroup them by expert, in source order
         expert_of_row = torch.arange(self.local_experts, device=rows.device).repeat(self.ranks)
-        by_expert = expert_of_row.repeat_interleave(incoming.flatten()).argsort(stable=True)
-        out = experts(rows[by_expert], incoming.sum(dim=0).tolist())
+        by_expert = expert_of_row.repeat_interleave(incoming, output_size=rows.shape[0]).argsort(stable=True)
+        local_counts = incoming.view(self.ranks, self.local_experts).sum(dim=0)
+        out = experts(rows[by_expert], local_counts, per_expert)
         back = torch.empty_like(out).index_copy_(0, by_expert, out)
         return all_to_all(back, sent, received, self.group)
+
+    def splits(self, counts: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """From this rank's counts per expert and, after them, the counts it receives ([source rank, local expert]):
+        the rows it sends to each rank, receives from each, and gets for each of its experts."""
+        mine, incoming = counts[: len(counts) // 2], counts[len(counts) // 2 :]
+        experts = self.local_experts
+        sent = [sum(mine[r * experts : (r + 1) * experts]) for r in range(self.ranks)]
+        received = [sum(incoming[r * experts : (r + 1) * experts]) for r in range(self.ranks)]
+        per_expert = [sum(incoming[e::experts]) for e in range(experts)]
+        return sent, received, per_expert
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ its score matrix (what torch's own context_parallel merges on): on CUDA in fp16/
 `_scaled_dot_product_flash_attention_for_cpu`, each with its backward. `KERNELS` picks one per device type (tests
 replace it). With dropout, and where no kernel fits (fp32 on CUDA), a block goes through plain matrix products in the
 accumulation dtype (fp32), which hold its score matrix; their backward recomputes the probabilities from the whole
-attention's log-sum-exp.
+attention's log-sum-exp. In a bf16 run they are IEEE fp32, an order of magnitude slower on a GPU than its bf16
+kernels, and hold an fp32 score block with the mask's int64 hash (20 bytes a score): what dropout costs a cp run,
+which the memory plan counts (scalelm.plan.memory.ring_transient_bytes) and the step-time plan does not.
 
 Attention dropout draws its masks from a counter-based hash of (seed, batch, head, query position, key position),
 so they do not depend on cp or on the split: a run with cp = 2 drops the same probabilities as one without.

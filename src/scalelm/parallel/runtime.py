@@ -16,13 +16,15 @@ to the blocks besides the layout (activation checkpointing, compilation) is the 
 `build`.
 
 Two of the single-GPU levers of docs/benchmarks.md live here: `train.attention_kernels: auto` puts cuDNN's attention
-first around every forward on Hopper (`forward_context`), and `train.precision: bf16_params` on one process builds
-a mesh of one rank so that FSDP's policy casts the parameters to bf16 (every activation bf16, fp32 master weights).
+first around every forward on Hopper where torch does not already (`attention_backends`, `forward_context`), and
+`train.precision: bf16_params` on one process builds a mesh of one rank so that FSDP's policy casts the parameters to
+bf16 (every activation bf16, fp32 master weights).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ContextManager
@@ -52,19 +54,60 @@ from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
 from scalelm.parallel.tensor import apply_tp
 
-# train.attention_kernels: auto, on the GPUs where cuDNN's fused attention beats flash attention for training shapes
-# (Hopper), which SDPA's own order tries after flash and memory-efficient attention
+# train.attention_kernels: auto, cuDNN's fused attention first on the GPUs where it beats flash attention for training
+# shapes (Hopper), where torch's own order does not already put it first (torch_prefers_cudnn) and its cuDNN is one
+# torch itself has put first: 9.9 and later (torch 2.9's rule); before 9.15.1, which fixed sequence lengths that are
+# not a multiple of 128 (pytorch#169849: the reason torch 2.10 stopped preferring older versions), only for those
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CUDNN_FIRST_CAPABILITIES = ((9, 0),)
+CUDNN_TRUSTED = 90900
+CUDNN_ANY_LENGTH = 91501
+CUDNN_LENGTH_MULTIPLE = 128
 
 
 def attention_backends(setting: str, device: torch.device) -> list[SDPBackend] | None:
     """The SDPA backends, in priority order, that forward passes run under for train.attention_kernels; None: torch's
-    own order."""
-    if setting == "auto" and device.type == "cuda":
-        if torch.cuda.get_device_capability(device) in CUDNN_FIRST_CAPABILITIES:
-            return CUDNN_FIRST
-    return None
+    own order, which `auto` keeps where it already starts with cuDNN, where the environment tells torch not to prefer
+    cuDNN, and with a cuDNN older than 9.9."""
+    if setting != "auto" or device.type != "cuda" or cudnn_deprioritized():
+        return None
+    if torch.cuda.get_device_capability(device) not in CUDNN_FIRST_CAPABILITIES:
+        return None
+    if (torch.backends.cudnn.version() or 0) < CUDNN_TRUSTED or torch_prefers_cudnn(device):
+        return None
+    return CUDNN_FIRST
+
+
+def cudnn_deprioritized() -> bool:
+    """torch's own switches against cuDNN's attention first: TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (torch 2.10 on) and
+    TORCH_CUDNN_SDPA_PREFERRED=0 (2.9)."""
+    return (
+        os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1" or os.environ.get("TORCH_CUDNN_SDPA_PREFERRED") == "0"
+    )
+
+
+def torch_prefers_cudnn(device: torch.device) -> bool:
+    """Whether torch's own SDPA order on `device` starts with cuDNN's attention (sdp_utils.cpp,
+    check_prefer_cudnn_attention): in torch 2.9 on sm90 and sm100 with a cuDNN of 9.9 or later, from 2.10 on only with
+    a cuDNN above 9.15.0 at run time (so with the cuDNN 9.19 of torch 2.11's CUDA 13 wheels), never before 2.9. Torch
+    settles that order at its first choice of a backend (for the current device: scalelm.parallel.env sets it), which
+    this makes on a tiny input before reading it."""
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
+    torch._fused_sdp_choice(q, q, q)
+    return SDPBackend(torch._C._get_sdp_priority_order()[0]) == SDPBackend.CUDNN_ATTENTION
+
+
+def check_attention_lengths(config: Config, device: torch.device) -> None:
+    """train.attention_kernels=auto with a cuDNN older than 9.15.1 only for sequences of a multiple of 128 tokens."""
+    seq_len, cudnn = config.data.seq_len, torch.backends.cudnn.version() or 0
+    if device.type != "cuda" or seq_len % CUDNN_LENGTH_MULTIPLE == 0 or cudnn >= CUDNN_ANY_LENGTH:
+        return
+    if attention_backends(config.train.attention_kernels, device) is not None:
+        raise ConfigError(
+            f"train.attention_kernels=auto would put cuDNN's attention first with cuDNN {cudnn}, older than 9.15.1, "
+            f"which fixed sequence lengths that are not a multiple of 128 (pytorch#169849), and data.seq_len="
+            f"{seq_len} is not one: set train.attention_kernels=default, or data.seq_len to a multiple of 128"
+        )
 
 
 def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
@@ -86,17 +129,21 @@ def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class ModelOptions:
     """What `build` applies to each block besides the layout, in this order, before FSDP or DDP wraps it: activation
-    checkpointing (train.activation_checkpointing) and compilation (train.compile, train.compile_mode)."""
+    checkpointing (train.activation_checkpointing) and compilation (train.compile, train.compile_mode); and the path
+    of the head's loss (train.fused_loss)."""
 
     activation_checkpointing: str = "none"
     compile: bool = False
     compile_mode: str = "default"
+    fused_loss: str = "auto"
 
     @classmethod
     def of(cls, train: TrainConfig) -> ModelOptions:
-        return cls(train.activation_checkpointing, train.compile, train.compile_mode)
+        return cls(train.activation_checkpointing, train.compile, train.compile_mode, train.fused_loss)
 
     def apply(self, model: nn.Module, device: torch.device) -> None:
+        if model.head is not None:  # (a pipeline stage before the last has none)
+            model.head.fused_loss = self.fused_loss
         apply_activation_checkpointing(model, self.activation_checkpointing)
         if self.compile:
             apply_compile(model, device, self.compile_mode)
@@ -413,14 +460,16 @@ def _fsdp_no_sync(model: nn.Module):
 
 def check_on_device(config: Config, device: torch.device) -> None:
     """What only the device decides, refused before the run directory is touched (and, in one process, before a
-    process group is started): bf16 on CPU, FSDP's CPU offload without a GPU, compilation (of the blocks or the
-    optimizer's step) on CUDA without a C compiler."""
+    process group is started): bf16 on CPU, FSDP's CPU offload without a GPU, cuDNN's attention forced first on
+    sequence lengths its version mishandles, compilation (of the blocks or the optimizer's step) on CUDA without a C
+    compiler."""
     resolve_precision(config.train.precision, device.type)
     if config.parallel.cpu_offload and device.type != "cuda":
         raise ConfigError(
             "parallel.cpu_offload moves FSDP's parameters from GPU to CPU memory and needs CUDA; this run's device is "
             f"{device.type}: set parallel.cpu_offload=false"
         )
+    check_attention_lengths(config, device)
     compiled = tuple(f"train.{key}" for key in ("compile", "compile_optimizer") if getattr(config.train, key))
     if compiled and device.type == "cuda":
         check_c_compiler(compiled)

@@ -19,8 +19,8 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
                                         experts' ranks and back (dispatch and combine, B = tokens x top_k x d_model
                                         in the compute precision, of which (ep - 1)/ep leave the rank under uniform
                                         routing), each after an all-to-all of the rows' counts (B = experts int64);
-                                        backward the two gradients the same way (and, with activation
-                                        checkpointing, the recomputed forward's three again)
+                                        backward the two gradients the same way (activation checkpointing
+                                        recomputes none of them)
     EP all-reduce    2 (n - 1)/n B      the experts' fp32 gradients over the ranks holding the same experts
                                         (dp_shard / ep x dp_replicate), once per step, one per expert tensor
 
@@ -49,7 +49,7 @@ from scalelm.plan.memory import Workload, block_indices, gathered_by_fsdp, held,
 
 INTRA, INTER = "intra-node", "inter-node"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, which scalelm keeps
-COUNT_BYTES = 8  # an expert's row count in the dispatch's first all-to-all (int64, torch.bincount's)
+COUNT_BYTES = 8  # an expert's row count in the dispatch's first all-to-all (int64, scalelm.model.moe.tally's)
 EXPERT_REPLICAS = "expert_replicas"  # the ranks holding the same experts (ParallelDims.groups)
 
 
@@ -167,14 +167,13 @@ def expert_flows(work: Workload, dims: ParallelDims, tensors: list, tokens: int,
         return []
     rows = mixtures * tokens * model.moe.top_k * model.d_model * e  # every mixture's routed rows, one way
     calls = mixtures * passes  # of each all-to-all
-    forwards = 2 if work.checkpointing in ("full", "selective") else 1  # recomputed: the forward's run again
     experts = [t for t in tensors if t.expert]
-    counts = forwards * calls * model.moe.experts * COUNT_BYTES
+    counts = calls * model.moe.experts * COUNT_BYTES
     gradients = sum(held(t, dims) for t in experts) * 4
     flows = [
-        ("all-to-all row counts (EP)", "ep", "all_to_all", counts, forwards * calls, None),
+        ("all-to-all row counts (EP)", "ep", "all_to_all", counts, calls, None),
         ("all-to-all dispatch and combine (EP, forward)", "ep", "all_to_all", 2 * rows, 2 * calls, None),
-        ("all-to-all gradients (EP, backward)", "ep", "all_to_all", 2 * forwards * rows, 2 * forwards * calls, None),
+        ("all-to-all gradients (EP, backward)", "ep", "all_to_all", 2 * rows, 2 * calls, None),
     ]
     if dims.dp_size > dims.ep:  # the experts have replicas (other shard groups, HSDP's replicas)
         flows.append(

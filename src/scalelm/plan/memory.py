@@ -10,6 +10,11 @@ Each rank holds, in bytes (the figures are those of the rank holding the most, a
     buffers      FSDP's gathered weights and gradients of the units at work, a pipeline's send and receive buffers,
                  the positional table, the fused CPU loss's workspace
 
+FSDP's buffers hold each unit's weights gathered in the compute precision, the next unit's prefetched (without
+resharding after the forward: every unit's, kept to the backward), and a unit's gradients before they are reduced, in
+the compute precision and in fp32; `train.precision: bf16_params` in one process is FSDP on a mesh of one rank, which
+keeps every unit's bf16 copy (scalelm.parallel.runtime).
+
 Sharding divides the first three as scalelm.parallel applies it: tensor parallelism (tp) splits the four matrices of
 a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_shard x cp) cuts every tensor's first
 dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors. Context
@@ -39,9 +44,10 @@ Under expert parallelism in bf16 each mixture also keeps its experts' weights ca
 which would free such copies, leaves the experts alone), and the buffers hold the all-to-all's rows of the mixture
 at work, sent and received (2 c d e per token). With full activation checkpointing a block keeps only its input (e d/u),
 with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
-attention's output, the FFN's hidden activation, the two products whose sum the residual adds; a mixture's block
-e (d/u + 4d/t + d + n + c (d + g)): its router's scores and its experts' two products); one block at a time
-is recomputed. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
+attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
+is recomputed. A mixture's block never recomputes its exchange (scalelm.parallel.activation_checkpoint): with full
+checkpointing it keeps its formula less its attention's and experts' insides, recomputed (4d/t and c g), with
+selective all of it. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
 log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
 backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t) and the working memory of the block at work
 (ring_transient_bytes): through a fused kernel (no dropout; bf16 on GPUs with a head size that is a multiple of 8 up
@@ -49,11 +55,15 @@ to 256, any precision on CPU) its fp32 output accumulator and, the larger, backw
 block's three gradients and cuDNN's contiguous copies of its queries, keys, values, output and output gradient
 ((4 + 8e) bytes per token and d/t); through matrix products (dropout, or fp32 on GPUs) a score block of the rank's
 L = s/cp queries and keys (L a/t scores per token) in fp32 with one live temporary (8 bytes a score), with dropout
-the probabilities and the mask's int64 hash with its shifted temporary (20 bytes a score). The embedding
+the probabilities and the mask's int64 hash with its shifted temporary (20 bytes a score), and the fp32 dq
+accumulator with the block's three fp32 gradients, in bf16 also its fp32 copies of q, k, v and the output gradient
+(16, in bf16 32 bytes per token and d/t): what a bf16 run with dropout pays, its blocks in IEEE fp32. The embedding
 adds its dropout's mask, the last stage the final norm's and the head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
 and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
 gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
-gradients (scalelm.model.cpu_ops). A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
+gradients (scalelm.model.cpu_ops), as does the chunked GPU loss (train.fused_loss: chunked, scalelm.model.gpu_ops),
+whose chunk at work holds its fp32 logits and their exponentials with their gradient, (8 + e) V per token of the
+chunk, beside the chunk's fp32 weight gradient. A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
 GPipe, pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
 
 The sum of all five parts is the plan's peak: an upper estimate, as a step never holds all activations and all
@@ -68,9 +78,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scalelm.config import Config, resolve_precision
-from scalelm.model.architecture import CPU_LOSS_CHUNK_ROWS, QKV_WEIGHT, Parameter, is_moe_block, parameters
+from scalelm.model.architecture import (
+    CPU_LOSS_CHUNK_ROWS,
+    GPU_LOSS_CHUNK_ROWS,
+    QKV_WEIGHT,
+    Parameter,
+    is_moe_block,
+    parameters,
+)
 from scalelm.parallel.dims import ParallelDims
-from scalelm.parallel.layout import Layout
+from scalelm.parallel.layout import Layout, fsdp_of_one
 
 PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 STATE_PARTS = PARTS[:3]
@@ -80,6 +97,7 @@ SCORES_FORMULA = " + a s (2e + k)/t"  # where attention keeps its scores
 RING_FORMULA = " + 4a/t"  # context parallelism's ring attention: its log-sum-exp
 RING_SCORE_BYTES = 8  # a ring block's fp32 score and one temporary (logsumexp's, the backward's dp)
 RING_SCORE_BYTES_DROPOUT = 20  # with dropout: the probability, and the mask's int64 hash and its shifted temporary
+RING_PRODUCT_WIDTH_BYTES = 16  # per token and d/t: the products' fp32 dq accumulator and a block's three gradients
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 MOE_FORMULA = "e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c"  # a mixture's block (model.moe)
 ROUTE_BYTES = 32  # per route (a token's choice): three int64 indices (choice, order, token) and two fp32 weights
@@ -119,7 +137,18 @@ class Workload:
 
     @property
     def fused_cpu_loss(self) -> bool:
-        return self.device == "cpu" and self.precision == "fp32" and not self.config.parallel.loss_parallel
+        whole_head = not self.config.parallel.loss_parallel
+        return self.device == "cpu" and self.precision == "fp32" and whole_head and self.loss_path != "plain"
+
+    @property
+    def chunked_loss(self) -> bool:
+        """The chunked loss (train.fused_loss: chunked), where the CPU's fused one does not apply."""
+        whole_head = not self.config.parallel.loss_parallel
+        return self.loss_path == "chunked" and whole_head and not self.fused_cpu_loss
+
+    @property
+    def loss_path(self) -> str:
+        return self.config.train.fused_loss
 
 
 @dataclass
@@ -198,6 +227,18 @@ def held(tensor: Parameter, dims: ParallelDims) -> int:
     return tensor.numel(dims.tp, dims.shard_size if dims.sharded else 1)
 
 
+def fsdp_reshards(work: Workload, dims: ParallelDims) -> bool | None:
+    """Whether FSDP frees a unit's gathered weights after its forward, as scalelm.parallel.runtime applies it; None
+    without FSDP. train.precision=bf16_params in one process is FSDP on a mesh of one rank, which reshards only where
+    parallel.reshard_after_forward says so (freeing nothing, it would gather again for the backward)."""
+    options = work.config.parallel
+    if dims.sharded:
+        return options.reshards(dims.pp)
+    if fsdp_of_one(work.config.train.precision, dims.world_size):
+        return bool(options.reshard_after_forward)
+    return None
+
+
 def gathered_by_fsdp(tensor: Parameter, dims: ParallelDims) -> bool:
     """Whether FSDP gathers `tensor` before its unit computes: all but the experts under expert parallelism."""
     return not (tensor.expert and dims.ep > 1)
@@ -246,16 +287,19 @@ def moe_block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float
     return kept, f"{MOE_FORMULA} with {values}: {kept:,.0f} B per token and mixture's block"
 
 
-def selective_bytes_per_token(work: Workload, dims: ParallelDims, mixture: bool) -> float:
-    """What a block keeps per token under selective activation checkpointing: its products' and attention's
-    outputs (a mixture's: its router's and its experts' products)."""
+def checkpointed_bytes_per_token(work: Workload, dims: ParallelDims, mixture: bool) -> float:
+    """What a block keeps per token under the workload's activation checkpointing (full or selective): a dense block
+    its input (full), or its products' and attention's outputs (selective); a mixture's block, whose exchange is
+    never recomputed (scalelm.parallel.activation_checkpoint), what it keeps without checkpointing less, under full,
+    its attention's and its experts' insides (4d/t and c g), which it recomputes."""
     model, e, t = work.config.model, work.compute_bytes, dims.tp
     d = model.d_model
     u = t if work.config.parallel.sequence_parallel else 1
+    full = work.checkpointing == "full"
     if mixture:
-        c = model.moe.top_k
-        return e * (d / u + 4 * d / t + d + model.moe.experts + c * (d + model.expert_width()))
-    return e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
+        kept, _ = moe_block_bytes_per_token(work, dims)
+        return kept - e * (4 * d / t + model.moe.top_k * model.expert_width()) if full else kept
+    return e * d / u if full else e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
 
 
 def blocks_bytes_per_token(work: Workload, dims: ParallelDims, blocks: Iterable[int]) -> list[float]:
@@ -288,30 +332,28 @@ def ring_transient_bytes(work: Workload, dims: ParallelDims, tokens: int) -> flo
     if ring_fused(work):
         return tokens * model.d_model / t * (4 + 8 * e)
     scores = tokens * (work.config.data.seq_len // dims.cp) * model.n_heads / t
-    return scores * (RING_SCORE_BYTES_DROPOUT if model.dropout else RING_SCORE_BYTES)
+    per_score = RING_SCORE_BYTES_DROPOUT if model.dropout else RING_SCORE_BYTES
+    per_width = RING_PRODUCT_WIDTH_BYTES * (2 if e < 4 else 1)  # below fp32: and the blocks' fp32 copies
+    return scores * per_score + tokens * model.d_model / t * per_width
 
 
 def blocks_activation_bytes(work: Workload, dims: ParallelDims, blocks: list[int], count: int, tokens: int) -> float:
     """What a rank's `blocks` keep for the backward with `count` micro-batches (interleaved: chunks) of `tokens` in
     flight, under the workload's activation checkpointing (one block recomputed at a time)."""
-    model, e, d = work.config.model, work.compute_bytes, work.config.model.d_model
-    virtual = work.layout(dims).virtual_stages
-    u = dims.tp if work.config.parallel.sequence_parallel else 1
+    model, virtual = work.config.model, work.layout(dims).virtual_stages
     per_block = blocks_bytes_per_token(work, dims, blocks)
-    if work.checkpointing == "full":  # block inputs only, and one block recomputed at a time
-        return count * tokens * (len(blocks) / virtual) * e * d / u + tokens * max(per_block)
-    if work.checkpointing == "selective":  # products and attention kept, one block's rest recomputed
-        kept = sum(selective_bytes_per_token(work, dims, is_moe_block(model, i)) for i in blocks)
+    if work.checkpointing in ("full", "selective"):  # what each block keeps, and one block recomputed at a time
+        kept = sum(checkpointed_bytes_per_token(work, dims, is_moe_block(model, i)) for i in blocks)
         return count * tokens * kept / virtual + tokens * max(per_block)
     return count * tokens * sum(per_block) / virtual
 
 
 def expert_copies_bytes(work: Workload, dims: ParallelDims, mixtures: int, count: int) -> float:
     """Under expert parallelism in bf16, the experts' weights each mixture casts to bf16 and keeps for the backward
-    (of every mixture of the micro-batches in flight; one mixture's where checkpointing recomputes them)."""
+    (of every mixture of the micro-batches in flight; one mixture's where full checkpointing recomputes them)."""
     if dims.ep == 1 or not mixtures or work.compute_bytes == 4:
         return 0.0
-    kept = 1 if work.checkpointing in ("full", "selective") else count * mixtures / work.layout(dims).virtual_stages
+    kept = 1 if work.checkpointing == "full" else count * mixtures / work.layout(dims).virtual_stages
     return kept * local_expert_elements(work, dims) * work.compute_bytes
 
 
@@ -356,19 +398,20 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         if last:
             last_count = chunks if options.pp_schedule == "gpipe" and dims.pp > 1 else 1
             act += last_count * tokens * e * d * (1 / u + 1)  # the final norm's and the head's inputs
-            if work.fused_cpu_loss:  # its gradients, computed in the forward pass
+            if work.fused_cpu_loss or work.chunked_loss:  # its gradients, computed in the forward pass
                 act += last_count * 4 * (tokens * d + vocab * (d + 1))
             else:  # the log-probabilities kept; the logits with their fp32 copy, or the backward's two gradients
                 act += last_count * tokens * 4 * vocab / vocab_split + tokens * max(e + 4, 8) * vocab / vocab_split
 
         buffers = config.model.max_seq_len * d * 4  # the positional table
-        if dims.sharded:
+        reshards = fsdp_reshards(work, dims)
+        if reshards is not None:
             units: dict[str, int] = {}
             for tensor in tensors:
                 if gathered_by_fsdp(tensor, dims):
                     units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
             largest = max(units.values())
-            gathered = 2 * largest if options.reshards(dims.pp) else sum(units.values())  # + the prefetched
+            gathered = 2 * largest if reshards else sum(units.values())  # + the prefetched
             buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
@@ -378,6 +421,8 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         if last and work.fused_cpu_loss:
             columns = -(-(d + 2) // 8) * 8
             buffers += vocab * (2 * columns + min(tokens, CPU_LOSS_CHUNK_ROWS) + 32) * 4
+        if last and work.chunked_loss:
+            buffers += vocab * (min(tokens, GPU_LOSS_CHUNK_ROWS) * (8 + e) + 4 * d)
         sizes |= {"activations": int(act), "buffers": int(buffers)}
         plans.append(MemoryPlan(dims, sizes, rank, tokens, count, per_block, formula, expert_bytes=expert_bytes))
     fullest = max(plans, key=lambda plan: plan.total)

@@ -26,7 +26,9 @@ by its number), a figure that is not a finite number (a broken run), or a run gi
 the figure or the run; and a results history (--history) among the files the aggregation writes or inside a run
 directory, or an --out-dir inside a run directory, is refused before anything is recorded
 (scalelm.report.history_store.check_location). MFU divides by the peak of `train.peak_tflops` as the run is configured
-now (its config.yaml) where that is set, else by the peak the run recorded.
+now (its config.yaml) where that is set, else by the peak the run recorded (`peak_tflops`), under two conventions:
+`mfu` counts attention over the whole sequence (scalelm's and torchtitan's count), `mfu_causal` causal attention at
+half (llm.c's; scalelm.measure.peak).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import OutputError
-from scalelm.measure.peak import mfu
+from scalelm.measure.peak import causal_flops_per_token, mfu
 from scalelm.report import bubble, expectations, experts, history_compare, history_store, machine, repeats, steptime
 from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
 from scalelm.report.figures import COLUMNS, RunSummary, finite_number
@@ -187,9 +189,12 @@ def run_figures(
     state = results.state_mb_per_rank or {}
     plan = results.plan_mb_per_rank  # what scalelm.plan predicts for the layout
     peak = peak_now(run, record)  # None where the device's peak is unknown
-    steady_mfu = None
+    steady_mfu = steady_mfu_causal = None
     if peak and steady:
         steady_mfu = mfu(results.flops_per_token, steady["tokens_per_s"], record.world_size, peak)
+        shape, seq_len = config["model"], config["data"]["seq_len"]
+        causal = causal_flops_per_token(results.flops_per_token, shape["n_layers"], shape["d_model"], seq_len)
+        steady_mfu_causal = mfu(causal, steady["tokens_per_s"], record.world_size, peak)
     return {
         "experiment": run.experiment,
         "strategy": results.strategy,
@@ -208,6 +213,8 @@ def run_figures(
         "staging_s": (results.staging or {}).get("seconds"),
         **steady,
         "mfu": steady_mfu,
+        "mfu_causal": steady_mfu_causal,
+        "peak_tflops": peak / 1e12 if peak else None,
         # the share of the profiled steps with a collective running (scalelm.measure.comm); 0 for one process
         "comm_share": (results.comm or {}).get("share"),
         "straggler": straggler(results.comm, record.hostnames),
@@ -324,6 +331,7 @@ LEAD = [
     "speedup",
     "scaling_efficiency",
     "mfu",
+    "mfu_causal",
     "comm_share",
     "peak_mem_mb_per_rank",
     "state_mb_per_rank",
@@ -387,6 +395,7 @@ def write_tables(
             "measure both: " + ", ".join(shared) + ".",
         ]
     lines += disturbed_notes(rows, disturbed_share)
+    lines += mfu_note(rows)
 
     base = next(s for s in summaries if s["experiment"] == s["baseline"])
     lines += [
@@ -457,6 +466,20 @@ def change_cells(c: history_compare.Change) -> list[str]:
     p = fmt(c.p_value) if c.p_value is not None else "one seed"
     before, after, environment = fmt(c.before), fmt(c.after), history_compare.describe(c.environment)
     return [c.experiment, c.figure, before, after, f"{c.relative:+.1%}", p, c.verdict, environment, c.disturbed]
+
+
+def mfu_note(rows: list[dict[str, Any]]) -> list[str]:
+    """What the two MFU columns count, and the peaks they divide by."""
+    peaks = sorted({r["peak_tflops"] for r in rows if r.get("peak_tflops")})
+    if not peaks:
+        return []
+    return [
+        "",
+        "**MFU**: the model's training FLOPs per second over its devices' dense peak "
+        f"({', '.join(fmt(p) for p in peaks)} TFLOP/s per device; `peak_tflops` in `summary.csv`). `mfu` counts "
+        "attention over the whole sequence (scalelm's and torchtitan's count), `mfu_causal` the causal half of it "
+        "(llm.c's): compare each with MFU counted the same way.",
+    ]
 
 
 def disturbed_notes(rows: list[dict[str, Any]], share: float) -> list[str]:

@@ -60,7 +60,11 @@ FIGURES = (
     Figure("speedup", "spread", timed=True),
     Figure("scaling_efficiency", "spread", "min", timed=True),
     Figure("scaling_flag"),  # a disturbed baseline run, an implausible efficiency (report.disturbance)
+    # model FLOPs utilisation of the steady state: attention over the whole sequence (scalelm's and torchtitan's
+    # count), and causal attention at half (llm.c's), over one device's peak (scalelm.measure.peak)
     Figure("mfu", "spread", "min", timed=True),
+    Figure("mfu_causal", "spread", timed=True),
+    Figure("peak_tflops"),
     Figure("comm_share", "spread", timed=True),  # the profiled steps' share with a collective running (train.comm)
     Figure("all_to_all_share", "spread", timed=True),  # ... with an all-to-all running (expert parallelism's)
     Figure("straggler"),  # the rank the others waited for, if one stands out (report.timing)

@@ -36,7 +36,11 @@ def eval_rows(batch_size: int, seq_len: int, max_tokens: int | None) -> int:
     return batch_size if max_tokens is None else max(1, min(batch_size, max_tokens // seq_len))
 
 
+# Compiled blocks (and CUDA's compiled head) run their eager code here: grad mode and the training flag are guards of
+# the graphs the training compiled, so a compiled evaluation would compile every block and the head again, and once
+# more for a shorter last batch (dynamic shapes): 15-40 s of a GPU run's start-up for splits that take seconds eagerly.
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def evaluate(
     model: nn.Module,
     tokens: torch.Tensor,

@@ -32,12 +32,15 @@ def scaled_lr(optim: OptimConfig, batch: BatchConfig, world_size: int) -> float:
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """The parameters in one group per tensor type: tensor parallelism without FSDP leaves the embedding, norms and
-    head plain beside DTensor blocks, and neither the fused nor the foreach kernel (CUDA's default) takes a mix of
-    both in one call ("got mixed torch.Tensor and DTensor")."""
-    groups: dict[bool, list[nn.Parameter]] = {}
+    """The parameters in one group per mesh: tensor parallelism without FSDP leaves the embedding, norms and head plain
+    beside DTensor blocks, and neither the fused nor the foreach kernel (CUDA's default) takes a mix of both in one call
+    ("got mixed torch.Tensor and DTensor"); the compiled foreach step does not take DTensors of two meshes in one call
+    either ("Cannot run aten.mul.Tensor on inputs with different meshes": an expert-parallel model's experts beside its
+    FSDP parameters, and so FSDP's beside tensor parallelism's). A checkpoint keeps each parameter's own state and
+    hyperparameters (flattened by name), so it loads whatever the groups were."""
+    groups: dict[object, list[nn.Parameter]] = {}
     for param in model.parameters():
-        groups.setdefault(isinstance(param, DTensor), []).append(param)
+        groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
     return [{"params": params} for params in groups.values()]
 
 
@@ -104,6 +107,13 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
 
     def get_last_lr(self) -> list[float]:
         return [float(lr) for lr in super().get_last_lr()]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A checkpoint's place in the schedule, for this optimizer's groups: the writer's layout may have grouped the
+        parameters otherwise (`param_groups`), every group at the one peak rate."""
+        super().load_state_dict(state_dict)
+        groups = len(self.optimizer.param_groups)
+        self.base_lrs, self._last_lr = self.base_lrs[:1] * groups, self._last_lr[:1] * groups
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> Schedule:

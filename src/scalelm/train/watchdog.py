@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -173,11 +173,12 @@ def in_step(progress: dict[str, Any]) -> str:
     return f"in step {progress['step']}" if progress["step"] else "before its first step"
 
 
-def behind(progress: dict[int, dict[str, Any] | None], now: float) -> list[str]:
+def behind(progress: dict[int, dict[str, Any] | None], now: float, found_silent: Iterable[int] = ()) -> list[str]:
     """The ranks the others wait for, in words: in each process group and backend the members that issued fewer
-    operations than the most advanced one, and the ranks whose progress is missing or stale."""
+    operations than the most advanced one, and the ranks whose progress is missing or stale (older than
+    SILENT_AFTER_S, or `found_silent`: those the watchdog's decision found so, over its own limit)."""
     findings = []
-    silent = silent_ranks(progress, now)
+    silent = sorted(set(silent_ranks(progress, now)) | set(found_silent))
     for rank in silent:
         last = progress[rank]
         when = "never published its progress"
@@ -253,11 +254,14 @@ def process_gone(pid: int | None) -> bool:
 
 
 def diagnosis(
-    progress: dict[int, dict[str, Any] | None], dumps: dict[int, list[dict[str, Any]]], now: float
+    progress: dict[int, dict[str, Any] | None],
+    dumps: dict[int, list[dict[str, Any]]],
+    now: float,
+    found_silent: Iterable[int] = (),
 ) -> list[str]:
     """Who the others wait for: from the published progress (behind), else from the Flight Recorder's sends and
     recvs (p2p_waits), else that none is behind."""
-    return behind(progress, now) or p2p_waits(dumps) or [NONE_BEHIND]
+    return behind(progress, now, found_silent) or p2p_waits(dumps) or [NONE_BEHIND]
 
 
 def stopped_beside() -> list[psutil.Process]:
@@ -350,6 +354,9 @@ class Watchdog:
         self.started: float | None = None  # the running step's start (monotonic); None between steps
         self.ended = time.monotonic()  # the last step's end, or the watchdog's start (monotonic)
         self.peers_read = 0.0  # when _silent_peers last read the others' progress (monotonic)
+        # the ranks `overdue` found silent: its reason names them, so the findings do (a rank that publishes again
+        # by the autopsy's read, or one a few seconds short of SILENT_AFTER_S, would otherwise be named otherwise)
+        self.found_silent: list[int] = []
         self.host = socket.gethostname()
         self.notes: list[str] = []  # what the thread could not do, said once each
         self._done = threading.Event()
@@ -440,7 +447,7 @@ class Watchdog:
         waited += f" (limit {limit:.0f} s)"
         if self.store is not None and self.store.unanswered_s() > limit:
             return f"{waited}, and the job's store has not answered for {self.store.unanswered_s():.0f} s"
-        silent = self._silent_peers(limit)
+        silent = self.found_silent = self._silent_peers(limit)
         if silent:
             return f"{waited}, and rank(s) {', '.join(map(str, silent))} published no progress for as long"
         return None
@@ -515,11 +522,16 @@ class Watchdog:
         dump_flight_recorder(self.autopsy_dir, self.rank, backends_in_use())
         time.sleep(2 * PUBLISH_EVERY_S)  # the other ranks' latest progress, before reading it
         progress, now = self._read(), time.time()
-        silent = silent_ranks(progress, now) if progress else []
         stopped = stopped_beside() if self.world_size > 1 else []  # one process: its launcher's children are not ranks
+        frozen = {
+            r
+            for r, p in (progress or {}).items()
+            if p and p["host"] == self.host and p.get("pid") in {s.pid for s in stopped}
+        }
+        silent = sorted(set(silent_ranks(progress, now)) | set(self.found_silent) | frozen) if progress else []
         # every rank that answers waits for the others' dumps: none ends the job before
         dumps = self._flight_recorder(self.world_size - max(len(silent), len(stopped)))
-        findings = self._unanswered() if progress is None else diagnosis(progress, dumps, now)
+        findings = self._unanswered() if progress is None else diagnosis(progress, dumps, now, silent)
         message = (
             f"scalelm: {reason} ({self.rule()}); stopping the job. "
             + "; ".join(findings)
