@@ -528,7 +528,8 @@ class Watchdog:
             for r, p in (progress or {}).items()
             if p and p["host"] == self.host and p.get("pid") in {s.pid for s in stopped}
         }
-        silent = sorted(set(silent_ranks(progress, now)) | set(self.found_silent) | frozen) if progress else []
+        found = {r for r in self.found_silent if progress and not (progress[r] or {}).get("closed")}  # not ended since
+        silent = sorted(set(silent_ranks(progress, now)) | found | frozen) if progress else []
         # every rank that answers waits for the others' dumps: none ends the job before
         dumps = self._flight_recorder(self.world_size - max(len(silent), len(stopped)))
         findings = self._unanswered() if progress is None else diagnosis(progress, dumps, now, silent)
