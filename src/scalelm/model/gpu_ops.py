@@ -55,12 +55,10 @@ def _vocab_parallel_linear(x: DTensor, weight: DTensor, bias: DTensor | None) ->
         weight.to_local(),
         bias.to_local() if bias is not None else None,
     )
-    shape = (*x.shape[:-1], weight.shape[0])
-    stride = [1]  # the whole logits', contiguous, as F.linear's
-    for size in reversed(shape[1:]):
-        stride.insert(0, stride[0] * size)
+    shape = torch.Size((*x.shape[:-1], weight.shape[0]))
+    stride = torch.empty(shape, device="meta").stride()  # the whole logits', contiguous, as F.linear's
     mesh, placements = weight.device_mesh, [Shard(local.dim() - 1)]
-    return DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=tuple(stride))
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
 
 
 # ------------------------------------------------------------------------------------------ the chunked loss
@@ -90,7 +88,8 @@ def loss_chunk(
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The precision F.linear computes in: autocast's on the input's device where it is on, else the weight's."""
+    """The precision F.linear computes in: autocast's on the input's device where it is on, else the weight's (the
+    chunked loss's, a mixture's experts' products)."""
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scalelm.config import ModelConfig
+from scalelm.model.gpu_ops import compute_dtype
 from scalelm.model.loss import join_auxiliary_loss
 
 
@@ -72,7 +73,7 @@ class GroupedExperts(nn.Module):
         """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e (on the tokens' device; where
         the product loops over the experts, `host_counts`, the same on the host) -> their outputs, in order."""
         if self.grouped(tokens):
-            dtype = product_dtype(tokens)
+            dtype = compute_dtype(tokens, tokens)  # the weights are cast to the tokens' dtype
             up_w, up_b, down_w, down_b = self.weights(dtype)
             offsets = counts.cumsum(0, dtype=torch.int32)
             hidden = F.relu(_grouped_linear(tokens.to(dtype), up_w, up_b, counts, offsets))
@@ -110,12 +111,6 @@ class _DenseGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-def product_dtype(tokens: torch.Tensor) -> torch.dtype:
-    """The precision of the experts' products: autocast's where it is on (F.linear's), else the tokens'."""
-    device = tokens.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
-
-
 @functools.cache
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch runs `torch._grouped_mm` on `device` in `dtype` without reading the offsets back to the
@@ -141,7 +136,7 @@ def grouped_product(tokens: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """The one place the experts' product is chosen: grouped where torch runs it for the tokens' device and the
     products' precision and every operand (the rows, the weights they multiply) meets its alignment (16 bytes, for
     addresses and rows); else the per-expert loop."""
-    dtype = product_dtype(tokens)
+    dtype = compute_dtype(tokens, tokens)  # the weights are cast to the tokens' dtype
     if not _grouped_mm_runs(tokens.device, dtype):
         return False
     aligned = 16 // dtype.itemsize

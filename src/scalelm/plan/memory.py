@@ -137,18 +137,19 @@ class Workload:
 
     @property
     def fused_cpu_loss(self) -> bool:
-        whole_head = not self.config.parallel.loss_parallel
-        return self.device == "cpu" and self.precision == "fp32" and whole_head and self.loss_path != "plain"
+        on_cpu = self.device == "cpu" and self.precision == "fp32"
+        return on_cpu and self.whole_head and self.config.train.fused_loss != "plain"
 
     @property
     def chunked_loss(self) -> bool:
         """The chunked loss (train.fused_loss: chunked), where the CPU's fused one does not apply."""
-        whole_head = not self.config.parallel.loss_parallel
-        return self.loss_path == "chunked" and whole_head and not self.fused_cpu_loss
+        return self.config.train.fused_loss == "chunked" and self.whole_head and not self.fused_cpu_loss
 
     @property
-    def loss_path(self) -> str:
-        return self.config.train.fused_loss
+    def whole_head(self) -> bool:
+        """The head's weight whole on each rank (not split by vocabulary: parallel.loss_parallel), as the fused and
+        chunked losses need it."""
+        return not self.config.parallel.loss_parallel
 
 
 @dataclass
