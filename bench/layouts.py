@@ -71,6 +71,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel
     "cp": (2, {"strategy": "cp"}),
     "cp_contiguous": (2, {"strategy": "cp", "cp_load_balance": False}),
     "ep": (2, {"strategy": "ep"}),  # a mixture's experts over dp_shard's 2 ranks (model course_moe)
+    "fsdp_ep": (4, {"dp_shard": 4, "ep": 2}),  # ... over pairs of 4, each pair's sharded over the other (FSDP)
 }
 
 

@@ -2,7 +2,9 @@
 
     python bench/moe.py [--steps 10] [--warmup 3] [--json FILE]
 
-Four runs, each alone, through the real entry point as bench/layouts.py runs them (random tokens of WikiText-2's
+First the experts' two products side by side, forward and backward of one rank's routed rows in the course
+mixture's shape (`products`): torch's grouped product (`torch._grouped_mm`, what scalelm runs where torch has it)
+against a product per expert (what it falls back to elsewhere), the median of 20 after 3 warm-up. Then five runs, each alone, through the real entry point as bench/layouts.py runs them (random tokens of WikiText-2's
 vocabulary, `batch.mode: per_device` with 128 sequences of 32 tokens per data-parallel rank, dropout 0, one thread
 per process, the last steps under the profiler):
 
@@ -11,7 +13,10 @@ per process, the last steps under the profiler):
   2 x 1024 hidden units as the dense model's 2048, so the active parameters and FLOPs per token are the same and the
   FFNs hold twice as many in all;
 - moe ep 2: the mixture on 2 ranks, ep 2 borrowed from dp_shard 2 (the dense parameters FSDP-sharded over them);
-- dense fsdp 2: the dense model on the same 2 ranks, so that what ep adds to the FSDP beside it shows.
+- dense fsdp 2: the dense model on the same 2 ranks, so that what ep adds to the FSDP beside it shows;
+- moe fsdp 4 x ep 2: the experts over pairs of 4 ranks and FSDP-sharded over the other pair, whose expert state per
+  rank is set beside what it was when FSDP left the experts whole on their ranks (`before`: the plan's experts
+  times the ranks now sharding them).
 
 From each run's records (run.json, metrics.jsonl): tokens/s over the timed steps, state and peak memory per rank
 with scalelm.plan's figures beside them, the communication share and the all-to-all's part of the profiled steps
@@ -25,19 +30,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
 from argtypes import count, output_file  # noqa: E402
 from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout  # noqa: E402
 from scalelm.config import from_dict  # noqa: E402
+from scalelm.model import moe as moe_module  # noqa: E402
 from scalelm.model.architecture import parameter_counts  # noqa: E402
 from throughput import make_prepared  # noqa: E402
 
-RUNS = (("course", "single"), ("course_moe", "single"), ("course_moe", "ep"), ("course", "fsdp"))
+RUNS = (
+    ("course", "single"),
+    ("course_moe", "single"),
+    ("course_moe", "ep"),
+    ("course", "fsdp"),
+    ("course_moe", "fsdp_ep"),
+)
+PRODUCT_REPEATS, PRODUCT_WARMUP = 20, 3
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -61,6 +79,32 @@ def expert_figures(record: dict[str, Any], lines: list[dict[str, Any]]) -> dict[
         # other work on the host's cores while the run trained: the figures of time are only as good as this is small
         "other_cores": max((h["other_cores"] for h in record["host_load"].values()), default=None),
     }
+
+
+def products(model: str = "course_moe") -> dict[str, float]:
+    """Seconds of one forward and backward of a rank's routed rows (batch x seq_len x top_k, uneven over the experts)
+    through the mixture's experts of `model`, grouped and per expert: the median of PRODUCT_REPEATS."""
+    config = from_dict({"model": MODELS[model]["model"]}).model
+    torch.manual_seed(0)
+    experts = moe_module.GroupedExperts(config.moe.experts, config.d_model, config.expert_width())
+    experts.reset_parameters()
+    rows = MODELS[model]["batch"] * MODELS[model]["seq_len"] * config.moe.top_k
+    share = torch.softmax(torch.arange(config.moe.experts, dtype=torch.float), 0)  # uneven, as routers are
+    counts = (share * rows).long()
+    counts[-1] += rows - counts.sum()
+    tokens = torch.randn(rows, config.d_model, requires_grad=True)
+    seconds = {}
+    chosen = moe_module.grouped_product  # where torch runs the grouped product; the loop is forced below
+    for name, grouped in (("grouped_mm", True), ("per_expert_loop", False)):
+        with mock.patch.object(moe_module, "grouped_product", lambda *args, g=grouped: g and chosen(*args)):
+            times = []
+            for _ in range(PRODUCT_WARMUP + PRODUCT_REPEATS):
+                start = time.perf_counter()
+                experts(tokens, counts, counts.tolist()).sum().backward()
+                times.append(time.perf_counter() - start)
+        assert experts.product == name, f"this torch ran {experts.product} where {name} was asked for"
+        seconds[name] = statistics.median(times[PRODUCT_WARMUP:])
+    return seconds
 
 
 def measure(model: str, layout: str, prepared: Path, workdir: Path, warmup: int, steps: int) -> dict[str, Any]:
@@ -105,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     for model in dict(RUNS):
         counts = parameter_counts(from_dict({"model": MODELS[model]["model"]}).model, VOCAB)
         print(f"{model}: {counts['total'] / 1e6:.2f} M parameters, {counts['active'] / 1e6:.2f} M active per token")
+    seconds = products()
+    print(
+        f"experts' product, forward and backward: grouped {seconds['grouped_mm'] * 1e3:.1f} ms, per expert "
+        f"{seconds['per_expert_loop'] * 1e3:.1f} ms ({seconds['per_expert_loop'] / seconds['grouped_mm']:.2f}x)",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         prepared = make_prepared(Path(tmp) / "prepared")
@@ -117,7 +167,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"  load {figure(r['load_run'])}  other cores {figure(r['other_cores'])}",
                 flush=True,
             )
-    finish(rows, table(rows), args.json)
+    sharded = rows[-1]
+    shards = LAYOUTS["fsdp_ep"][1]["dp_shard"] // LAYOUTS["fsdp_ep"][1]["ep"]
+    experts = sharded["plan_mb_per_rank"]["expert_state"]
+    print(
+        f"fsdp 4 x ep 2: state {sharded['state_mb_per_rank']['total']:.2f} MiB per rank, of which the experts "
+        f"{experts:.2f}; before FSDP sharded them, {sharded['state_mb_per_rank']['total'] + experts * (shards - 1):.2f}",
+        flush=True,
+    )
+    finish(rows, table(rows) + f"\n\nexperts' product: {json.dumps(seconds)}", args.json)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from scalelm.report.aggregate import aggregate, check_out_dir, read_run
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
 from scalelm.report.figures import COLUMNS, RunSummary
-from scalelm.report.plots import across_seeds
+from scalelm.report.plots import across_seeds, experts_figure
 from scalelm.report.scaling import choose_baseline
 from scalelm.train.record import RECORD_FORMAT, RunRecord, write_record
 from scalelm.train.rundir import RunDir
@@ -57,7 +57,8 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             )
     if moe:
         for line in (line for line in lines if line["kind"] == "train"):
-            line |= {"aux_loss": 1.0 + 0.1 / line["step"], "expert_load_max_over_mean": 1.0 + 4.0 / line["step"]}
+            line |= {"aux_loss": 1.0 + 0.1 / line["step"], "expert_load_max_over_mean": 1.0 + 4.0 / line["step"],
+                     "expert_max_vio_0": 3.0 / line["step"], "expert_max_vio_1": 4.0 / line["step"]}  # fmt: skip
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run.identity.write_text(json.dumps({"settings": {"seed": seed, "batch": {"mode": mode}}, "world_size": world_size}))
     record = {
@@ -82,7 +83,12 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         record["config"]["model"]["moe"] = {"experts": 4, "top_k": 2}
         record["results"] |= {
             "parameters": {"total": 3000, "active": 2000},
-            "experts": {"aux_loss": 1.005, "expert_load_max_over_mean": 1.5, "expert_token_share": [0.25] * 4},
+            "experts": {
+                "aux_loss": 1.005,
+                "expert_load_max_over_mean": 1.5,
+                "expert_token_share": [0.25] * 4,
+                "expert_max_vio_end": {"0": 0.15, "1": 0.2},
+            },
             "comm": {"share": 0.5, "all_to_all_share": 0.2},
         }
     if other_cores is not None:
@@ -155,16 +161,22 @@ def test_a_mixture_of_experts_shows_its_load_balance_and_all_to_all_beside_the_d
     out = tmp_path / "summary"
     aggregate([dense, moe], out)
     rows = {r["experiment"]: r for r in read_csv(out / "summary.csv")}
-    figures = ("experts", "params_total", "params_active", "aux_loss", "expert_load_max_over_mean", "all_to_all_share")
-    assert [rows["moe_ep"][f] for f in figures] == ["4", "3000", "2000", "1.005", "1.5", "0.2"]
-    assert [rows["dense"][f] for f in figures] == [""] * 6  # an older run.json: no parameters recorded either
+    figures = ("experts", "params_total", "params_active", "aux_loss", "expert_load_max_over_mean", "all_to_all_share",
+               "max_vio_end")  # fmt: skip
+    assert [rows["moe_ep"][f] for f in figures] == ["4", "3000", "2000", "1.005", "1.5", "0.2", "0.2"]  # worst layer
+    assert [rows["dense"][f] for f in figures] == [""] * 7  # an older run.json: no parameters recorded either
     by_name = {r["experiment"]: r for r in read_csv(out / "summary_by_experiment.csv")}
     assert float(by_name["moe_ep"]["expert_load_max_over_mean_mean"]) == 1.5 and by_name["moe_ep"]["experts"] == "4"
     summary = (out / "summary.md").read_text()
     section = summary.split("## Mixture of experts")[1].split("\n## ")[0]
-    assert "| moe_ep | 1 | 2x1x1x1 | 2 | 4 | 3000 | 2000 | 5120 | 0.5 | 0.2 | 1.5 | 1.005 | 5 |" in section
-    assert "| dense | 1 | 1x1x1x1 | 1 |  |  |  | 5120 |  |  |  |  | 5 |" in section
+    assert "| moe_ep | 1 | 2x1x1x1 | 2 | 4 | 3000 | 2000 | 5120 | 0.5 | 0.2 | 1.5 | 0.2 | 1.005 | 5 |" in section
+    assert "| dense | 1 | 1x1x1x1 | 1 |  |  |  | 5120 |  |  |  |  |  | 5 |" in section
     assert (out / "experts.png").read_bytes()[:4] == b"\x89PNG"
+    # experts.png: a curve per layer, max / mean (MaxVio + 1), and the aux loss beside them
+    balance, aux = experts_figure([read_run(RunDir(moe))]).axes[:2]
+    assert [line.get_label() for line in balance.lines if not line.get_label().startswith("_")] == [
+        "moe_ep 2x1x1x1 (seed 1), layer 0", "moe_ep 2x1x1x1 (seed 1), layer 1"]  # fmt: skip
+    assert balance.lines[1].get_ydata()[-1] == pytest.approx(1 + 4.0 / 20) and len(aux.lines) == 2  # and y = 1
 
 
 def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):

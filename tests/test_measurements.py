@@ -168,6 +168,9 @@ def test_the_experts_load_and_aux_loss_are_summed_over_stages_and_counted_once_p
     first = interval()
     assert first["aux_loss"] == pytest.approx((1.0 * 4 + 2.0 + 2.2) / 6 / 2 + (1.0 * 3 + 1.8 + 2.0 + 1.1) / 6 / 2)
     assert first["expert_load_max_over_mean"] == pytest.approx(4.0)  # each step's worst layer: block 1's 8 / 2
+    # each layer's MaxVio, each step's averaged: block 2's second step is 5, 3, 5, 3 (max 5 over mean 4)
+    vio = {key: value for key, value in first.items() if key.startswith("expert_max_vio_")}
+    assert vio == pytest.approx({"expert_max_vio_0": 0.0, "expert_max_vio_1": 3.0, "expert_max_vio_2": 0.125})
     assert all(rank.take(cpu).numel() == 0 for rank in ranks)  # taken: counted once
     step({0: [even, even], 1: [even, even], 2: [even, even]})
     assert interval()["expert_load_max_over_mean"] == pytest.approx(1.0)
@@ -175,6 +178,7 @@ def test_the_experts_load_and_aux_loss_are_summed_over_stages_and_counted_once_p
     results = ranks[0].results()
     assert results["layers"] == [0, 1, 2] and results["experts"] == 4 and results["steps"] == 3
     assert results["aux_loss"] == pytest.approx(1.0)  # the last interval's
+    assert results["expert_max_vio_end"] == {"0": 0.0, "1": 0.0, "2": 0.0}  # and its balance, layer by layer
     assert results["expert_load_max_over_mean"] == pytest.approx((4.0 + 4.0 + 1.0) / 3)  # over the steps
     # tokens per expert over the run, the TP copies counted once
     assert totals[0]["counts"] == [[12.0] * 4, [12.0, 4.0, 4.0, 12.0], [13.0, 11.0, 13.0, 11.0]]

@@ -26,9 +26,9 @@ from scalelm.model.transformer import TransformerLM
 from scalelm.parallel import compile as compile_module
 from scalelm.parallel import data as data_module
 from scalelm.parallel import runtime
-from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv
-from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters
+from scalelm.parallel.expert import apply_ep
 from scalelm.parallel.layout import check_bf16_params, resolve_layout
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.site import SiteConfig
@@ -198,7 +198,9 @@ def test_bf16_params_on_one_process_casts_through_fsdp_on_a_mesh_of_one(monkeypa
     monkeypatch.setattr(runtime, "resolve_precision", lambda precision, device_type: "bf16")
     sharded = []
     real_fsdp = runtime.apply_fsdp
-    monkeypatch.setattr(runtime, "apply_fsdp", lambda *args: sharded.append(args[2:4]) or real_fsdp(*args))
+    monkeypatch.setattr(
+        runtime, "apply_fsdp", lambda *args, **kwargs: sharded.append(args[2:4]) or real_fsdp(*args, **kwargs)
+    )
     try:
         parallel = runtime.Parallel.start(tiny(precision="bf16_params"), cpu_env(), VOCAB)
         assert dist.get_world_size() == 1 and parallel.meshes is not None and parallel.uses_fsdp
@@ -298,10 +300,10 @@ def test_compiled_optimizers_cuda_form_steps_dtensors_of_two_meshes_as_fused_ada
         def expert_parallel_model() -> torch.nn.Module:
             torch.manual_seed(1)
             model = TransformerLM(config.model, VOCAB)
-            apply_ep(model, ExpertMeshes.of("cpu", ParallelDims()))
-            return data_module.apply_fsdp(
-                model, init_device_mesh("cpu", (1,)), torch.float32, False, False, set(expert_parameters(model))
-            )
+            world = init_device_mesh("cpu", (1,) * len(MESH_DIMS), mesh_dim_names=MESH_DIMS)
+            split = world._unflatten("dp_shard", (1, 1), ("efsdp", "ep"))  # as runtime.Meshes cuts it, with ep 1
+            apply_ep(model, split["ep"])
+            return data_module.apply_fsdp(model, world["dp_shard"], torch.float32, False, False, split["efsdp"], 1)
 
         models = [expert_parallel_model() for _ in range(2)]
         optimizers = [build_optimizer(m, config.optim, 2e-3, compiled=c) for m, c in zip(models, (False, True))]

@@ -1,4 +1,5 @@
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from scalelm.model import moe as moe_module
 from scalelm.model.architecture import parameter_counts, parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
 from scalelm.model.loss import IGNORE_INDEX
-from scalelm.model.moe import GroupedExperts, mixtures
+from scalelm.model.moe import GroupedExperts, mixtures, update_expert_biases
 from scalelm.model.transformer import TransformerLM, count_parameters
 
 
@@ -215,17 +216,12 @@ def test_the_experts_grouped_product_meets_cudas_kernel_requirements(monkeypatch
         assert (out.shape, out.dtype, out.device.type) == ((40, 32), torch.bfloat16, "cuda")
 
 
-def _imbalance_after_training(aux_loss_coef: float) -> float:
-    """Tokens per expert, max over mean, over the last 10 of 40 AdamW steps of a mixture on random tokens."""
+def _imbalance_after_training(**moe) -> float:
+    """Tokens per expert, max over mean, over the last 10 of 40 AdamW steps of a mixture on random tokens (`moe`: its
+    balance settings), each step followed by the trainer's bias update (one process: the sum over ranks is the
+    rank's own)."""
     torch.manual_seed(0)
-    config = ModelConfig(
-        d_model=32,
-        n_heads=2,
-        n_layers=1,
-        d_ff=64,
-        dropout=0.0,
-        moe=MoEConfig(experts=8, top_k=1, aux_loss_coef=aux_loss_coef),
-    )
+    config = ModelConfig(d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0, moe=MoEConfig(8, top_k=1, **moe))
     model = TransformerLM(config, vocab_size=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.randint(0, 64, (40, 8, 17), generator=torch.Generator().manual_seed(1)) % 16  # a skewed vocabulary
@@ -233,6 +229,7 @@ def _imbalance_after_training(aux_loss_coef: float) -> float:
     for step, batch in enumerate(data):
         model(batch[:, :-1], batch[:, 1:]).backward()
         optimizer.step()
+        update_expert_biases(model, lambda loads: None)
         optimizer.zero_grad()
         counts, _, _ = mixtures(model)[0].take_load()
         if step >= 30:
@@ -240,10 +237,55 @@ def _imbalance_after_training(aux_loss_coef: float) -> float:
     return (load.max() / load.mean()).item()
 
 
-def test_the_load_balancing_loss_evens_the_tokens_per_expert():
-    """Against coefficient 0, a coefficient of 0.1 measurably evens the tokens the experts get."""
-    unbalanced, balanced = _imbalance_after_training(0.0), _imbalance_after_training(0.1)
-    assert balanced < unbalanced - 0.3 and balanced < 1.5, (balanced, unbalanced)
+def test_the_load_balancing_loss_and_the_expert_bias_even_the_tokens_per_expert():
+    """Against no balancing (aux with coefficient 0, or none), the aux loss with coefficient 0.1, and the
+    auxiliary-loss-free bias, measurably even the tokens the experts get."""
+    unbalanced = _imbalance_after_training(aux_loss_coef=0.0)
+    assert _imbalance_after_training(balance="none") == unbalanced  # the aux loss left out of the training loss
+    for balanced in (
+        _imbalance_after_training(aux_loss_coef=0.1),
+        _imbalance_after_training(balance="bias", bias_rate=0.005),
+    ):
+        assert balanced < unbalanced - 0.3 and balanced < 1.5, (balanced, unbalanced)
+
+
+def test_the_expert_bias_chooses_moves_by_its_rate_and_the_z_loss_trains_the_router_alone():
+    """balance=bias: a buffer of zeros (in the state, so checkpointed; no other mixture has one), which moves by
+    bias_rate towards the mean load from the counts summed over the ranks, and chooses experts without weighting
+    them: a bias of 1 on expert 3 sends every token there, at the router's probability. The z-loss adds to the
+    router's gradient (and through the router's input to the blocks before); the language-model loss and the last
+    mixture's experts' gradients stay as they are."""
+    config = ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0,
+                         moe=MoEConfig(4, top_k=1, balance="bias", bias_rate=0.5))  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(config, vocab_size=32)
+    moe = mixtures(model)[0]
+    assert "blocks.0.ffn.expert_bias" in model.state_dict() and torch.equal(moe.expert_bias, torch.zeros(4))
+    assert not any("expert_bias" in k for k in TransformerLM(MOE, vocab_size=32).state_dict())
+    tokens = torch.randint(0, 32, (2, 8))
+    model(tokens, tokens).backward()
+    summed = []
+    update_expert_biases(model, lambda loads: (summed.append(loads.clone()), loads.mul_(3)))  # 3 ranks' alike
+    assert summed[0].sum() == 16  # this step's 16 tokens, top 1
+    load = summed[0][0] * 3
+    assert torch.equal(moe.expert_bias, 0.5 * torch.sign(load.mean() - load)) and moe.step_load is None
+    moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    routed = []
+    moe.dispatch = lambda rows, counts, experts: (routed.append(counts.clone()), rows)[1]
+    with torch.no_grad():
+        model(tokens)
+    assert routed[0].tolist() == [0, 0, 0, 16]
+
+    def router_and_expert_grads(z_loss_coef: float):
+        torch.manual_seed(0)
+        plain = TransformerLM(replace(MOE, moe=MoEConfig(4, top_k=2, z_loss_coef=z_loss_coef)), vocab_size=32)
+        loss = plain(tokens, tokens)
+        loss.backward()
+        ffn = mixtures(plain)[1]
+        return loss.detach(), ffn.router.weight.grad, ffn.experts.up_weight.grad
+
+    (loss, router, experts), (z_loss, z_router, z_experts) = map(router_and_expert_grads, (0.0, 0.1))
+    assert torch.equal(loss, z_loss) and torch.equal(experts, z_experts) and not torch.allclose(router, z_router)
 
 
 # ------------------------------------------------------------------- the head's loss paths (issue 50)

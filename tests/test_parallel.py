@@ -179,11 +179,13 @@ MOE = ["model.moe={experts: 4, top_k: 2}"]
         (["model.moe={experts: 3, top_k: 1}", "parallel.strategy=ep"], 2, "model.moe.experts=3 is not divisible by parallel.ep=2"),
         ([*MOE, "parallel.ep=0", "parallel.dp_shard=2"], 2, "parallel.ep must be a positive integer or -1"),
         ([*MOE, "parallel.cp=2"], 2, "model.moe balances its experts' load per sequence, and parallel.cp=2"),
-        ([*MOE, "parallel.strategy=ep", "parallel.cpu_offload=true"], 2, "under parallel.ep=2 the experts are not FSDP's"),
         ([*MOE, "parallel.strategy=ddp", "train.engine=lightning"], 2, "model.moe is scalelm's engine only"),
         (["model.moe={experts: 2, top_k: 3}"], 1, "model.moe.top_k=3 exceeds model.moe.experts=2"),
         (["model.moe={experts: 4, every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),
         (["model.moe={experts: 4, aux_loss_coef: -0.1}"], 1, "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive"),
+        (["model.moe={experts: 4, balance: even}"], 1, "model.moe.balance: 'even' is not one of 'aux', 'bias', 'none'"),
+        (["model.moe={experts: 4, bias_rate: 0}"], 1, "model.moe.bias_rate must be positive"),
+        (["model.moe={experts: 4, z_loss_coef: -1}"], 1, "model.moe.z_loss_coef must be 0 (no router z-loss) or positive"),
         (["model.moe={expert: 4}"], 1, "unknown setting 'model.moe.expert'; did you mean 'model.moe.experts'"),
     ],
 )  # fmt: skip
@@ -194,10 +196,20 @@ def test_a_mixture_or_expert_layout_that_cannot_run_is_refused_by_name(overrides
         resolve_layout(load_config(None, overrides), world, world)
 
 
+def test_fsdp_offloads_the_experts_with_the_rest_under_expert_parallelism():
+    """parallel.cpu_offload with ep: FSDP owns the experts too, so nothing is refused for the layout (the device
+    decides: CUDA only, scalelm.parallel.runtime.check_on_device)."""
+    layout = resolve_layout(load_config(None, [*MOE, "parallel.strategy=ep", "parallel.cpu_offload=true"]), 2, 2)
+    assert layout.dims.layout == "1x2[ep2]x1x1"
+
+
 def test_expert_parallelism_borrows_consecutive_shard_ranks_and_says_so_in_the_layout():
     dims = resolve_dims(None, {**NONE, "dp_shard": 4, "tp": 2}, 8, 8, ep=2)
     assert (dims.layout, dims.name, dims.world_size) == ("1x4[ep2]x2x1", "fsdp_tp_ep", 8)
     assert dims.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # tp innermost, then ep inside dp_shard
-    assert dims.groups("expert_replicas") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the same experts: the other pair
+    assert dims.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the same experts: the other pair
+    assert dims.groups("efsdp") == dims.groups("expert_dp") and dims.expert_shards == 2
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=4, ep=2)
+    assert hsdp.groups("expert_dp") == [[0, 2, 4, 6], [1, 3, 5, 7]] and hsdp.groups("efsdp")[0] == [0, 2]
     assert resolve_dims("ep", NONE, 2, 2).layout == "1x2[ep2]x1x1"
     assert resolve_dims(None, {**NONE, "dp_shard": 4}, 4, 4, ep=-1).ep == 4

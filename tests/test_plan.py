@@ -24,9 +24,10 @@ from scalelm.errors import ConfigError
 from scalelm.model.architecture import BLOCK_TP_PLAN, flops_per_token, parameter_counts, parameters
 from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.parallel.data import apply_fsdp
-from scalelm.parallel.dims import ParallelDims
-from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters
+from scalelm.parallel.dims import MESH_DIMS, ParallelDims
+from scalelm.parallel.expert import apply_ep
 from scalelm.parallel.layout import resolve_layout
+from scalelm.parallel.runtime import Meshes
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
 from scalelm.plan.layouts import Machine, candidates, smallest_fsdp
@@ -151,20 +152,31 @@ def fake_world():
 
 
 @pytest.mark.parametrize(
-    "dims", [ParallelDims(dp_shard=4, ep=2), ParallelDims(dp_shard=4, ep=4), ParallelDims(dp_shard=4)]
+    "dims",
+    [
+        ParallelDims(dp_shard=4, ep=2),
+        ParallelDims(dp_shard=4, ep=4),
+        ParallelDims(dp_shard=4),
+        ParallelDims(dp_replicate=2, dp_shard=2, ep=2),
+    ],
 )
 def test_the_plan_holds_what_expert_parallelism_and_fsdp_leave_on_a_rank(fake_world, dims):
-    """Split as scalelm.parallel.runtime splits it (the experts over ep, FSDP over dp_shard ignoring them under ep;
-    with ep 1 FSDP shards the experts too), a rank's tensors have the elements the plan counts, tensor by tensor,
-    and its state is 16 bytes each."""
+    """Split as scalelm.parallel.runtime splits it (the experts over ep, then FSDP over the ranks holding the same
+    experts, the rest over dp_shard; with ep 1 FSDP shards the experts with their block), a rank's tensors have the
+    elements the plan counts, tensor by tensor, and its state is 16 bytes each. The meshes, cut from the one world
+    mesh, group rank 0 with the ranks ParallelDims says."""
     config = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.moe={experts: 4}"])
+    world = init_device_mesh("cpu", tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    meshes = Meshes.of(world, dims)
     with torch.device("meta"):
         model = TransformerLM(config.model, 100)
-    ignored = set()
     if dims.ep > 1:
-        apply_ep(model, ExpertMeshes.of("cpu", dims))
-        ignored = set(expert_parameters(model))
-    model = apply_fsdp(model, init_device_mesh("cpu", (4,)), torch.float32, True, False, ignored)
+        assert meshes.ep.mesh.flatten().tolist() == dims.groups("ep")[0]
+        assert meshes.expert_dp.mesh.flatten().tolist() == dims.groups("expert_dp")[0]
+        apply_ep(model, meshes.ep)
+    else:
+        assert meshes.ep is None and meshes.expert_dp is None
+    model = apply_fsdp(model, meshes.fsdp, torch.float32, True, False, meshes.expert_dp, dims.dp_size)
     local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
     declared = {t.name: held(t, dims) for t in parameters(config.model, 100)}
     assert local == declared
@@ -172,15 +184,17 @@ def test_the_plan_holds_what_expert_parallelism_and_fsdp_leave_on_a_rank(fake_wo
 
 
 def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
-    """FSDP over 8 with ep 1 shards the experts 8 ways; with ep 4 a rank holds a quarter of them whole and the dense
-    parameters as before; a mixture's block keeps its routed rows, the experts' hidden activation and the router's
-    probabilities in place of the FFN's; the all-to-all's rows in flight and bf16 expert copies come on top."""
+    """FSDP over 8 with ep 1 shards the experts 8 ways; with ep 4 a rank's quarter of them is sharded over the 2 ranks
+    holding the same ones (8 ways again) and the dense parameters as before; ep 8 leaves a rank one expert whole; a
+    mixture's block keeps its routed rows, the experts' hidden activation and the router's probabilities in place of
+    the FFN's; the all-to-all's rows in flight come on top (FSDP frees the gathered experts as it frees the rest)."""
     work = mixture_work()
     model = work.config.model
     experts = sum(t.numel() for t in parameters(model, 28785) if t.expert)
     fsdp, ep = plan_memory(work, ParallelDims(dp_shard=8)), plan_memory(work, ParallelDims(dp_shard=8, ep=4))
-    assert ep.expert_bytes["params"] == 4 * experts // 4 and ep.expert_bytes["optimizer"] == 8 * experts // 4
+    assert ep.expert_bytes["params"] == 4 * experts // 8 and ep.expert_bytes["optimizer"] == 8 * experts // 8
     assert fsdp.expert_bytes["params"] == 4 * experts // 8  # 8 experts, 1 per FSDP rank
+    assert plan_memory(work, ParallelDims(dp_shard=8, ep=8)).expert_bytes == ep.expert_bytes  # one whole expert
     assert ep.state - ep.expert_state == fsdp.state - fsdp.expert_state  # the dense parameters alike
     assert ep.to_dict()["expert_bytes"] == ep.expert_bytes and ep.mb()["expert_state"] == ep.expert_state / 2**20
     tokens, d, c, g, n, e = fsdp.micro_batch_tokens, 128, 2, 1024, 8, 2
@@ -195,8 +209,7 @@ def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
     dense = plan_memory(replace(work, config=load_config(None, ["model.n_layers=4"])), ParallelDims(dp_shard=8))
     per_block, _ = block_bytes_per_token(work, ParallelDims())
     assert fsdp.bytes["activations"] - dense.bytes["activations"] == int(4 * tokens * (moe - per_block))
-    copies = 4 * (experts // 4 // 4) * e  # each mixture's quarter of the experts cast to bf16, kept for the backward
-    assert ep.bytes["activations"] == fsdp.bytes["activations"] + copies
+    assert ep.bytes["activations"] == fsdp.bytes["activations"]
     # the all-to-all's rows in flight (FSDP's largest unit, the head, the same in both)
     assert ep.bytes["buffers"] == fsdp.bytes["buffers"] + 2 * tokens * c * d * e
     assert dense.expert_bytes is None and "expert_bytes" not in dense.to_dict() and "expert_state" not in dense.mb()
@@ -204,8 +217,9 @@ def test_expert_parallelism_splits_the_experts_and_the_dispatch_adds_its_rows():
 
 def test_expert_parallelisms_all_to_alls_and_gradients():
     """Per mixture and pass: the counts, then the rows there and back; backward their gradients; (ep - 1)/ep of every
-    row leaves the rank (uniform routing). The experts' gradients are all-reduced over their replicas, FSDP moves
-    only the dense parameters; checkpointing runs none of the forward's all-to-alls again."""
+    row leaves the rank (uniform routing). FSDP gathers a rank's experts and reduce-scatters their gradients over the
+    ranks holding the same experts (efsdp), HSDP all-reduces their shards over the replicas, and the dense FSDP rows
+    leave the experts out; checkpointing runs none of the forward's all-to-alls again."""
     work = mixture_work("batch.size=16")
     tokens, d, c, e, blocks, ep = 16 * 32, 128, 2, 2, 4, 2
     flows = {f.collective: f for f in traffic(work, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
@@ -217,16 +231,26 @@ def test_expert_parallelisms_all_to_alls_and_gradients():
     assert there.bytes == back.bytes == 2 * rows * (ep - 1) // ep and there.messages == back.messages == 2 * blocks
     assert (counts.bytes, counts.messages) == (blocks * 8 * 8 // 2, blocks)  # 8 experts' int64 counts
     assert {there.op, there.dim, there.link, there.overlaps} == {"all_to_all", "ep", INTRA, None}
-    replicas = flows["all-reduce expert gradients (EP replicas)"]
-    experts = sum(held(t, ParallelDims(dp_shard=4, ep=ep)) for t in parameters(work.config.model, 28785) if t.expert)
-    assert replicas.bytes == int(2 * 1 / 2 * experts * 4) and replicas.messages == 4 * blocks
+    every_expert = sum(t.numel() for t in parameters(work.config.model, 28785) if t.expert)
+    share, passes = every_expert // ep, there.messages // (2 * blocks)  # a rank's experts, gathered
+    gather, reduce = flows["all-gather experts (EP FSDP forward)"], flows["reduce-scatter expert gradients (EP FSDP)"]
+    assert (gather.bytes, gather.messages, gather.dim, gather.overlaps) == (
+        passes * share * e // 2,
+        blocks * passes,
+        "efsdp",
+        "forward",
+    )
+    assert (reduce.bytes, reduce.messages, reduce.overlaps) == (share * 4 // 2, blocks, "backward")
     dense = {f.collective: f for f in traffic(work, ParallelDims(dp_shard=4), gpus_per_node=4)}
     gathered = "all-gather weights (FSDP forward)"
-    every_expert = sum(t.numel() for t in parameters(work.config.model, 28785) if t.expert)
     assert flows[gathered].bytes == pytest.approx(dense[gathered].bytes - 3 / 4 * every_expert * e, abs=2)  # none
     assert not any("EP" in name for name in dense)
     whole = {f.collective for f in traffic(work, ParallelDims(dp_shard=4, ep=4), gpus_per_node=4)}
-    assert "all-reduce expert gradients (EP replicas)" not in whole  # every rank's experts its own
+    assert not any("EP FSDP" in name or "EP replicas" in name for name in whole)  # every rank's experts its own
+    hsdp = {f.collective: f for f in traffic(work, ParallelDims(dp_replicate=2, dp_shard=2, ep=2), gpus_per_node=2)}
+    replicas = hsdp["all-reduce expert gradient shards (EP replicas)"]
+    assert (replicas.bytes, replicas.dim, replicas.link) == (share * 4, "dp_replicate", INTER)  # 2 (n-1)/n of all
+    assert not any("EP FSDP" in name for name in hsdp)  # efsdp of one rank
     recomputed = replace(work, activation_checkpointing="full")
     again = {f.collective: f for f in traffic(recomputed, ParallelDims(dp_shard=4, ep=ep), gpus_per_node=4)}
     assert again["all-to-all gradients (EP, backward)"].bytes == back.bytes

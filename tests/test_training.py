@@ -31,6 +31,19 @@ def relative_gap(a: list[float], b: list[float]) -> float:
 
 
 MOE = {"model__moe": {"experts": 4, "top_k": 2}}
+# the auxiliary-loss-free balance and the router z-loss, on the layouts of the mixture's TP and pipeline
+BIASED = {"model__moe": {"experts": 4, "top_k": 2, "balance": "bias", "bias_rate": 0.01, "z_loss_coef": 0.001}}
+IN_PROCESS = ("moe_bias",)  # one-process references trained in this process: no interpreter or torch start-up
+
+
+def reference_of(name: str) -> str:
+    """The one-process run a layout must match: the mixture of its settings, or the dense model."""
+    moe = LAYOUTS[name][1].get("model__moe")
+    if moe is None:
+        return "single"
+    return "moe_bias" if moe.get("balance") == "bias" else "moe"
+
+
 # name: (nproc, settings); TINY has 2 heads and an FFN of 64: tp 2 divides both
 LAYOUTS = {
     "single": (1, {}),
@@ -60,12 +73,13 @@ LAYOUTS = {
     # checkpointing, under which a mixture still counts its load once), over the 2 shards of each of 2 replicas,
     # with TP 2 (SP and loss parallel: the mixture gathers the sequence), and with a pipeline of 2 stages
     "moe": (1, MOE),
+    "moe_bias": (1, BIASED),
     "ep": (2, {**MOE, "parallel__strategy": "ep"}),
     "fsdp_ep": (4, {**MOE, "parallel__dp_shard": 4, "parallel__ep": 2, "train__activation_checkpointing": "selective"}),
     "hsdp_ep": (4, {**MOE, "parallel__dp_replicate": 2, "parallel__dp_shard": 2, "parallel__ep": 2}),
-    "ep_tp": (4, {**MOE, "parallel__ep": 2, "parallel__tp": 2, "parallel__dp_shard": 2,
+    "ep_tp": (4, {**BIASED, "parallel__ep": 2, "parallel__tp": 2, "parallel__dp_shard": 2,
                   "parallel__sequence_parallel": True, "parallel__loss_parallel": True}),
-    "ep_pp": (4, {**MOE, "parallel__ep": 2, "parallel__dp_shard": 2, "parallel__pp": 2}),
+    "ep_pp": (4, {**BIASED, "parallel__ep": 2, "parallel__dp_shard": 2, "parallel__pp": 2}),
 }  # fmt: skip
 
 
@@ -80,14 +94,14 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     configs = {name: tiny_config(name, **settings) for name, (_, settings) in LAYOUTS.items()}
     losses, evals, records = {}, {}, {}
     for name, (nproc, _) in LAYOUTS.items():
-        run_train(configs[name], nproc)
+        train_here(configs[name]) if name in IN_PROCESS else run_train(configs[name], nproc)
         losses[name] = train_losses(run_dir_of(configs[name]))
         evals[name] = [r for r in read_metrics(run_dir_of(configs[name])) if r["kind"] == "eval"]
         records[name] = json.loads((run_dir_of(configs[name]) / "run.json").read_text())
     assert len(losses["single"]) == 20
     assert losses["single"][-1] < losses["single"][0] - 0.5 and losses["moe"][-1] < losses["moe"][0] - 0.5  # it learns
     for name in LAYOUTS:
-        reference = "moe" if "model__moe" in LAYOUTS[name][1] else "single"
+        reference = reference_of(name)
         assert relative_gap(losses[name], losses[reference]) <= 1e-5, name
         for mine, ref in zip(evals[name], evals[reference], strict=True):  # every token counted once
             assert mine["tokens"] == ref["tokens"]
@@ -154,12 +168,23 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     moe_layouts = [name for name, (_, settings) in LAYOUTS.items() if "model__moe" in settings]
     lines = {name: [r for r in read_metrics(run_dir_of(configs[name])) if r["kind"] == "train"] for name in moe_layouts}
     experts = {name: records[name]["results"]["experts"] for name in moe_layouts}
-    for name in moe_layouts:
-        for key in ("aux_loss", "expert_load_max_over_mean"):
-            assert relative_gap([r[key] for r in lines[name]], [r[key] for r in lines["moe"]]) <= 1e-5, (name, key)
-        assert experts[name]["expert_token_share"] == pytest.approx(experts["moe"]["expert_token_share"], rel=1e-6)
+    for name in moe_layouts:  # (each layer's MaxVio as max / mean, which is never 0)
+        for key, shift in (
+            ("aux_loss", 0),
+            ("expert_load_max_over_mean", 0),
+            ("expert_max_vio_0", 1),
+            ("expert_max_vio_1", 1),
+        ):
+            reference = [r[key] + shift for r in lines[reference_of(name)]]
+            assert relative_gap([r[key] + shift for r in lines[name]], reference) <= 1e-5, (name, key)
+        share = experts[reference_of(name)]["expert_token_share"]
+        assert experts[name]["expert_token_share"] == pytest.approx(share, rel=1e-6)
     assert sum(experts["moe"]["expert_token_share"]) == pytest.approx(1.0)
     assert all(1 <= r["expert_load_max_over_mean"] <= 4 / 2 for r in lines["moe"])  # experts / top_k at worst
+    assert experts["moe"]["expert_max_vio_end"].keys() == {"0", "1"}
+    assert {experts[name]["product"] for name in moe_layouts} == {"grouped_mm"}  # torch 2.9+ groups on the CPU
+    balance = {name: [r["expert_load_max_over_mean"] for r in lines[name]] for name in ("moe", "moe_bias")}
+    assert balance["moe_bias"] != balance["moe"]  # the bias routes otherwise (its mechanics: tests/test_model.py)
     parameters = records["moe"]["results"]["parameters"]
     assert parameters["active"] < parameters["total"]
     dense = [r for r in read_metrics(run_dir_of(configs["single"])) if r["kind"] == "train"]
@@ -177,7 +202,7 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
 
     pairs = (("fsdp", "tp"), ("tp", "single"), ("fsdp_tp", "ddp"), ("hsdp", "fsdp"), ("fsdp_pp", "fsdp"),
              ("single", "pp"), ("ddp", "tp_pp"), ("fsdp_cp", "single"), ("tp", "cp_tp"),
-             ("fsdp_ep", "moe"), ("moe", "ep_pp"), ("ep_pp", "ep_tp"))  # fmt: skip
+             ("fsdp_ep", "moe"), ("moe_bias", "ep_pp"), ("ep_pp", "ep_tp"))  # fmt: skip
     for source, target in pairs:
         nproc, settings = LAYOUTS[target]
         config = tiny_config(f"{source}_into_{target}", **settings)

@@ -66,8 +66,14 @@ class MoEConfig:
     top_k: int = setting(2, identity=True)
     every: int = setting(1, identity=True)  # block i is a mixture where (i + 1) % every == 0: 1 every block, 2 odd
     d_ff: int | None = setting(None, identity=True)  # each expert's hidden width; None: model.d_ff
-    # the load-balancing loss's weight in the training loss (scalelm.model.loss); 0: none, the balance still measured
-    aux_loss_coef: float = setting(0.01, identity=True)
+    # how the router is kept balanced (scalelm.model.moe): aux, the load-balancing loss in the training loss with
+    # aux_loss_coef; bias, DeepSeek-V3's auxiliary-loss-free per-expert bias moved by bias_rate after every step;
+    # none. The balance is measured in every case
+    balance: Literal["aux", "bias", "none"] = setting("aux", identity=True, added=True)
+    aux_loss_coef: float = setting(0.01, identity=True)  # the load-balancing loss's weight under balance: aux
+    bias_rate: float = setting(1e-3, identity=True, added=True)  # under balance: bias, each step's move of a bias
+    # the router z-loss's weight (ST-MoE: the mean squared log-sum-exp of the router's scores); 0: none
+    z_loss_coef: float = setting(0.0, identity=True, added=True)
 
     def is_moe_block(self, index: int) -> bool:
         return (index + 1) % self.every == 0
@@ -562,6 +568,13 @@ def check_moe(moe: MoEConfig, n_layers: int) -> None:
         raise ConfigError(
             f"model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive, got {moe.aux_loss_coef}"
         )
+    if moe.z_loss_coef < 0:
+        raise ConfigError(f"model.moe.z_loss_coef must be 0 (no router z-loss) or positive, got {moe.z_loss_coef}")
+    if moe.bias_rate <= 0:
+        raise ConfigError(
+            f"model.moe.bias_rate must be positive (each step's move of an expert's routing bias under "
+            f"model.moe.balance=bias, e.g. 0.001), got {moe.bias_rate}"
+        )
 
 
 def check_speed_settings(train: TrainConfig) -> None:
@@ -609,12 +622,19 @@ def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict
     kept = {}
     for key, value in settings.items():
         item = fields.get(key)
-        if item is not None and dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            kept[key] = identity_settings(value, hints[key])
+        nested = dataclass_of(hints[key]) if item is not None else None
+        if nested is not None and isinstance(value, dict):
+            kept[key] = identity_settings(value, nested)
         elif item is None or item.metadata.get("identity", True):
             if not (item is not None and item.metadata.get("added") and value == item.default):
                 kept[key] = value
     return kept
+
+
+def dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds: its type, or the X of `X | None` (model.moe); None for any other."""
+    candidates = [hint, *typing.get_args(hint)]
+    return next((c for c in candidates if isinstance(c, type) and dataclasses.is_dataclass(c)), None)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ step:
     expert_load_max_over_mean   a step's tokens per expert, the largest over the mean, of its least balanced layer
                                 (1 when even, experts / top_k when the same top_k experts get every token): the
                                 mean over the interval's steps (with train.log_every 1, each step's own)
+    expert_max_vio_<layer>      each layer's MaxVio (DeepSeek-V3's measure: its max over mean, less 1; 0 when
+                                even), the mean over the interval's steps
 
-Over the run `results` keeps the last interval's aux loss, the steps' load balance averaged, and the share of the
-tokens each expert got, per layer and over all: totals kept in the trainer's state, which its checkpoints hold, so
+Over the run `results` keeps the last interval's aux loss and MaxVio per layer (how balanced the run ends), the
+steps' load balance averaged, the share of the tokens each expert got, per layer and over all, and the experts'
+product (`product`: torch's grouped product, or a product per expert where it does not run): totals kept in the trainer's state, which its checkpoints hold, so
 that a resumed run's count what its log lines count (the steps between a checkpoint and the log line before it are
 in neither, as for the loss).
 A dense model has none of these: `ExpertLoad.of` gives None, and nothing is added to the logs or the reduction.
@@ -62,6 +65,7 @@ class ExpertLoad:
         totals.setdefault("balance_sum", 0.0)
         totals.setdefault("steps", 0)
         totals.setdefault("aux_loss", None)
+        totals.setdefault("max_vio", None)  # the last interval's, by layer
         self.totals = totals
 
     @classmethod
@@ -101,6 +105,7 @@ class ExpertLoad:
         """The metrics line's figures of an interval, from `take`'s vectors summed over every rank; the run's totals
         take them in."""
         totals, aux_sum, aux_count, balances = self.totals, 0.0, 0.0, []
+        violations: list[list[float]] = []  # per step, each layer's max over mean less 1
         for start in range(0, len(summed), self.size):
             step = summed[start : start + self.size]
             aux_sum, aux_count = aux_sum + step[0], aux_count + step[1]
@@ -110,14 +115,29 @@ class ExpertLoad:
             ]
             for total, counts in zip(totals["counts"], per_layer):
                 total[:] = [t + c for t, c in zip(total, counts)]
-            layer_balances = [b for b in map(max_over_mean, per_layer) if b is not None]
-            if layer_balances:
-                balances.append(max(layer_balances))
+            layer_balances = [max_over_mean(counts) for counts in per_layer]
+            present = [b for b in layer_balances if b is not None]
+            if present:
+                balances.append(max(present))
+            if len(present) == len(layer_balances):
+                violations.append([b - 1 for b in present])
         totals["balance_sum"] += sum(balances)
         totals["steps"] += len(balances)
         totals["aux_loss"] = aux_sum / aux_count if aux_count else None
         balance = sum(balances) / len(balances) if balances else None
-        return {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance}
+        if violations:
+            totals["max_vio"] = {
+                str(layer): sum(v) / len(violations) for layer, v in zip(self.layers, zip(*violations))
+            }
+        max_vio = {f"expert_max_vio_{layer}": value for layer, value in (totals["max_vio"] or {}).items()}
+        return {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance, **(max_vio if violations else {})}
+
+    @property
+    def product(self) -> str | None:
+        """The experts' product this rank's mixtures ran (scalelm.model.moe.grouped_product's choice): grouped_mm or
+        per_expert_loop; None where it holds no mixture or none has run."""
+        products = {moe.experts.product for moe in self.local.values()} - {None}
+        return ", ".join(sorted(products)) or None
 
     def results(self) -> dict[str, Any]:
         """run.json's figures of the run's experts (module docstring)."""
@@ -129,6 +149,8 @@ class ExpertLoad:
             "layers": self.layers,
             "aux_loss": totals["aux_loss"],
             "expert_load_max_over_mean": totals["balance_sum"] / steps if steps else None,
+            "expert_max_vio_end": totals["max_vio"],  # the last interval's, by layer
+            "product": self.product,
             "expert_token_share": shares(overall),
             "expert_token_share_per_layer": {str(i): shares(c) for i, c in zip(self.layers, totals["counts"])},
             "steps": steps,

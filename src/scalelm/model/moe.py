@@ -5,9 +5,17 @@
                 either way: layouts batch the router's product differently)
     experts     top_k feed-forward networks per token, every routed token computed (dropless: no capacity, no token
                 dropped), weighted by its router probabilities renormalised over its top_k
-    aux loss    Switch's load-balancing loss per sequence, experts x sum_e (share of the sequence's choices that went
-                to e) x (mean router probability of e), 1 when balanced; per sequence, so that it is the same function
-                whichever ranks hold the sequences. It joins the training loss through scalelm.model.loss
+    balance     model.moe.balance: `aux` adds Switch's load-balancing loss per sequence to the training loss (with
+                aux_loss_coef), experts x sum_e (share of the sequence's choices that went to e) x (mean router
+                probability of e), 1 when balanced; per sequence, so that it is the same function whichever ranks
+                hold the sequences (computed and measured under every balance). `bias` is DeepSeek-V3's
+                auxiliary-loss-free balancing: a per-expert bias, added to the scores only to choose the top_k (the
+                weights stay the router's probabilities), moves by bias_rate after every optimizer step, up for the
+                experts below the mean load and down for those above (`update_expert_biases`), from the step's
+                tokens over every data-parallel rank, so that it is the same in every layout; a buffer, checkpointed
+                with the weights. `none`: neither
+    z-loss      ST-MoE's router z-loss (z_loss_coef > 0): the mean squared log-sum-exp of the router's scores, which
+                keeps them small; both losses join the training loss through scalelm.model.loss
 
 The experts hold their FFNs stacked along dim 0 (`GroupedExperts`): expert parallelism (scalelm.parallel.expert)
 splits them there and replaces `dispatch`, which runs the routed tokens through their experts, by an all-to-all to
@@ -42,6 +50,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+GROUPED, LOOP = "grouped_mm", "per_expert_loop"  # the experts' two products (`grouped_product` chooses)
+
+
 class GroupedExperts(nn.Module):
     """`experts` FFNs (up, ReLU, down, as FeedForward, without its inner dropout: a token's place in its expert's
     batch depends on the layout) stacked along dim 0; a rank holds all of them, or its share under expert
@@ -51,6 +62,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, experts: int, d_model: int, d_ff: int):
         super().__init__()
+        self.product: str | None = None  # the product the last forward ran: GROUPED or LOOP (run.json names it)
         self.up_weight = nn.Parameter(torch.empty(experts, d_ff, d_model))
         self.up_bias = nn.Parameter(torch.empty(experts, d_ff))
         self.down_weight = nn.Parameter(torch.empty(experts, d_model, d_ff))
@@ -72,7 +84,9 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e (on the tokens' device; where
         the product loops over the experts, `host_counts`, the same on the host) -> their outputs, in order."""
-        if self.grouped(tokens):
+        grouped = self.grouped(tokens)
+        self.product = GROUPED if grouped else LOOP
+        if grouped:
             dtype = compute_dtype(tokens, tokens)  # the weights are cast to the tokens' dtype
             up_w, up_b, down_w, down_b = self.weights(dtype)
             offsets = counts.cumsum(0, dtype=torch.int32)
@@ -150,6 +164,7 @@ def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: GroupedE
 
 
 _shapes_only = False
+ROUTER_INIT_STD = 0.02
 
 
 @contextlib.contextmanager
@@ -194,20 +209,34 @@ class MoE(nn.Module):
         self.experts_count, self.top_k = config.experts, config.top_k
         self.router = nn.Linear(d_model, config.experts, bias=False)
         self.experts = GroupedExperts(config.experts, d_model, model.expert_width())
-        # the aux loss's weight in the training loss: the coefficient, shared by the model's mixtures
-        self.aux_weight = config.aux_loss_coef / sum(config.is_moe_block(i) for i in range(model.n_layers))
+        # the aux and z losses' weights in the training loss: their coefficients, shared by the model's mixtures
+        count = sum(config.is_moe_block(i) for i in range(model.n_layers))
+        self.aux_weight = config.aux_loss_coef / count if config.balance == "aux" else 0.0
+        self.z_weight = config.z_loss_coef / count
+        self.bias_rate = config.bias_rate if config.balance == "bias" else None
+        if self.bias_rate is not None:  # (only then: the state of the other mixtures, their checkpoints, unchanged)
+            self.register_buffer("expert_bias", torch.zeros(config.experts))
+        self.step_load: torch.Tensor | None = None  # tokens each expert got in this optimizer step (balance: bias)
         self.dispatch = local_dispatch  # expert parallelism sends the rows to the experts' ranks instead
         self.load: torch.Tensor | None = None  # tokens each expert got since `take_load`
         self.aux_sum: torch.Tensor | None = None  # the aux losses since `take_load`, and their count
         self.aux_count = 0
+
+    def reset_parameters(self) -> None:
+        """The router as torchtitan's (normal, std ROUTER_INIT_STD: small scores, so every expert starts with about
+        an even share; Xavier's collapse a small model's tokens onto two experts), then the experts."""
+        nn.init.normal_(self.router.weight, std=ROUTER_INIT_STD)
+        self.experts.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _shapes_only:
             return x * 0
         batch, seq, d = x.shape
         tokens = x.reshape(-1, d)
-        probs = self.router(tokens).float().softmax(dim=-1)  # (tokens, experts)
-        chosen = probs.argsort(dim=-1, descending=True, stable=True)[:, : self.top_k]  # ties: the lower index
+        scores = self.router(tokens).float()  # (tokens, experts)
+        probs = scores.softmax(dim=-1)
+        biased = probs + self.expert_bias if self.bias_rate is not None else probs  # to choose only
+        chosen = biased.argsort(dim=-1, descending=True, stable=True)[:, : self.top_k]  # ties: the lower index
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=1, keepdim=True)
 
@@ -216,7 +245,8 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = tally(flat, self.experts_count)
         aux = self.balance_loss(probs.view(batch, seq, -1), chosen.view(batch, seq, -1))
-        routed = self.exchange(tokens[order // self.top_k], counts, aux)
+        z = scores.logsumexp(dim=-1).square().mean() if self.z_weight else None
+        routed = self.exchange(tokens[order // self.top_k], counts, aux, z)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
         y = (unsorted.view(-1, self.top_k, d) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(dim=1)
         return y.view(batch, seq, d)
@@ -225,10 +255,15 @@ class MoE(nn.Module):
     # must know) and what changes the layer's state: eager, run once. torch.compile compiles the rest of the block
     # around it, and activation checkpointing recomputes none of it (scalelm.parallel.activation_checkpoint)
     @torch.compiler.disable
-    def exchange(self, routed: torch.Tensor, counts: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def exchange(
+        self, routed: torch.Tensor, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor | None
+    ) -> torch.Tensor:
         """The routed rows (grouped by expert, counts[e] for expert e) through their experts, wherever they are;
-        the aux loss joins the training loss through them, and the load is counted in their backward."""
+        the aux loss and the z-loss (None: none) join the training loss through them, and the load is counted in
+        their backward."""
         out = join_auxiliary_loss(self.dispatch(routed, counts, self.experts), aux, self.aux_weight)
+        if z is not None:
+            out = join_auxiliary_loss(out, z, self.z_weight)
         if torch.is_grad_enabled():
             counted = counts.detach().float()
             out = _CountOnBackward.apply(out, lambda: self.count(counted, aux.detach()))
@@ -243,6 +278,8 @@ class MoE(nn.Module):
 
     def count(self, counts: torch.Tensor, aux: torch.Tensor) -> None:
         self.load = counts if self.load is None else self.load + counts
+        if self.bias_rate is not None:
+            self.step_load = counts if self.step_load is None else self.step_load + counts
         self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
         self.aux_count += 1
 
@@ -254,6 +291,21 @@ class MoE(nn.Module):
         taken = (load, aux, self.aux_count)
         self.load, self.aux_sum, self.aux_count = None, None, 0
         return taken
+
+
+def update_expert_biases(model: nn.Module, sum_over_data: Callable[[torch.Tensor], None]) -> None:
+    """After an optimizer step, under model.moe.balance=bias: each mixture's expert biases move by its rate toward
+    balance (module docstring), from the step's tokens per expert summed by `sum_over_data` over every data-parallel
+    rank (in place; one collective for all of a rank's mixtures). Nothing without such a mixture."""
+    biased = [moe for _, moe in sorted(mixtures(model).items()) if moe.bias_rate is not None]
+    if not biased:
+        return
+    zeros = biased[0].expert_bias.new_zeros(biased[0].experts_count)
+    loads = torch.stack([moe.step_load if moe.step_load is not None else zeros for moe in biased])
+    sum_over_data(loads)
+    for moe, load in zip(biased, loads):
+        moe.expert_bias.add_(torch.sign(load.mean() - load), alpha=moe.bias_rate)
+        moe.step_load = None
 
 
 def mixtures(model: nn.Module) -> dict[int, MoE]:

@@ -31,7 +31,7 @@ from scalelm.model.gpu_ops import (
     loss_chunk,
 )
 from scalelm.model.loss import lm_loss
-from scalelm.model.moe import GroupedExperts, MoE
+from scalelm.model.moe import MoE
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
@@ -175,17 +175,17 @@ class TransformerLM(nn.Module):
         self.positions.copy_(sinusoidal_positions(self.config.max_seq_len, self.config.d_model))
 
     def reset_parameters(self) -> None:
-        experts = {id(p) for m in self.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        mixtures = [m for m in self.modules() if isinstance(m, MoE)]
+        own = {id(p) for m in mixtures for p in m.parameters()}  # (initialised by their mixture, below)
         for name, param in self.named_parameters():
-            if id(param) in experts:  # (initialised expert by expert, below)
+            if id(param) in own:
                 continue
             if param.dim() > 1:
                 nn.init.xavier_uniform_(param)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
-        for module in self.modules():
-            if isinstance(module, GroupedExperts):
-                module.reset_parameters()
+        for module in mixtures:
+            module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); position t sees tokens 0..t only.

@@ -2,7 +2,10 @@
 
 FSDP2 (`fully_shard`) on the embedding, every Transformer block and the output head, then on the root (final norm):
 sharding each part, not only the root as the course did, lets FSDP free one part's gathered weights and gradients
-before the next needs memory (the embedding and head hold most of a small model's parameters). On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node, replicas across nodes.
+before the next needs memory (the embedding and head hold most of a small model's parameters). Under expert
+parallelism a mixture's experts are a unit of their own, over the ranks that hold the same experts
+(scalelm.parallel.expert). On a 2D (dp_replicate, dp_shard) mesh the same call is HSDP: shards within a node,
+replicas across nodes.
 Precision is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), so no autocast on top of it; one
 process with train.precision=bf16_params shards over a mesh of one rank for that policy alone (parallel.runtime).
 
@@ -21,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from scalelm.model.moe import mixtures
+
 # The head's logits are a view of a matmul result; scalelm never modifies them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
@@ -31,13 +36,13 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool,
-    ignored: set[nn.Parameter] = frozenset(),
+    expert_mesh: DeviceMesh | None = None,
+    data_parallel_ranks: int = 1,
 ) -> nn.Module:
-    """FSDP (HSDP on a 2D mesh) over each block, the embedding, the head and the rest; `ignored` parameters (a
-    mixture's experts under expert parallelism, which reduces their gradients itself) stay as they are."""
+    """FSDP (HSDP on a 2D mesh) over each block, the embedding, the head and the rest; under expert parallelism a
+    mixture's experts first, over `expert_mesh`, their gradients divided by all `data_parallel_ranks`."""
     options = {
         "mesh": dp_mesh,
-        "ignored_params": set(ignored),
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
@@ -50,8 +55,23 @@ def apply_fsdp(
         # the head's backward follows its forward at once: no point in freeing its gathered weights in between
         fully_shard(model.head, **{**options, "reshard_after_forward": False})
     for block in model.blocks.values():
+        if expert_mesh is not None:
+            for moe in mixtures(block).values():
+                shard_experts(moe.experts, {**options, "mesh": expert_mesh}, data_parallel_ranks)
         fully_shard(block, **options)
     return fully_shard(model, **options)
+
+
+def shard_experts(experts: nn.Module, options: dict, data_parallel_ranks: int) -> None:
+    """FSDP over a rank's experts (DTensors on the ep mesh) with `options`' mesh: the ranks holding the same experts,
+    whose gradients already sum the tokens of their ep group, so FSDP divides them by every data-parallel rank
+    (torchtitan's factor), not by its own ranks only. Over several ranks the reduction is a plain sum and that
+    division (gloo has no pre-multiplied sum, NCCL's PreMulSum): one path on every backend. (Over one rank torch
+    divides in its copy, and a forced sum would divide twice.)"""
+    fully_shard(experts, **options)
+    experts.set_gradient_divide_factor(data_parallel_ranks)
+    if options["mesh"].size(-1) > 1:
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:

@@ -9,9 +9,11 @@ A layout is five integers whose product is the world size (torchtitan's conventi
     cp            ranks that split every sequence, attention included (context parallelism: ring attention); they
                   share a batch, and FSDP shards the parameters over dp_shard x cp, which averages their gradients
 
-Expert parallelism takes no ranks of its own: `ep` divides dp_shard, whose ranks it groups by ep consecutive ones
-(torchtitan's choice), each group holding a mixture's experts once (scalelm.parallel.expert). The layout shows it
-inside dp_shard: 1x4[ep2]x1x1 is FSDP over 4 ranks, the experts split over pairs of them.
+Expert parallelism takes no ranks of its own: `ep` divides dp_shard, which the world mesh unflattens into
+(efsdp, ep), ep innermost (torchtitan's dp_shard_in_ep x ep), so that a group of ep consecutive ranks holds a
+mixture's experts once (scalelm.parallel.expert) and FSDP shards each rank's experts over `expert_dp`, the ranks at
+the same place of the other groups (efsdp, and dp_replicate's replicas): EXPERT_MESH_DIMS. The layout shows it inside
+dp_shard: 1x4[ep2]x1x1 is FSDP over 4 ranks, the experts split over pairs of them and sharded over the other pair.
 
 At most one degree may be -1, "the rest of the world size". The strategy names of earlier configs are shorthands
 that fill in the degrees a config does not set itself: `fsdp` with `tp: 2` on 4 ranks is dp_shard 2 x tp 2.
@@ -31,6 +33,14 @@ from dataclasses import asdict, dataclass
 from scalelm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")  # dp_shard unflattened into efsdp x ep
+# the groups that span several dimensions of EXPERT_MESH_DIMS (any other name is one dimension's)
+SPANS = {
+    "dp_shard": ("efsdp", "ep"),
+    "dp": ("dp_replicate", "efsdp", "ep"),  # every data-parallel rank
+    "dp_shard_cp": ("efsdp", "ep", "cp"),  # what dense FSDP shards over
+    "expert_dp": ("dp_replicate", "efsdp"),  # the ranks holding the same experts: what FSDP shards them over
+}
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")  # the order a layout is written in (cp only where > 1)
 SHORTHANDS = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "cp", "ep")
 
@@ -96,13 +106,19 @@ class ParallelDims:
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    @property
+    def expert_shards(self) -> int:
+        """The ranks FSDP shards a rank's experts over (efsdp: dp_shard / ep; the replicas hold copies of them)."""
+        return self.dp_shard // self.ep
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh dimension (row-major over MESH_DIMS)."""
+        """This rank's index along each dimension of MESH_DIMS and EXPERT_MESH_DIMS (row-major)."""
         coords = {}
         for dim in reversed(MESH_DIMS):
             size = getattr(self, dim)
             coords[dim] = rank % size
             rank //= size
+        coords["efsdp"], coords["ep"] = divmod(coords["dp_shard"], self.ep)
         return coords
 
     def dp_rank(self, rank: int) -> int:
@@ -110,23 +126,13 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def groups(self, dim: str) -> list[list[int]]:
-        """The ranks of every group along `dim` ("dp" = dp_replicate and dp_shard together, "dp_shard_cp" = dp_shard
-        and cp: FSDP's, "ep": ep consecutive ranks of dp_shard, "expert_replicas": the ranks holding the same experts,
-        at one place of their ep groups across dp_shard and dp_replicate), each in rank order."""
-        along = {
-            "dp": ("dp_replicate", "dp_shard"),
-            "dp_shard_cp": ("dp_shard", "cp"),
-            "ep": (),
-            "expert_replicas": ("dp_replicate",),
-        }.get(dim, (dim,))
+        """The ranks of every group along `dim`, each in rank order: a dimension of EXPERT_MESH_DIMS (dp_shard's ep and
+        efsdp included) or one of SPANS ("dp", FSDP's "dp_shard_cp", the experts' "expert_dp", ...)."""
+        along = SPANS.get(dim, (dim,))
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
-            if dim == "ep":  # dp_shard's group of ep
-                c["dp_shard"] //= self.ep
-            elif dim == "expert_replicas":  # the place in that group
-                c["dp_shard"] %= self.ep
-            groups.setdefault(tuple(c[d] for d in MESH_DIMS if d not in along), []).append(rank)
+            groups.setdefault(tuple(c[d] for d in EXPERT_MESH_DIMS if d not in along), []).append(rank)
         return list(groups.values())
 
 

@@ -10,9 +10,12 @@ choice), each token sent to its experts' ranks and back by all-to-all.
                 the host reads the counts sent and received once, together (the one sync of a mixture's forward),
                 the backward reuses those splits, and activation checkpointing never runs the exchange again
     gradients   the all-to-all's backward carries the gradients back, so an expert's gradient on its rank sums the
-                group's tokens; `reduce_expert_gradients` sums it over the ranks holding the same experts (the
-                other shard groups and the replicas) and divides by the data-parallel ranks, as FSDP and DDP average
-                the rest. FSDP shards everything but the experts (`expert_parameters` are its ignored parameters).
+                group's tokens; FSDP shards each rank's experts over the ranks holding the same ones (`expert_dp`:
+                the other groups of dp_shard, and the replicas), reduce-scatters their gradients during the backward
+                and divides them by every data-parallel rank, as it averages the rest (scalelm.parallel.data)
+    meshes      `ep` and `expert_dp` are cut from the world mesh with dp_shard unflattened into (efsdp, ep)
+                (scalelm.parallel.dims.EXPERT_MESH_DIMS, scalelm.parallel.runtime.Meshes): FSDP combines the experts'
+                two meshes into one, which it can only do for meshes of one root
 
 Every row is computed by its expert alone and a token's outputs are summed in the order of its choices, so the
 layout changes only how rows are batched: an ep run computes what one process does (tests/test_training.py).
@@ -28,8 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from scalelm.model.moe import GroupedExperts, local, mixtures
-from scalelm.parallel.dims import ParallelDims
+from scalelm.model.moe import GroupedExperts, mixtures
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,53 +87,13 @@ class ExpertDispatch:
         return sent, received, per_expert
 
 
-@dataclass(frozen=True)
-class ExpertMeshes:
-    """The groups of expert parallelism: `ep` (the ranks that share their experts out) and `replicas` (those that hold
-    the same experts: the other shard groups and the data-parallel replicas, at the same place in every other
-    dimension)."""
-
-    ep: DeviceMesh
-    replicas: DeviceMesh
-    data_parallel_ranks: int  # dp_replicate x dp_shard: what the experts' summed gradients are divided by
-
-    @classmethod
-    def of(cls, device_type: str, dims: ParallelDims) -> ExpertMeshes:
-        """Cut from the world's ranks (laid out as scalelm.parallel.dims says, dp_shard = outer x ep): every rank takes
-        part in building every group, as torch requires."""
-        ranks = torch.arange(dims.world_size).view(
-            dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.cp, dims.tp
-        )
-        grid = ranks.permute(0, 4, 5, 1, 2, 3).reshape(-1, dims.dp_replicate * dims.dp_shard // dims.ep, dims.ep)
-        mesh = DeviceMesh(device_type, grid, mesh_dim_names=("elsewhere", "expert_replicas", "ep"))
-        return cls(ep=mesh["ep"], replicas=mesh["expert_replicas"], data_parallel_ranks=dims.dp_size)
-
-
-def apply_ep(model: nn.Module, meshes: ExpertMeshes) -> None:
-    """Split every mixture's experts over `meshes.ep` (a model or pipeline stage on the meta device) and send their
+def apply_ep(model: nn.Module, ep: DeviceMesh) -> None:
+    """Split every mixture's experts over the `ep` mesh (a model or pipeline stage on the meta device) and send their
     rows there."""
-    ranks = meshes.ep.size()
+    ranks = ep.size()
     for moe in mixtures(model).values():
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)])
+            sharded = distribute_tensor(param.data, ep, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatch = ExpertDispatch(meshes.ep.get_group(), ranks, moe.experts_count // ranks)
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The experts' parameters, in the model's order (the same on every rank: their reductions pair up)."""
-    return [p for _, moe in sorted(mixtures(model).items()) for p in moe.experts.parameters()]
-
-
-def reduce_expert_gradients(model: nn.Module, meshes: ExpertMeshes) -> None:
-    """After a step's last backward: each expert's gradient summed over the ranks holding it and divided by the
-    data-parallel ranks, the average FSDP gives the other parameters."""
-    group = meshes.replicas.get_group() if meshes.replicas.size() > 1 else None
-    for param in expert_parameters(model):
-        if param.grad is None:
-            continue
-        grad = local(param.grad)
-        if group is not None:
-            dist.all_reduce(grad, group=group)
-        grad.div_(meshes.data_parallel_ranks)
+        moe.dispatch = ExpertDispatch(ep.get_group(), ranks, moe.experts_count // ranks)

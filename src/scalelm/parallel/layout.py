@@ -112,12 +112,6 @@ def check_experts(config: Config, dims: ParallelDims) -> None:
             f"model.moe.experts={moe.experts} is not divisible by parallel.ep={dims.ep}: every expert-parallel rank "
             "holds an equal share of the experts; choose a multiple of ep experts, or another ep"
         )
-    if dims.ep > 1 and config.parallel.cpu_offload:
-        raise ConfigError(
-            f"parallel.cpu_offload moves FSDP's parameters to host memory, and under parallel.ep={dims.ep} the "
-            "experts are not FSDP's (expert parallelism reduces their gradients itself): leave parallel.ep unset "
-            "(FSDP then shards and offloads the experts too), or set parallel.cpu_offload=false"
-        )
     if dims.cp > 1:
         raise ConfigError(
             f"model.moe balances its experts' load per sequence, and parallel.cp={dims.cp} splits every sequence "

@@ -48,7 +48,7 @@ from scalelm.parallel.context import SequenceSplit, apply_cp
 from scalelm.parallel.data import apply_ddp, apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv, all_gather_object, backend_for
-from scalelm.parallel.expert import ExpertMeshes, apply_ep, expert_parameters, reduce_expert_gradients
+from scalelm.parallel.expert import apply_ep
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
@@ -154,7 +154,9 @@ class Meshes:
     """The named sub-meshes of a layout, cut from the world mesh once (torchtitan's ParallelDims does the same):
     `dp` the data-parallel ranks (replicas x shards, flattened), `fsdp` what FSDP shards over (dp_shard, with the
     context-parallel ranks, which hold the same parameters, flattened in) and replicates over (dp_replicate, for
-    HSDP), `replicate` DDP's replicas, the `tp`, `pp` and `cp` groups, and expert parallelism's."""
+    HSDP), `replicate` DDP's replicas, the `tp`, `pp` and `cp` groups, and expert parallelism's: `ep` and
+    `expert_dp`, cut from the same world mesh with dp_shard unflattened into (efsdp, ep) (ParallelDims' grouping,
+    EXPERT_MESH_DIMS)."""
 
     dp: DeviceMesh
     fsdp: DeviceMesh
@@ -162,7 +164,8 @@ class Meshes:
     tp: DeviceMesh
     pp: DeviceMesh
     cp: DeviceMesh
-    experts: ExpertMeshes | None = None  # expert parallelism's groups (scalelm.parallel.expert); None without it
+    ep: DeviceMesh | None = None  # ep consecutive ranks of dp_shard, sharing out the experts; None without ep
+    expert_dp: DeviceMesh | None = None  # (dp_replicate,) efsdp: the ranks holding the same experts, for FSDP
 
     @classmethod
     def of(cls, world: DeviceMesh, dims: ParallelDims) -> Meshes:
@@ -174,6 +177,11 @@ class Meshes:
             fsdp = DeviceMesh._concatenate([world["dp_replicate"], shard])
         else:
             fsdp = world["dp_replicate", shard.mesh_dim_names[0]] if dims.dp_replicate > 1 else shard
+        experts = {}
+        if dims.ep > 1:
+            split = world._unflatten("dp_shard", (dims.expert_shards, dims.ep), ("efsdp", "ep"))
+            replicas = ("dp_replicate",) if dims.dp_replicate > 1 else ()
+            experts = {"ep": split["ep"], "expert_dp": split[(*replicas, "efsdp")]}
         return cls(
             dp=world["dp_replicate", "dp_shard"]._flatten("dp"),
             fsdp=fsdp,
@@ -181,7 +189,7 @@ class Meshes:
             tp=world["tp"],
             pp=world["pp"],
             cp=world["cp"],
-            experts=ExpertMeshes.of(world.device_type, dims) if dims.ep > 1 else None,
+            **experts,
         )
 
 
@@ -314,15 +322,22 @@ class Parallel:
             apply_tp(model, self.meshes.tp, self.loss_parallel, options.sequence_parallel)
         if self.sequence_split is not None:
             apply_cp(model, self.sequence_split, self.dims.coordinates(self.env.rank)["tp"], self.dims.tp)
-        experts = self.meshes.experts
-        if experts is not None:
-            apply_ep(model, experts)
+        meshes = self.meshes
+        if meshes.ep is not None:
+            apply_ep(model, meshes.ep)
         model_options.apply(model, device)
         if self.uses_fsdp:
             # one rank frees nothing by resharding: it would only copy the weights again for the backward
             reshard = options.reshards(self.dims.pp) if self.env.world_size > 1 else bool(options.reshard_after_forward)
-            ignored = expert_parameters(model) if experts is not None else set()
-            model = apply_fsdp(model, self.meshes.fsdp, self.compute_dtype, reshard, options.cpu_offload, ignored)
+            model = apply_fsdp(
+                model,
+                meshes.fsdp,
+                self.compute_dtype,
+                reshard,
+                options.cpu_offload,
+                expert_mesh=meshes.expert_dp,
+                data_parallel_ranks=self.dims.dp_size,
+            )
         return model
 
     # ----------------------------------------------------------------------------------- the step's hooks
@@ -343,12 +358,6 @@ class Parallel:
             loss.backward()
         return loss.detach()
 
-    def reduce_gradients(self, model: nn.Module) -> None:
-        """After a step's last backward, the gradients the layout reduces itself (FSDP and DDP reduce theirs in the
-        backward): a mixture's experts' under expert parallelism."""
-        if self.meshes is not None and self.meshes.experts is not None:
-            reduce_expert_gradients(model, self.meshes.experts)
-
     def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         """Logits of this rank's part of each sequence (`local_part`) for evaluation, on the ranks that compute the
         loss (None on a pipeline's other stages)."""
@@ -360,6 +369,11 @@ class Parallel:
     def local_part(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of each sequence of a (batch, seq) batch: all of it, but under context parallelism."""
         return tokens if self.sequence_split is None else self.sequence_split.shard(tokens, dim=1)
+
+    def sum_over_data(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the data-parallel ranks (in place): what each of them counted of its own batch."""
+        if self.dp_group is not None:
+            dist.all_reduce(tensor, group=self.dp_group)
 
     def reduce_eval(self, totals: torch.Tensor) -> None:
         """Sum evaluation totals over the data-parallel ranks, the parts of a sequence (context parallelism), and from

@@ -21,10 +21,11 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
                                         routing), each after an all-to-all of the rows' counts (B = experts int64);
                                         backward the two gradients the same way (activation checkpointing
                                         recomputes none of them)
-    EP all-reduce    2 (n - 1)/n B      the experts' fp32 gradients over the ranks holding the same experts
-                                        (dp_shard / ep x dp_replicate), once per step, one per expert tensor
+    EP FSDP          as FSDP's rows     a mixture's experts (a rank's ep share) gathered and their gradients
+                                        reduce-scattered over efsdp (dp_shard / ep), the shards all-reduced over
+                                        dp_replicate: FSDP's collectives, one unit per mixture, on their own groups
 
-With expert parallelism FSDP gathers and reduces every parameter but the experts, which stay on their ep ranks.
+With expert parallelism the FSDP rows above count every parameter but the experts, which the EP FSDP rows count.
 
 With context parallelism FSDP's group is dp_shard x cp, and every activation counts a rank's 1/cp of the tokens.
 
@@ -45,12 +46,11 @@ from dataclasses import asdict, dataclass
 
 from scalelm.model.architecture import QKV_WEIGHT, is_moe_block
 from scalelm.parallel.dims import ParallelDims
-from scalelm.plan.memory import Workload, block_indices, gathered_by_fsdp, held, rank_tensors
+from scalelm.plan.memory import Workload, block_indices, fsdp_unit, gathered, rank_tensors
 
 INTRA, INTER = "intra-node", "inter-node"
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, which scalelm keeps
 COUNT_BYTES = 8  # an expert's row count in the dispatch's first all-to-all (int64, scalelm.model.moe.tally's)
-EXPERT_REPLICAS = "expert_replicas"  # the ranks holding the same experts (ParallelDims.groups)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
     chunks = work.layout(dims).microbatches
     passes = accumulation * chunks  # forward passes per step
     tensors = max(rank_tensors(work, dims), key=lambda mine: sum(t.numel(dims.tp) for t in mine))
-    sharded = [t for t in tensors if gathered_by_fsdp(t, dims)]  # all but the experts under expert parallelism
+    sharded = [t for t in tensors if fsdp_unit(t, dims) == t.unit]  # all but the experts under expert parallelism
     params = sum(t.numel(dims.tp) for t in sharded)  # this rank's parameters before FSDP cuts them
     head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head")  # never resharded between forward and backward
     units = len({t.unit for t in tensors})  # FSDP's: the embedding, each block, the head, the root
@@ -159,25 +159,43 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
 
 def expert_flows(work: Workload, dims: ParallelDims, tensors: list, tokens: int, passes: int) -> list[tuple]:
     """Expert parallelism's collectives on a rank holding `tensors`, with `tokens` over the step's `passes` (the
-    module docstring's EP rows), as `traffic`'s add takes them; all are waited for (the experts need their rows,
-    the optimizer the gradients)."""
+    module docstring's EP rows), as `traffic`'s add takes them: the all-to-alls, waited for (the experts need their
+    rows), and FSDP's over the experts, overlapped as FSDP's are."""
     model, e = work.config.model, work.compute_bytes
     mixtures = sum(is_moe_block(model, i) for i in block_indices(tensors))
     if not mixtures:
         return []
     rows = mixtures * tokens * model.moe.top_k * model.d_model * e  # every mixture's routed rows, one way
     calls = mixtures * passes  # of each all-to-all
-    experts = [t for t in tensors if t.expert]
+    share = sum(gathered(t, dims) for t in tensors if t.expert)  # the experts of a rank's ep share, all mixtures
     counts = calls * model.moe.experts * COUNT_BYTES
-    gradients = sum(held(t, dims) for t in experts) * 4
     flows = [
         ("all-to-all row counts (EP)", "ep", "all_to_all", counts, calls, None),
         ("all-to-all dispatch and combine (EP, forward)", "ep", "all_to_all", 2 * rows, 2 * calls, None),
         ("all-to-all gradients (EP, backward)", "ep", "all_to_all", 2 * rows, 2 * calls, None),
     ]
-    if dims.dp_size > dims.ep:  # the experts have replicas (other shard groups, HSDP's replicas)
+    if dims.expert_shards > 1:
         flows.append(
-            ("all-reduce expert gradients (EP replicas)", EXPERT_REPLICAS, "all_reduce", gradients, len(experts), None)
+            ("all-gather experts (EP FSDP forward)", "efsdp", "all_gather", passes * share * e, calls, "forward")
+        )
+        if work.config.parallel.reshards(dims.pp):
+            flows.append(
+                ("all-gather experts (EP FSDP backward)", "efsdp", "all_gather", passes * share * e, calls, "backward")
+            )
+        flows.append(
+            ("reduce-scatter expert gradients (EP FSDP)", "efsdp", "reduce_scatter", share * 4, mixtures, "backward")
+        )
+    if dims.dp_replicate > 1:
+        shards = -(-share // dims.expert_shards) * 4
+        flows.append(
+            (
+                "all-reduce expert gradient shards (EP replicas)",
+                "dp_replicate",
+                "all_reduce",
+                shards,
+                mixtures,
+                "backward",
+            )
         )
     return flows
 

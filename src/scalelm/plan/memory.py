@@ -20,8 +20,9 @@ a block (and the head with loss_parallel) along the dimension it cuts, FSDP (dp_
 dimension, its first rank taking the rounded-up share, and a pipeline rank keeps only its stages' tensors. Context
 parallelism (cp) divides every activation: a rank holds 1/cp of each sequence's tokens. A mixture's experts
 (model.moe) are parameters like the others where ep = 1 (FSDP shards them with their block); under expert parallelism
-(ep > 1) a rank holds experts / ep of them whole, which FSDP leaves alone (scalelm.parallel.expert), and tensor
-parallelism never splits them. The plan counts the experts' share of the state apart (`expert_bytes`).
+(ep > 1) a rank's share is experts / ep of them, which FSDP shards as a unit of their own over the ranks holding the
+same experts (dp_shard / ep; scalelm.parallel.expert), and tensor parallelism never splits them. The plan counts the
+experts' share of the state apart (`expert_bytes`).
 
 Activations, per token of a micro-batch and per block, in bytes; d = d_model, f = d_ff, a = heads, s = seq_len,
 e = 2 in bf16 (4 in fp32), k = a dropout mask's bytes per element (1 on GPUs, 4 for scalelm's CPU dropout, 0
@@ -40,9 +41,8 @@ whole:
 
     e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c
 
-Under expert parallelism in bf16 each mixture also keeps its experts' weights cast to bf16 for the backward (FSDP,
-which would free such copies, leaves the experts alone), and the buffers hold the all-to-all's rows of the mixture
-at work, sent and received (2 c d e per token). With full activation checkpointing a block keeps only its input (e d/u),
+Under expert parallelism the buffers hold the all-to-all's rows of the mixture at work, sent and received (2 c d e
+per token), and FSDP gathers a mixture's experts (their ep share) as a unit of its own. With full activation checkpointing a block keeps only its input (e d/u),
 with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
 attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
 is recomputed. A mixture's block never recomputes its exchange (scalelm.parallel.activation_checkpoint): with full
@@ -220,12 +220,23 @@ def rank_tensors(work: Workload, dims: ParallelDims) -> list[list[Parameter]]:
 
 
 def held(tensor: Parameter, dims: ParallelDims) -> int:
-    """Elements of `tensor` on one rank of `dims`: an expert under expert parallelism split by ep and never by FSDP
-    (scalelm.parallel.expert: FSDP ignores it), every other tensor (experts where ep = 1 included) sharded by FSDP
-    where the layout shards."""
+    """Elements of `tensor` on one rank of `dims`: an expert under expert parallelism split by ep, then sharded by FSDP
+    over the ranks holding the same experts (scalelm.parallel.expert); every other tensor (experts where ep = 1
+    included) sharded by FSDP where the layout shards."""
     if tensor.expert and dims.ep > 1:
-        return tensor.numel(dims.tp, 1, dims.ep)
+        return tensor.numel(dims.tp, dims.expert_shards, dims.ep)
     return tensor.numel(dims.tp, dims.shard_size if dims.sharded else 1)
+
+
+def gathered(tensor: Parameter, dims: ParallelDims) -> int:
+    """Elements of `tensor` once FSDP has gathered it: the layout's whole tensor, an expert's ep share."""
+    return tensor.numel(dims.tp, 1, dims.ep if tensor.expert else 1)
+
+
+def fsdp_unit(tensor: Parameter, dims: ParallelDims) -> str:
+    """The FSDP unit gathering `tensor`: its block's, the embedding, ...; a mixture's experts under expert
+    parallelism are one of their own."""
+    return f"{tensor.unit}.experts" if tensor.expert and dims.ep > 1 else tensor.unit
 
 
 def fsdp_reshards(work: Workload, dims: ParallelDims) -> bool | None:
@@ -238,11 +249,6 @@ def fsdp_reshards(work: Workload, dims: ParallelDims) -> bool | None:
     if fsdp_of_one(work.config.train.precision, dims.world_size):
         return bool(options.reshard_after_forward)
     return None
-
-
-def gathered_by_fsdp(tensor: Parameter, dims: ParallelDims) -> bool:
-    """Whether FSDP gathers `tensor` before its unit computes: all but the experts under expert parallelism."""
-    return not (tensor.expert and dims.ep > 1)
 
 
 def block_indices(tensors: Iterable[Parameter]) -> list[int]:
@@ -311,13 +317,6 @@ def blocks_bytes_per_token(work: Workload, dims: ParallelDims, blocks: Iterable[
     return [mixture if is_moe_block(work.config.model, i) else dense for i in blocks]
 
 
-def local_expert_elements(work: Workload, dims: ParallelDims) -> int:
-    """The expert parameters of one mixture on a rank (experts / ep of them under expert parallelism)."""
-    tensors = parameters(work.config.model, work.vocab_size)
-    first = next(t.unit for t in tensors if t.expert)
-    return sum(t.numel(1, 1, dims.ep) for t in tensors if t.expert and t.unit == first)
-
-
 def ring_fused(work: Workload) -> bool:
     """Whether the ring runs its blocks through a fused attention kernel (scalelm.parallel.ring_blocks.KERNELS)."""
     model = work.config.model
@@ -347,15 +346,6 @@ def blocks_activation_bytes(work: Workload, dims: ParallelDims, blocks: list[int
         kept = sum(checkpointed_bytes_per_token(work, dims, is_moe_block(model, i)) for i in blocks)
         return count * tokens * kept / virtual + tokens * max(per_block)
     return count * tokens * sum(per_block) / virtual
-
-
-def expert_copies_bytes(work: Workload, dims: ParallelDims, mixtures: int, count: int) -> float:
-    """Under expert parallelism in bf16, the experts' weights each mixture casts to bf16 and keeps for the backward
-    (of every mixture of the micro-batches in flight; one mixture's where full checkpointing recomputes them)."""
-    if dims.ep == 1 or not mixtures or work.compute_bytes == 4:
-        return 0.0
-    kept = 1 if work.checkpointing == "full" else count * mixtures / work.layout(dims).virtual_stages
-    return kept * local_expert_elements(work, dims) * work.compute_bytes
 
 
 def dispatch_buffer_bytes(work: Workload, dims: ParallelDims, mixtures: int, tokens: int) -> float:
@@ -393,7 +383,6 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         expert_bytes = {part: experts * STATE_BYTES[part] for part in STATE_PARTS} if model.moe else None
 
         act = blocks_activation_bytes(work, dims, blocks, count, tokens)
-        act += expert_copies_bytes(work, dims, mixtures, count)
         if first:
             act += count * tokens * k * d / u  # the embedding's dropout mask
         if last:
@@ -409,11 +398,11 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
         if reshards is not None:
             units: dict[str, int] = {}
             for tensor in tensors:
-                if gathered_by_fsdp(tensor, dims):
-                    units[tensor.unit] = units.get(tensor.unit, 0) + tensor.numel(dims.tp)
+                unit = fsdp_unit(tensor, dims)
+                units[unit] = units.get(unit, 0) + gathered(tensor, dims)
             largest = max(units.values())
-            gathered = 2 * largest if reshards else sum(units.values())  # + the prefetched
-            buffers += gathered * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
+            in_hand = 2 * largest if reshards else sum(units.values())  # + the prefetched
+            buffers += in_hand * e + largest * (e + 4)  # + a unit's gradients, reduced in fp32
         if dims.pp > 1:
             buffers += len(my_stages) * 4 * tokens * d * e  # activations and gradients, sent and received
         if dims.cp > 1:  # the ring's key/value blocks in hand and in flight, and backward's fp32 dk/dv accumulators

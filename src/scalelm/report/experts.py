@@ -3,7 +3,8 @@ the section of summary.md that puts them beside the dense layouts.
 
 Every run has its parameters in all and per token (`params_total`, `params_active`: the same for a dense model);
 the expert columns are empty for a dense model: the number of experts, the last interval's aux loss, the load
-balance (tokens per expert, max over mean, of the least balanced layer, averaged over the run's steps), and the share
+balance (tokens per expert, max over mean, of the least balanced layer, averaged over the run's steps), the worst
+layer's MaxVio over the last interval (max over mean less 1: how balanced the run ends), and the share
 of the profiled steps with an all-to-all running (expert parallelism's dispatch; 0 for a mixture in one process or
 with its experts on every rank).
 """
@@ -27,6 +28,7 @@ SECTION_COLUMNS = [
     "comm_share",
     "all_to_all_share",
     "expert_load_max_over_mean",
+    "max_vio_end",
     "aux_loss",
     "test_loss",
 ]
@@ -44,6 +46,7 @@ def columns(record: RunRecord) -> dict[str, Any]:
         "params_active": parameters.get("active"),
         "aux_loss": experts.get("aux_loss"),
         "expert_load_max_over_mean": experts.get("expert_load_max_over_mean"),
+        "max_vio_end": max(experts["expert_max_vio_end"].values()) if experts.get("expert_max_vio_end") else None,
         "all_to_all_share": (results.comm or {}).get("all_to_all_share") if moe else None,
     }
 
@@ -58,8 +61,9 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "Every run, the dense ones beside the mixtures: parameters in all and per token, steady tokens/s, the share "
         "of the profiled steps with a collective running and with an all-to-all (expert parallelism's dispatch), "
-        "the load balance (tokens per expert, max over mean, of the least balanced layer, over the run: 1 is even) "
-        "and the last interval's load-balancing loss (1 when balanced).",
+        "the load balance (tokens per expert, max over mean, of the least balanced layer, over the run: 1 is even), "
+        "the least balanced layer's MaxVio at the end (max over mean less 1, over the last logged interval: 0 is "
+        "even) and the last interval's load-balancing loss (1 when balanced).",
         "",
     ]
     return lines + markdown_table(SECTION_COLUMNS, [[fmt(r.get(c)) for c in SECTION_COLUMNS] for r in rows])

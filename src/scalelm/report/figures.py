@@ -94,6 +94,7 @@ FIGURES = (
     Figure("joules_per_token", "spread", "max", timed=True),
     # a mixture's experts (scalelm.measure.experts): empty for a dense model
     Figure("expert_load_max_over_mean", "spread"),  # tokens per expert, max / mean of the worst layer, over the run
+    Figure("max_vio_end", "spread"),  # the worst layer's max / mean less 1 over the last logged interval
     Figure("aux_loss", "spread"),  # the load-balancing loss of the last logged interval
     # results
     Figure("final_train_loss"),

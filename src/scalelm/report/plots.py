@@ -13,6 +13,7 @@ at its end, a ring around a study's speed in the trend.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import textwrap
 from pathlib import Path
@@ -25,6 +26,7 @@ from scalelm.report.history_store import TREND_FIGURES
 
 # tab20's dark hues, then their light partners: neighbours in the matrix never differ only in shade
 TAB20_ORDER = (*range(0, 20, 2), *range(1, 20, 2))
+MAX_VIO = "expert_max_vio_"  # a metrics line's per-layer load balance, by layer (scalelm.measure.experts)
 MARKERS = "osD^v<>PX*hpd8H1234+"  # matplotlib's 15 filled markers, then 5 drawn by lines
 DISTURBED = "red"  # the ring around what other work disturbed, the hatch of its bars, its note
 
@@ -137,10 +139,11 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def legend_beside(fig, ax) -> None:
-    """The legend right of the axes (one column up to 20 entries), outside the data, the figure widened for it."""
+def legend_beside(fig, ax, source=None) -> None:
+    """The legend (of `source`'s lines, else the axes') right of the axes (one column up to 20 entries), outside the
+    data, the figure widened for it."""
     fig.tight_layout()
-    handles, labels = ax.get_legend_handles_labels()
+    handles, labels = (source or ax).get_legend_handles_labels()
     columns = 1 if len(labels) <= 20 else 2
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, ncol=columns)
 
@@ -220,8 +223,9 @@ def plot_experts(runs: list[RunSummary], path: Path) -> None:
 
 
 def experts_figure(runs: list[RunSummary]):
-    """Per mixture-of-experts run, over its logged steps: the load balance (tokens per expert, max over mean, of the
-    least balanced layer: 1 is even) and the load-balancing loss (1 when balanced), from its metrics lines."""
+    """Per mixture-of-experts run, over its logged steps: each layer's load balance (tokens per expert, max over
+    mean: MaxVio + 1, 1 is even; the least balanced layer's where a run logged no layer's own) and the load-balancing
+    loss (1 when balanced), from its metrics lines."""
     import matplotlib.pyplot as plt
 
     mixtures = [r for r in runs if any("expert_load_max_over_mean" in m for m in r.metrics)]
@@ -235,16 +239,21 @@ def experts_figure(runs: list[RunSummary]):
     for run in mixtures:
         lines = [m for m in run.metrics if m["kind"] == "train"]
         colour, _ = styles[run.figures["experiment"]]
-        for ax, key in zip(axes, ("expert_load_max_over_mean", "aux_loss")):
-            points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
-            ax.plot([s for s, _ in points], [v for _, v in points], color=colour, label=run.label)
-    axes[0].set_title("load balance: tokens per expert, max / mean (worst layer)")
+        layers = sorted({k for m in lines for k in m if k.startswith(MAX_VIO)}, key=lambda k: int(k[len(MAX_VIO) :]))
+        curves = [(axes[0], k, 1.0, f"{run.label}, layer {k[len(MAX_VIO) :]}") for k in layers]
+        curves = curves or [(axes[0], "expert_load_max_over_mean", 0.0, run.label)]
+        for (ax, key, offset, label), style in zip(curves, itertools.cycle(("-", "--", ":", "-."))):
+            points = [(m["step"], m[key] + offset) for m in lines if m.get(key) is not None]
+            ax.plot([s for s, _ in points], [v for _, v in points], color=colour, linestyle=style, label=label)
+        points = [(m["step"], m["aux_loss"]) for m in lines if m.get("aux_loss") is not None]
+        axes[1].plot([s for s, _ in points], [v for _, v in points], color=colour)
+    axes[0].set_title("load balance per layer: tokens per expert, max / mean")
     axes[1].set_title("load-balancing loss (before its coefficient)")
     for ax in axes:
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)  # even: both are 1
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    legend_beside(fig, axes[1])
+    legend_beside(fig, axes[1], source=axes[0])
     return fig
 
 

@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 
+from scalelm.model.moe import update_expert_biases
 from scalelm.train.engine import Engine
 from scalelm.train.optim import optimizer_step
 
@@ -35,9 +36,9 @@ class Trainer(Engine):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.parallel.no_sync(self.model), self.parallel.loss_context():
                 loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
-        self.parallel.reduce_gradients(self.model)
         grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer_step()
+        update_expert_biases(self.model, self.parallel.sum_over_data)
         self.scheduler.step()
         self.instruments.note_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
