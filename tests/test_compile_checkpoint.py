@@ -58,6 +58,7 @@ def layout_block(
     return model.blocks["0"].to(dtype)
 
 
+@pytest.mark.slow
 def test_every_layouts_block_compiles_whole_in_every_checkpointing_mode(fake_tp_mesh, monkeypatch):
     """Finding 4: plain, TP and TP with sequence parallelism, dropout 0 and 0.1, checkpointing none/full/selective:
     dynamo traces each block as one graph. fp32 on the CPU draws dropout masks with numpy, bf16 with torch's sampler

@@ -21,6 +21,7 @@ from scalelm.train.rundir import RunDir
 from system import in_ci
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, rank", [("ddp", 1), ("fsdp", 0)])
 def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_resumes(tiny_config, strategy, rank):
     config = tiny_config("crash", parallel__strategy=strategy, train__max_steps=200, checkpoint__every=5)
@@ -37,6 +38,7 @@ def test_a_killed_rank_fails_the_job_within_a_minute_naming_it_and_the_rerun_res
     assert steps == sorted(set(steps)) and steps[-1] == 200, steps
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_threshold_and_the_rerun_resumes(tiny_config, tmp_path):
     """One rank of four stalls inside step 8: every rank's watchdog finds its step overdue (max(5 x the median step,
     the 4 s floor)), names rank 2 as the one the others wait for, writes the stacks and stops the job (EXIT_HUNG),
@@ -140,6 +142,7 @@ def test_a_rank_that_left_the_job_is_named_by_the_rank_whose_collective_failed(t
         assert not (tmp_path / "summary.txt").exists(), error
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config, tmp_path):
     """Rank 1 of 2 is stopped (SIGSTOP: no thread of it runs, its watchdog's neither) after step 7, before that step's
     log line; rank 0 waits for it in that line's collective, between two steps. Its watchdog finds rank 1's progress
@@ -294,6 +297,7 @@ def test_a_rank_frozen_before_its_first_step_is_named_after_the_floor(tmp_path):
     assert overdue(30).endswith("(limit 10 s), and the job's store has not answered for 30 s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes, procs", [(1, 2), (2, 1)])
 def test_slurm_style_signal_to_the_whole_job_checkpoints_exits_75_and_resumes_bitwise(
     tiny_config, tmp_path, nodes, procs
@@ -322,6 +326,7 @@ TRIALS = 10
 
 # Every layout writes and reads the same DCP checkpoint; expert parallelism's is the most sharded case: FSDP's shards
 # of the dense parameters and the experts split over ep. One stop of DDP, TP and FSDP x TP each: tests/test_training.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ep"])
 def test_ten_preemptions_at_random_steps_end_bitwise_equal_to_an_uninterrupted_run(tiny_config, tmp_path, strategy):
     """One run stopped ten times, at random steps, by the signal Slurm sends; each restart resumes where it stopped.

@@ -321,6 +321,7 @@ def test_with_cpu_offload_parameters_are_materialised_on_the_host_and_buffers_on
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
+@pytest.mark.slow
 def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable(tmp_path):
     """bench/gpu_probe.py, bench/gpu_smoke.sh and bench/gpu_paths.py in --cpu mode, as CI runs them so the kit
     cannot rot (side by side: each is mostly one core's work): every check that a CPU can run passes, every

@@ -32,6 +32,7 @@ def evals(run_dir) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
 
 
+@pytest.mark.slow
 def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_config, tmp_path):
     """2 processes, 20 steps of the tiny model with 2 micro-batches per rank, clipping and dropout: the same loss at
     every step and the same exact evaluations; run.json is a scalelm record, the last checkpoint consolidates to
@@ -67,6 +68,7 @@ def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_c
     assert row["test_loss"] == pytest.approx(record.results.test["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lightning_run_stopped_by_a_signal_resumes_to_the_same_end(tiny_config, tmp_path):
     """Dropout on, cosine schedule: a stop signal after step 6 (torchrun passes SIGTERM on, as scalelm's supervisor
     passes Slurm's SIGUSR1): the ranks agree on a step, checkpoint and exit 75; the same command resumes and ends

@@ -402,6 +402,7 @@ def test_weights_and_biases_offline_holds_every_logged_step(tiny_config):
     assert all(json.dumps(loss).encode() in content for loss in losses), losses
 
 
+@pytest.mark.slow
 def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tiny_config, tmp_path):
     """Two local "nodes" of two processes (two torchruns meeting at one rendezvous, as the launcher starts them): the
     model's matrix products per rank, and every collective over message sizes in the whole job and within each node,

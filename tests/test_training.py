@@ -83,6 +83,7 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others(tiny_config, tmp_path):
     """Same model, same data, global batch 16: one process, 4-way accumulation, DDP, FSDP, HSDP 2x2, TP 2 (the
     vocabulary-parallel loss: with sequence parallelism below, and with the mixture's TP), FSDP x TP 2x2 (with and without sequence and loss parallelism), pipelines
@@ -214,6 +215,7 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
         assert loaded["tokens"] == written["tokens"] and loaded["loss"] == pytest.approx(written["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_an_interleaved_pipeline_and_3d_train_like_one_process(tiny_config):
     """Four blocks. Interleaved 1F1B on 2 ranks of 2 virtual stages each (rank 0 holds blocks 0 and 2) over 20 steps,
     and 3D (pp 2 x dp_shard 2 x tp 2, eight ranks) over 4 steps, give the single process's losses."""
@@ -246,6 +248,7 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
     assert train_losses(run_dir_of(a)) != train_losses(run_dir_of(c))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "ddp_spawn", "cp_tp", "pp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
@@ -401,6 +404,7 @@ def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evalua
 COMPILED = ("single", "ddp", "fsdp", "tp")
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager_in_every_data_and_tensor_layout_and_resumes(tiny_config):
     """train.compile (each block compiled with the layout, scalelm.parallel.compile): one process, DDP, FSDP and TP
     compiled train like the eager single process to within 1e-4 per step (the compiled kernels sum fp32 in another

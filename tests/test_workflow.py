@@ -97,6 +97,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert "--host-suffix i" in result.stdout
 
 
+@pytest.mark.slow
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
     def faster(config):
         config["local"]["experiments"]["ddp_spawn"] = None  # ddp started otherwise: tested in test_training.py
@@ -262,6 +263,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert not (results / "expectations.met").exists()
 
 
+@pytest.mark.slow
 def test_two_workflow_runs_with_their_own_result_directories_run_side_by_side(project):
     """Two studies at once in one checkout: both complete, each writes only its own directories, and their
     multi-node experiments (local torchrun rendezvous) do not meet each other.
