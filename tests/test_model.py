@@ -10,7 +10,7 @@ from scalelm.model import moe as moe_module
 from scalelm.model.architecture import parameter_counts, parameters
 from scalelm.model.cpu_ops import Dropout, LinearCrossEntropy, linear_cross_entropy
 from scalelm.model.loss import IGNORE_INDEX
-from scalelm.model.moe import GroupedExperts, mixtures, update_expert_biases
+from scalelm.model.moe import GroupedExperts, biased_mixtures, mixtures, update_expert_biases
 from scalelm.model.transformer import TransformerLM, count_parameters
 
 
@@ -224,12 +224,13 @@ def _imbalance_after_training(**moe) -> float:
     config = ModelConfig(d_model=32, n_heads=2, n_layers=1, d_ff=64, dropout=0.0, moe=MoEConfig(8, top_k=1, **moe))
     model = TransformerLM(config, vocab_size=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    biased = biased_mixtures(model)
     data = torch.randint(0, 64, (40, 8, 17), generator=torch.Generator().manual_seed(1)) % 16  # a skewed vocabulary
     load = torch.zeros(8)
     for step, batch in enumerate(data):
         model(batch[:, :-1], batch[:, 1:]).backward()
         optimizer.step()
-        update_expert_biases(model, lambda loads: None)
+        update_expert_biases(biased, lambda loads: None)
         optimizer.zero_grad()
         counts, _, _ = mixtures(model)[0].take_load()
         if step >= 30:
@@ -261,11 +262,14 @@ def test_the_expert_bias_chooses_moves_by_its_rate_and_the_z_loss_trains_the_rou
     model = TransformerLM(config, vocab_size=32)
     moe = mixtures(model)[0]
     assert "blocks.0.ffn.expert_bias" in model.state_dict() and torch.equal(moe.expert_bias, torch.zeros(4))
-    assert not any("expert_bias" in k for k in TransformerLM(MOE, vocab_size=32).state_dict())
+    aux_model = TransformerLM(MOE, vocab_size=32)
+    assert not any("expert_bias" in k for k in aux_model.state_dict()) and biased_mixtures(aux_model) == []
     tokens = torch.randint(0, 32, (2, 8))
     model(tokens, tokens).backward()
     summed = []
-    update_expert_biases(model, lambda loads: (summed.append(loads.clone()), loads.mul_(3)))  # 3 ranks' alike
+    update_expert_biases(
+        biased_mixtures(model), lambda loads: (summed.append(loads.clone()), loads.mul_(3))
+    )  # 3 ranks' alike
     assert summed[0].sum() == 16  # this step's 16 tokens, top 1
     load = summed[0][0] * 3
     assert torch.equal(moe.expert_bias, 0.5 * torch.sign(load.mean() - load)) and moe.step_load is None

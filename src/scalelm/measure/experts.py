@@ -24,9 +24,9 @@ step:
 
 Over the run `results` keeps the last interval's aux loss and MaxVio per layer (how balanced the run ends), the
 steps' load balance averaged, the share of the tokens each expert got, per layer and over all, and the experts'
-product (`product`: torch's grouped product, or a product per expert where it does not run): totals kept in the trainer's state, which its checkpoints hold, so
-that a resumed run's count what its log lines count (the steps between a checkpoint and the log line before it are
-in neither, as for the loss).
+product (`product`: torch's grouped product, or a product per expert where it does not run): totals kept in the
+trainer's state, which its checkpoints hold, so that a resumed run's count what its log lines count (the steps
+between a checkpoint and the log line before it are in neither, as for the loss).
 A dense model has none of these: `ExpertLoad.of` gives None, and nothing is added to the logs or the reduction.
 """
 
@@ -125,12 +125,12 @@ class ExpertLoad:
         totals["steps"] += len(balances)
         totals["aux_loss"] = aux_sum / aux_count if aux_count else None
         balance = sum(balances) / len(balances) if balances else None
+        figures = {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance}
         if violations:
-            totals["max_vio"] = {
-                str(layer): sum(v) / len(violations) for layer, v in zip(self.layers, zip(*violations))
-            }
-        max_vio = {f"expert_max_vio_{layer}": value for layer, value in (totals["max_vio"] or {}).items()}
-        return {"aux_loss": totals["aux_loss"], "expert_load_max_over_mean": balance, **(max_vio if violations else {})}
+            means = [sum(layer) / len(violations) for layer in zip(*violations)]
+            totals["max_vio"] = {str(layer): mean for layer, mean in zip(self.layers, means)}
+            figures |= {f"expert_max_vio_{layer}": mean for layer, mean in zip(self.layers, means)}
+        return figures
 
     @property
     def product(self) -> str | None:

@@ -293,11 +293,15 @@ class MoE(nn.Module):
         return taken
 
 
-def update_expert_biases(model: nn.Module, sum_over_data: Callable[[torch.Tensor], None]) -> None:
-    """After an optimizer step, under model.moe.balance=bias: each mixture's expert biases move by its rate toward
+def biased_mixtures(model: nn.Module) -> list[MoE]:
+    """The mixtures of `model` under model.moe.balance=bias, in block order: found once, not every step."""
+    return [moe for _, moe in sorted(mixtures(model).items()) if moe.bias_rate is not None]
+
+
+def update_expert_biases(biased: list[MoE], sum_over_data: Callable[[torch.Tensor], None]) -> None:
+    """After an optimizer step, the `biased` mixtures' (`biased_mixtures`) expert biases move by their rate toward
     balance (module docstring), from the step's tokens per expert summed by `sum_over_data` over every data-parallel
-    rank (in place; one collective for all of a rank's mixtures). Nothing without such a mixture."""
-    biased = [moe for _, moe in sorted(mixtures(model).items()) if moe.bias_rate is not None]
+    rank (in place; one collective for all of a rank's mixtures). Nothing where there are none."""
     if not biased:
         return
     zeros = biased[0].expert_bias.new_zeros(biased[0].experts_count)

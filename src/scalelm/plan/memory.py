@@ -42,8 +42,8 @@ whole:
     e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c
 
 Under expert parallelism the buffers hold the all-to-all's rows of the mixture at work, sent and received (2 c d e
-per token), and FSDP gathers a mixture's experts (their ep share) as a unit of its own. With full activation checkpointing a block keeps only its input (e d/u),
-with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
+per token), and FSDP gathers a mixture's experts (their ep share) as a unit of its own. With full activation
+checkpointing a block keeps only its input (e d/u), with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
 attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
 is recomputed. A mixture's block never recomputes its exchange (scalelm.parallel.activation_checkpoint): with full
 checkpointing it keeps its formula less its attention's and experts' insides, recomputed (4d/t and c g), with

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from scalelm.model.moe import update_expert_biases
+from scalelm.model.moe import biased_mixtures, update_expert_biases
 from scalelm.train.engine import Engine
 from scalelm.train.optim import optimizer_step
 
@@ -17,6 +17,7 @@ class Trainer(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.optimizer_step = optimizer_step(self.optimizer, self.config.train.compile_optimizer)
+        self.biased_mixtures = biased_mixtures(self.model)  # model.moe.balance=bias: moved after each step
 
     def train_steps(self) -> None:
         for micro_batches in self.remaining_steps():
@@ -38,7 +39,7 @@ class Trainer(Engine):
                 loss_sum += self.parallel.forward_backward(self.model, inputs, targets, 1 / len(micro_batches), step)
         grad_norm = self.parallel.clip_grad_norm(self.model, self.config.optim.grad_clip)
         self.optimizer_step()
-        update_expert_biases(self.model, self.parallel.sum_over_data)
+        update_expert_biases(self.biased_mixtures, self.parallel.sum_over_data)
         self.scheduler.step()
         self.instruments.note_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
