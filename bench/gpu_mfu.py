@@ -34,7 +34,7 @@ from scalelm.model.architecture import flops_per_token
 from scalelm.model.transformer import TransformerLM
 from scalelm.parallel.env import DistEnv
 from scalelm.parallel.runtime import ModelOptions, Parallel
-from scalelm.train.optim import build_optimizer, build_scheduler, optimizer_step, scaled_lr
+from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ class Stepper(Trainer):
         compiled = config.train.compile_optimizer
         self.optimizer = build_optimizer(self.model, config.optim, lr, compiled=compiled)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
-        self.optimizer_step = optimizer_step(self.optimizer, compiled)
+        self.prepare_steps()
         self.state = SimpleNamespace(step=0)
         self.instruments = SimpleNamespace(note_state=lambda model, optimizer: None)
 

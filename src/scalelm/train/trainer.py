@@ -16,6 +16,11 @@ from scalelm.train.optim import optimizer_step
 class Trainer(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.prepare_steps()
+
+    def prepare_steps(self) -> None:
+        """What train_step needs beyond the engine's model, optimizer and schedule (bench/gpu_mfu.py's Stepper builds
+        those alone, then calls this)."""
         self.optimizer_step = optimizer_step(self.optimizer, self.config.train.compile_optimizer)
         self.biased_mixtures = biased_mixtures(self.model)  # model.moe.balance=bias: moved after each step
 
