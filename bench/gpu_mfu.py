@@ -32,9 +32,9 @@ from scalelm.config import Config, load_config
 from scalelm.measure.peak import mfu, peak_flops
 from scalelm.model.architecture import flops_per_token
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.parallel.env import DistEnv
 from scalelm.parallel.runtime import ModelOptions, Parallel
-from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ class Stepper(Trainer):
         # not Engine.__init__, which builds a whole run: its lines that build the model, optimizer and schedule
         self.config, self.env = config, env
         self.parallel = Parallel.start(config, env, vocab_size)
-        make = lambda: TransformerLM(config.model, vocab_size)  # noqa: E731
+        make = lambda: TransformerLM(config.model, vocab_size)
         self.model = self.parallel.build(make, config.seed, ModelOptions.of(config.train))
         lr = scaled_lr(config.optim, config.batch, self.parallel.dims.dp_size)
         compiled = config.train.compile_optimizer

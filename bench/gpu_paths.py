@@ -642,7 +642,7 @@ def batches(ctx: Ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train_losses_of(ctx: Ctx, model, data, autocast: bool) -> list[float]:
     from scalelm.config import OptimConfig
-    from scalelm.train.optim import build_optimizer
+    from scalelm.optim import build_optimizer
 
     optimizer = build_optimizer(model, OptimConfig(), 3e-4)
     losses = []
@@ -737,12 +737,12 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
 
     from scalelm.config import from_dict
     from scalelm.model.transformer import TransformerLM
+    from scalelm.optim import build_optimizer
     from scalelm.parallel.dims import MESH_DIMS
     from scalelm.parallel.env import DistEnv
     from scalelm.parallel.layout import resolve_layout
     from scalelm.parallel.runtime import Meshes, ModelOptions, Parallel
     from scalelm.plan.memory import Workload, plan_memory
-    from scalelm.train.optim import build_optimizer
 
     ctx = Ctx(torch.device("cpu") if cpu else torch.device("cuda", 0), work, work)
     strategy, changes = WORLD8[name]

@@ -41,14 +41,15 @@ from scalelm.measure.peak import cuda_peak_flops
 from scalelm.model.architecture import flops_per_token
 from scalelm.model.cpu_ops import Dropout, own_random_stream
 from scalelm.model.transformer import Block, TransformerLM
+from scalelm.optim import build_optimizer
 from scalelm.parallel.compile import apply_compile
 from scalelm.parallel.data import apply_fsdp, materialise
 from scalelm.parallel.dims import MESH_DIMS
 from scalelm.parallel.env import backend_for
-from scalelm.parallel.runtime import Parallel, matmul_precision
+from scalelm.parallel.numerics import matmul_precision
+from scalelm.parallel.runtime import Parallel
 from scalelm.parallel.tensor import apply_tp
 from scalelm.train.evaluation import eval_rows
-from scalelm.train.optim import build_optimizer
 
 VOCAB = 33_278  # WikiText-2's
 

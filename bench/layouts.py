@@ -3,9 +3,10 @@
     python bench/layouts.py [--models course,m59,m136,m270] [--layouts ddp,fsdp] [--steps 4] [--warmup 2] [--json FILE]
 
 For each model and layout (single; DDP, FSDP with and without resharding after forward, TP with and without sequence
-parallelism, CP load-balanced and contiguous on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the real entry point
-(`torchrun ... -m scalelm.train`) on random token ids of WikiText-2's vocabulary, with `batch.mode: per_device` (each data-parallel rank its own batch: weak scaling,
-as the course compares), and reports from the run's own records:
+parallelism, CP load-balanced and contiguous on 2 ranks; HSDP 2x2 and FSDP x TP 2x2 on 4 ranks) it trains through the
+real entry point (`torchrun ... -m scalelm.train`) on random token ids of WikiText-2's vocabulary, with `batch.mode:
+per_device` (each data-parallel rank its own batch: weak scaling, as the course compares), and reports from the run's
+own records:
 
 - tokens/s (total and per device): tokens over the timed steps' time, after `--warmup` steps;
 - per-rank state: the exact bytes of the largest rank's parameters, gradients and optimizer state;
@@ -34,15 +35,15 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from argtypes import count, names, output_file  # noqa: E402
-from scalelm.config import from_dict  # noqa: E402
-from scalelm.model.architecture import flops_per_token  # noqa: E402
+from argtypes import count, names, output_file
+from scalelm.config import from_dict
+from scalelm.model.architecture import flops_per_token
 from scalelm.model.transformer import (
-    TransformerLM,  # noqa: E402
-    count_parameters,  # noqa: E402
+    TransformerLM,
+    count_parameters,
 )
-from scalelm.parallel.hostmemory import with_huge_pages  # noqa: E402
-from throughput import make_prepared  # noqa: E402  (the same random prepared data as the throughput benchmark)
+from scalelm.parallel.hostmemory import with_huge_pages
+from throughput import make_prepared
 
 VOCAB = 33_278
 MODELS: dict[str, dict[str, Any]] = {

@@ -4,9 +4,10 @@
 
 First the experts' two products side by side, forward and backward of one rank's routed rows in the course
 mixture's shape (`products`): torch's grouped product (`torch._grouped_mm`, what scalelm runs where torch has it)
-against a product per expert (what it falls back to elsewhere), the median of 20 after 3 warm-up. Then five runs, each alone, through the real entry point as bench/layouts.py runs them (random tokens of WikiText-2's
-vocabulary, `batch.mode: per_device` with 128 sequences of 32 tokens per data-parallel rank, dropout 0, one thread
-per process, the last steps under the profiler):
+against a product per expert (what it falls back to elsewhere), the median of 20 after 3 warm-up. Then five runs, each
+alone, through the real entry point as bench/layouts.py runs them (random tokens of WikiText-2's vocabulary,
+`batch.mode: per_device` with 128 sequences of 32 tokens per data-parallel rank, dropout 0, one thread per process,
+the last steps under the profiler):
 
 - dense: the course model (d_model 128, 4 heads, 2 blocks, FFN 2048), one process;
 - moe: the same with each block's FFN a mixture of 4 experts of width 1024, top 2 (`course_moe`): a token meets
@@ -39,14 +40,14 @@ from typing import Any
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
+import torch
 
-from argtypes import count, output_file  # noqa: E402
-from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout  # noqa: E402
-from scalelm.config import from_dict  # noqa: E402
-from scalelm.model import moe as moe_module  # noqa: E402
-from scalelm.model.architecture import parameter_counts  # noqa: E402
-from throughput import make_prepared  # noqa: E402
+from argtypes import count, output_file
+from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout
+from scalelm.config import from_dict
+from scalelm.model import moe as moe_module
+from scalelm.model.architecture import parameter_counts
+from throughput import make_prepared
 
 RUNS = (
     ("course", "single"),

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from argtypes import count, counts, names, output_file  # noqa: E402
-from layouts import MODELS, run_layout  # noqa: E402
-from scalelm.parallel.pipeline import SCHEDULES  # noqa: E402
-from throughput import make_prepared  # noqa: E402
+from argtypes import count, counts, names, output_file
+from layouts import MODELS, run_layout
+from scalelm.parallel.pipeline import SCHEDULES
+from throughput import make_prepared
 
 BATCH = 8  # sequences per replica and step: divisible by 2, 4 and 8 micro-batches
 

@@ -10,8 +10,8 @@
    data set of random token ids of the right vocabulary, fed by `scalelm.data.TrainBatches` and stepped with
    `Trainer.train_step`. Producing each batch (the data loading) is timed separately from the step.
 3. Reports tokens/s, step time, the data-loading share of step time, model FLOPs per token
-   (`scalelm.model.architecture.flops_per_token`: 6 x matmul parameters + the attention term, as nanoGPT and PaLM count them),
-   the achieved FLOP/s and MFU = achieved / measured matmul rate.
+   (`scalelm.model.architecture.flops_per_token`: 6 x matmul parameters + the attention term, as nanoGPT and PaLM count
+   them), the achieved FLOP/s and MFU = achieved / measured matmul rate.
 
 Models: (a) d_model 200, 2 heads, 2 layers, d_ff 200, dropout 0.2, seq_len 35, batch 20: the shape of
 pytorch/examples word_language_model's Transformer (emsize = nhid = 200, nhead 2, bptt 35); (b) the course

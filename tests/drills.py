@@ -22,10 +22,11 @@ import psutil
 import torch
 import yaml
 
-from scalelm.config import ModelConfig, from_mapping
+from scalelm.config import ModelConfig
 from scalelm.errors import EXIT_PREEMPTED
 from scalelm.files import sha256
 from scalelm.model.transformer import TransformerLM
+from scalelm.settings_yaml import from_mapping
 from scalelm.train.checkpoint import MARKER, load_weights, read_trainer_state
 from scalelm.train.consolidate import consolidate
 from scalelm.train.rundir import RunDir

@@ -13,9 +13,9 @@ from conftest import run_dir_of, run_train, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler
 from scalelm.parallel.env import DistEnv
 from scalelm.train.checkpoint import FORMAT, Checkpointer, Origin, TrainerState, complete_checkpoints, verify
-from scalelm.train.optim import build_optimizer, build_scheduler
 
 
 def test_damaged_latest_checkpoint_is_skipped_and_the_run_redone_identically(tiny_config, tmp_path):

@@ -94,7 +94,7 @@ class Run:
 
 def run_recorded(monkeypatch, config) -> Run:
     """Train `config` in this process, keeping the engine and what reached the functions that apply settings."""
-    from scalelm.parallel import runtime
+    from scalelm.parallel import numerics, runtime
     from scalelm.train import engine as base
     from scalelm.train import run as entry
     from scalelm.train import trainer
@@ -102,7 +102,7 @@ def run_recorded(monkeypatch, config) -> Run:
     applied = {"evaluate": [], "monitor": [], "compile": [], "optimizer_step": [], "attention_kernels": []}
     built = []
     make_engine, evaluate, monitor = entry.engine_for, base.evaluate, entry.Monitor
-    attention_backends = runtime.attention_backends
+    attention_backends = numerics.attention_backends
 
     def engine_for(config):
         class Recorded(make_engine(config)):
@@ -132,7 +132,7 @@ def run_recorded(monkeypatch, config) -> Run:
     monkeypatch.setattr(base, "evaluate", recorded_evaluate)
     monkeypatch.setattr(entry, "Monitor", recorded_monitor)
     monkeypatch.setattr(trainer, "optimizer_step", recorded_optimizer_step)
-    monkeypatch.setattr(runtime, "attention_backends", recorded_attention_backends)
+    monkeypatch.setattr(numerics, "attention_backends", recorded_attention_backends)
     monkeypatch.setattr(runtime, "apply_compile", lambda model, device, mode: applied["compile"].append(mode))
     try:
         record = train_here(config)

@@ -23,13 +23,13 @@ from scalelm.launch.container import passed_environment
 from scalelm.measure.peak import cuda_peak_flops
 from scalelm.model import gpu_ops
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer
 from scalelm.parallel.data import materialise
 from scalelm.parallel.env import backend_for, pick_device
-from scalelm.parallel.runtime import matmul_precision
+from scalelm.parallel.numerics import matmul_precision
 from scalelm.parallel.tensor import apply_tp
 from scalelm.study.workflow import Study
 from scalelm.train.evaluation import eval_rows
-from scalelm.train.optim import build_optimizer
 from test_study import local_config
 
 
@@ -102,7 +102,8 @@ def test_the_backend_string_follows_the_device_and_cpu_offload():
 def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch):
     """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
     reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9). So does NCCL's Flight
-    Recorder, on before the process group starts, dumping into the run's autopsy directory (scalelm.train.flight_recorder)."""
+    Recorder, on before the process group starts, dumping into the run's autopsy directory
+    (scalelm.train.flight_recorder)."""
     recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
     for name in recorder:

@@ -1,5 +1,6 @@
 """The locked environment: uv.lock holds every dependency but torch, its exports in requirements/ are current, the
-environment the README's setup command made holds exactly the lock's versions; a run records which it had (tests/test_workflow.py)."""
+environment the README's setup command made holds exactly the lock's versions; a run records which it had
+(tests/test_workflow.py)."""
 
 from __future__ import annotations
 

@@ -19,22 +19,22 @@ from torch.nn.attention import SDPBackend
 
 import drills
 from conftest import REPO, run_dir_of, train_here, train_losses
+from scalelm import optim
 from scalelm.config import Config, from_dict, load_config, resolve_precision
 from scalelm.data.prepared import load_prepared
 from scalelm.errors import ConfigError
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler, optimizer_step
 from scalelm.parallel import compile as compile_module
 from scalelm.parallel import data as data_module
-from scalelm.parallel import runtime
+from scalelm.parallel import numerics, runtime
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
 from scalelm.parallel.env import DistEnv
 from scalelm.parallel.expert import apply_ep
 from scalelm.parallel.layout import check_bf16_params, resolve_layout
 from scalelm.plan.memory import Workload, plan_memory
 from scalelm.site import SiteConfig
-from scalelm.train import optim
 from scalelm.train.checkpoint import complete_checkpoints
-from scalelm.train.optim import build_optimizer, build_scheduler, optimizer_step
 from scalelm.train.record import read_metrics
 
 TINY_MODEL = {"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "dropout": 0.0}
@@ -116,30 +116,30 @@ def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
     torch's own switches against cuDNN, and with `default`, under torch's own order. With a cuDNN older than 9.15.1 a
     sequence length that is not a multiple of 128 is refused. The training and the evaluation forward both call SDPA
     inside that context, and the order is torch's again after them."""
-    torch_prefers_cudnn = runtime.torch_prefers_cudnn  # asks torch: its order after a choice of backend
+    torch_prefers_cudnn = numerics.torch_prefers_cudnn  # asks torch: its order after a choice of backend
     assert not torch_prefers_cudnn(torch.device("cpu"))
     with monkeypatch.context() as changed:
-        changed.setattr(torch._C, "_get_sdp_priority_order", lambda: [int(b) for b in runtime.CUDNN_FIRST])
+        changed.setattr(torch._C, "_get_sdp_priority_order", lambda: [int(b) for b in numerics.CUDNN_FIRST])
         assert torch_prefers_cudnn(torch.device("cpu"))
     probe = {"capability": (9, 0), "cudnn": 91002, "torch_prefers": False}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: probe["capability"])
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: probe["cudnn"])
-    monkeypatch.setattr(runtime, "torch_prefers_cudnn", lambda device: probe["torch_prefers"])
+    monkeypatch.setattr(numerics, "torch_prefers_cudnn", lambda device: probe["torch_prefers"])
     for variable in ("TORCH_CUDNN_SDPA_DEPRIORITIZED", "TORCH_CUDNN_SDPA_PREFERRED"):
         monkeypatch.delenv(variable, raising=False)
     cuda = torch.device("cuda", 0)
-    assert runtime.attention_backends("auto", cuda) == [
+    assert numerics.attention_backends("auto", cuda) == [
         SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # fmt: skip
-    assert runtime.attention_backends("default", cuda) is None
-    assert runtime.attention_backends("auto", torch.device("cpu")) is None
+    assert numerics.attention_backends("default", cuda) is None
+    assert numerics.attention_backends("auto", torch.device("cpu")) is None
     for name, value in (("torch_prefers", True), ("cudnn", 90701), ("capability", (8, 0))):
         with monkeypatch.context() as changed:
             changed.setitem(probe, name, value)
-            assert runtime.attention_backends("auto", cuda) is None, name
+            assert numerics.attention_backends("auto", cuda) is None, name
     for variable, value in (("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1"), ("TORCH_CUDNN_SDPA_PREFERRED", "0")):
         with monkeypatch.context() as changed:
             changed.setenv(variable, value)
-            assert runtime.attention_backends("auto", cuda) is None, variable
+            assert numerics.attention_backends("auto", cuda) is None, variable
 
     def lengths(seq_len: int, kernels: str = "auto") -> Config:
         return from_dict({"model": TINY_MODEL, "data": {"seq_len": seq_len}, "train": {"attention_kernels": kernels}})
@@ -154,10 +154,10 @@ def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
 
     asked = []
     monkeypatch.setattr(
-        runtime, "attention_backends", lambda setting, device: asked.append(setting) or runtime.CUDNN_FIRST
+        numerics, "attention_backends", lambda setting, device: asked.append(setting) or numerics.CUDNN_FIRST
     )
     entered = []
-    real_kernel = runtime.sdpa_kernel
+    real_kernel = numerics.sdpa_kernel
 
     @contextlib.contextmanager
     def recording_kernel(backends, set_priority=False):
@@ -165,7 +165,7 @@ def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
         with real_kernel(backends, set_priority=set_priority):
             yield
 
-    monkeypatch.setattr(runtime, "sdpa_kernel", recording_kernel)
+    monkeypatch.setattr(numerics, "sdpa_kernel", recording_kernel)
     first_in_order = []
     real_sdpa = F.scaled_dot_product_attention
 
@@ -181,7 +181,7 @@ def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
     loss = parallel.forward_backward(model, inputs, targets, 1.0, step=1)
     logits = parallel.forward(model, inputs)
     assert asked == ["auto"] and torch.isfinite(loss) and logits.shape == (4, 8, VOCAB)
-    assert entered == [(runtime.CUDNN_FIRST, True)] * 2
+    assert entered == [(numerics.CUDNN_FIRST, True)] * 2
     assert first_in_order == [SDPBackend.CUDNN_ATTENTION] * 4  # two blocks, two forwards
     assert torch._C._get_sdp_priority_order() == torch_order
 
@@ -195,7 +195,7 @@ def test_bf16_params_on_one_process_casts_through_fsdp_on_a_mesh_of_one(monkeypa
     with pytest.raises(ConfigError, match="train.precision=bf16_params is for CUDA devices"):
         runtime.Parallel.start(tiny(precision="bf16_params"), cpu_env(), VOCAB)
     assert not dist.is_initialized()
-    monkeypatch.setattr(runtime, "resolve_precision", lambda precision, device_type: "bf16")
+    monkeypatch.setattr(numerics, "resolve_precision", lambda precision, device_type: "bf16")
     sharded = []
     real_fsdp = runtime.apply_fsdp
     monkeypatch.setattr(

@@ -404,14 +404,14 @@ def _vocabulary_parallel_runs(state: dict, tokens: torch.Tensor, targets: torch.
             set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))  # (it fills it)
             loss = model(tokens, targets)
             loss.backward()
-            full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+            full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
             results[r] = {
                 "loss": loss.detach(),
                 "stride": model.logits(model.norm(torch.zeros(1, 2, SPLIT_MODEL.d_model))).to_local().stride(-2),
                 "shapes": {k: tuple(v.shape) for k, v in model.state_dict().items()},
                 "grads": {name: full(p.grad) for name, p in model.named_parameters()},
             }
-        except BaseException as error:  # noqa: BLE001 (handed to the test's thread)
+        except BaseException as error:
             results[r] = error
         finally:
             dist.destroy_process_group()
@@ -474,10 +474,10 @@ def test_the_chunked_loss_under_fsdps_bf16_policy_gives_the_plain_loss_and_fp32_
 
     from scalelm.config import from_dict
     from scalelm.model import transformer
-    from scalelm.parallel import runtime
+    from scalelm.parallel import numerics, runtime
     from scalelm.parallel.env import DistEnv
 
-    monkeypatch.setattr(runtime, "resolve_precision", lambda precision, device_type: "bf16")
+    monkeypatch.setattr(numerics, "resolve_precision", lambda precision, device_type: "bf16")
     chunked_calls = []
     chunked_loss = transformer.chunked_linear_cross_entropy
     monkeypatch.setattr(

@@ -683,7 +683,7 @@ def test_the_wiring_check_runs_each_layout_against_one_process_and_names_a_misma
     assert others == {"reference.0"}
     assert "single_gpu" not in runs and "gpt2_small" not in runs  # one process: no wiring to check
     # an experiment that trains with other settings gets a single process of its own to compare with
-    faster = lambda e: replace(e, config=replace(e.config, optim=replace(e.config.optim, lr=1e-3)))  # noqa: E731
+    faster = lambda e: replace(e, config=replace(e.config, optim=replace(e.config.optim, lr=1e-3)))
     other = [faster(e) if e.name == "ddp" else e for e in study.matrix.values()]
     again = preflight.preflight_runs(other, "results")
     own, shared = again["ddp"]["reference"], again["fsdp"]["reference"]

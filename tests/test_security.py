@@ -16,14 +16,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import drills
 from conftest import train_here
-from scalelm.config import ModelConfig, OptimConfig, from_mapping
+from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError, ConfigError
 from scalelm.files import UnsafeFileError, append_text, sha256
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer
+from scalelm.settings_yaml import from_mapping
 from scalelm.train.checkpoint import FLAT, complete_checkpoints, load_weights, read_trainer_state, verify
 from scalelm.train.consolidate import consolidate, load_consolidated
 from scalelm.train.evaluation import main as evaluate
-from scalelm.train.optim import build_optimizer
 from scalelm.train.rundir import RunDir
 
 SECRETS = {"WANDB_API_KEY": "wandb-key-0f3a9c", "HF_TOKEN": "hf_token_7d21e8", "AWS_SECRET_ACCESS_KEY": "aws-5b6c4d"}

@@ -7,9 +7,7 @@ Unknown keys and wrong types fail at load time with the dotted key and a suggest
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +18,7 @@ import yaml
 
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
-from scalelm.settings_yaml import dump_settings, load_error, parse_settings, read_settings, shown
+from scalelm.settings_yaml import dump_settings, from_mapping, load_error, parse_settings, plain, read_settings, shown
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
 
@@ -156,7 +154,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "bf16_params"] = setting(
         "auto", identity=True, lightning_refuses=("bf16_params", "Lightning's bf16 is its autocast plugin")
     )
-    # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU (scalelm.measure.peak)
+    # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU
+    # (scalelm.measure.peak)
     peak_tflops: float | None = setting(None, identity=False)
     # seconds between samples of CPU, RSS and GPU utilisation (scalelm.measure.sampler, one sampler per node); 0: none
     monitor_interval_s: float = setting(1.0, identity=False)
@@ -166,7 +165,8 @@ class TrainConfig:
     wandb: bool = setting(False, identity=False)
     deterministic: bool = setting(False, identity=False)
     # blocks keep less of the forward pass and recompute the rest in the backward: less memory for more compute; full:
-    # their inputs only, selective: their matrix products' and attention's outputs (scalelm.parallel.activation_checkpoint)
+    # their inputs only, selective: their matrix products' and attention's outputs
+    # (scalelm.parallel.activation_checkpoint)
     activation_checkpointing: Literal["none", "full", "selective"] = setting("none", identity=False)
     # torch.compile each block (and on CUDA the head with its loss): fewer kernel launches, fused element-wise work;
     # the first steps pay the compilation (scalelm.parallel.compile)
@@ -175,7 +175,7 @@ class TrainConfig:
     # and tunes the fused ones by coordinate descent: minutes of compiling, whose results the persistent Inductor cache,
     # site.yaml's inductor_cache_dir, keeps for later runs). No CUDA graphs: the GPU is already busy through the step
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = setting("default", identity=False)
-    # AdamW's step under torch.compile: its element-wise passes fused into a few kernels (scalelm.train.optim)
+    # AdamW's step under torch.compile: its element-wise passes fused into a few kernels (scalelm.optim)
     compile_optimizer: bool = setting(
         False, identity=False, lightning_refuses=(True, "Lightning calls the optimizer's step itself")
     )
@@ -188,7 +188,7 @@ class TrainConfig:
     # capability 9.0, where it is the faster one) where torch's own order does not already start with it and the cuDNN
     # is 9.9 or later: torch 2.6-2.8, and 2.10 on with a cuDNN older than 9.15.1 (CUDA 12 wheels); with a cuDNN older
     # than 9.15.1 only for a data.seq_len multiple of 128. With torch 2.9, or a cuDNN of 9.15.1 on (torch 2.11+cu130),
-    # a no-op: torch already puts cuDNN first (scalelm.parallel.runtime.attention_backends; docs/benchmarks.md)
+    # a no-op: torch already puts cuDNN first (scalelm.parallel.numerics.attention_backends; docs/benchmarks.md)
     attention_kernels: Literal["default", "auto"] = setting(
         "default", identity=False, lightning_refuses=("auto", "Lightning runs the forward outside scalelm's step")
     )
@@ -264,107 +264,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check `value` against a (simple) type annotation, converting where YAML is looser than Python."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0]
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{key}: {shown(value)} is not one of {choices}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {shown(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if annotation is Any:
-        return value
-    if dataclasses.is_dataclass(annotation):  # an optional section, given
-        return from_mapping(annotation, value, f"{key}.")
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
-        if dataclasses.is_dataclass(args[1]):  # named sections of one kind (the study's experiments)
-            return {k: from_mapping(args[1], v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
-        return {k: _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {shown(value)}")
-        if not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
-        return float(value)
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
-        return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
-        return value
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {shown(value)}")
-        return value
-    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
-
-
-def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
-    """An instance of the dataclass `cls` from a mapping: an unknown key is an error naming it and the closest
-    known key, a value of the wrong type an error naming the key; nested dataclasses take nested mappings."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {shown(values)}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"unknown setting {shown(f'{prefix}{key}')}{hint}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: missing {', '.join(repr(m) for m in missing)}")
-    kwargs = {}
-    for name, value in values.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):  # a section; null (every key commented out) is its defaults
-            kwargs[name] = from_mapping(hint, {} if value is None else value, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
-    return cls(**kwargs)
+        return plain(dataclasses.asdict(self))
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -9,16 +9,23 @@ files and `--set KEY=VALUE` values. Stricter than yaml.safe_load where it would 
 - a file that cannot be read (a directory, a pipe or a device, over MAX_BYTES, not UTF-8, missing) is one error
   naming it.
 
-Every refusal is a ConfigError naming the file (or the override) and, where it has one, the line. JSON (Snakemake
-takes it for a config file) is read too. What scalelm writes as settings (dump_settings) holds no aliases, and error
-messages quote a value at most a few hundred characters long (shown)."""
+Settings read are then typed by `from_mapping`, one strict rule for every dataclass of settings (training, site,
+study, a checkpoint's model): an unknown key is refused naming the closest known one, a value of the wrong type naming
+its key. Every refusal is a ConfigError naming the file (or the override) and, where it has one, the line. JSON
+(Snakemake takes it for a config file) is read too. What scalelm writes as settings (dump_settings) holds no aliases,
+and error messages quote a value at most a few hundred characters long (shown)."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
+import math
 import stat
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -224,3 +231,103 @@ class _Capped:
             if not self.write(item):
                 return False
         return self.emit(brackets[1])
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check `value` against a (simple) type annotation, converting where YAML is looser than Python."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}: {shown(value)} is not one of {choices}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {shown(value)}")
+        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if annotation is Any:
+        return value
+    if dataclasses.is_dataclass(annotation):  # an optional section, given
+        return from_mapping(annotation, value, f"{key}.")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
+        if dataclasses.is_dataclass(args[1]):  # named sections of one kind (the study's experiments)
+            return {k: from_mapping(args[1], v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
+        return {k: coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
+        return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {shown(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {shown(value)}")
+        return value
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def from_mapping(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """An instance of the dataclass `cls` from a mapping: an unknown key is an error naming it and the closest
+    known key, a value of the wrong type an error naming the key; nested dataclasses take nested mappings."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {shown(values)}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown setting {shown(f'{prefix}{key}')}{hint}")
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: missing {', '.join(repr(m) for m in missing)}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):  # a section; null (every key commented out) is its defaults
+            kwargs[name] = from_mapping(hint, {} if value is None else value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from scalelm.config import from_mapping
 from scalelm.errors import ConfigError
-from scalelm.settings_yaml import read_settings, shown
+from scalelm.settings_yaml import from_mapping, read_settings, shown
 
 # the collectives the machine's baseline times (scalelm.measure.baseline), and where: over the whole job (across its
 # nodes), within one node; a reference's key is `<scope>_<op>`
@@ -60,7 +59,8 @@ class SiteConfig:
     modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
     peak_tflops: float | None = None  # one GPU's dense TFLOP/s for MFU, where scalelm's table lacks the GPU
     exclusive: bool = True  # training jobs get whole nodes (sbatch --exclusive): nothing shares a timed job's nodes
-    # the nodes' network: with infiniband, a machine baseline in which NCCL chose sockets warns (scalelm.measure.baseline)
+    # the nodes' network: with infiniband, a machine baseline in which NCCL chose sockets warns
+    # (scalelm.measure.baseline)
     interconnect: Literal["infiniband", "ethernet"] | None = None
     references: MachineReferences = field(default_factory=MachineReferences)
     # where training jobs copy the prepared data first, unless an experiment says (data.stage: scalelm.data.stage):

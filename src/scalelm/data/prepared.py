@@ -43,7 +43,8 @@ def write_prepared(
     lines: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Write the token ids of every split (int32), `vocab.txt` (id = line number) and the manifest (source, options,
-    token and <unk> counts, vocabulary size, sha256 of every file) into the existing `directory`; return the manifest."""
+    token and <unk> counts, vocabulary size, sha256 of every file) into the existing `directory`; return the
+    manifest."""
     splits = {}
     for split in SPLITS:
         file = directory / f"{split}.pt"

@@ -165,8 +165,8 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, co
     import torch
 
     from scalelm.model.transformer import TransformerLM
+    from scalelm.optim import build_optimizer  # training's own AdamW
     from scalelm.parallel import compile as compiling
-    from scalelm.train.optim import build_optimizer  # the one arrow up, to train: training's own AdamW
 
     torch.manual_seed(0)
     model = TransformerLM(config.model, vocab).to(device)
@@ -405,7 +405,8 @@ def gpu_health(device: torch.device) -> dict[str, Any] | None:
 
 class HealthSampler:
     """Samples a GPU's health (`reader`) on a thread while the code inside `with` runs: at its start, then every
-    `interval` seconds (default HEALTH_SAMPLE_S). `result()` is the worst seen (`worst_health`) with the number of samples; None without a
+    `interval` seconds (default HEALTH_SAMPLE_S). `result()` is the worst seen (`worst_health`) with the number of
+    samples; None without a
     reader (off CUDA); the reason where none could be read."""
 
     def __init__(

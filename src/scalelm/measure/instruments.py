@@ -95,7 +95,8 @@ class Instruments:
         """At a log line (a collective), the interval's figures of the metrics line: the largest rank's peak
         memory and reserved memory (MiB; None on CPU), its largest share of the `seconds` spent producing batches,
         the job's energy in its steps and per token of its `tokens` (None where a rank could not measure it; not
-        `energy_reliable` where a rank's interval was shorter than its counter resolves), and whether the profiler ran in it (its time is then no steady-state figure)."""
+        `energy_reliable` where a rank's interval was shorter than its counter resolves), and whether the profiler ran
+        in it (its time is then no steady-state figure)."""
         peak, reserved = peak_memory_mb(self.env.device)
         profiled = any(self.comm.covers(step) for step in range(first_step, last_step + 1))
         if not profiled:

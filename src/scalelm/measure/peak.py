@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # Dense TFLOP/s per GPU by the device name torch reports (matched as whole words, first match wins) and precision.
 # fp32 is the TF32 tensor-core rate where the GPU has one: scalelm turns TF32 on for fp32 runs on CUDA
-# (scalelm.parallel.matmul_precision).
+# (scalelm.parallel.numerics.matmul_precision).
 CUDA_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("GH200", {"bf16": 989.0, "fp32": 494.0}),  # JUPITER, JEDI
     ("H200 NVL", {"bf16": 835.0, "fp32": 418.0}),

@@ -37,18 +37,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from scalelm.config import ModelConfig
+from scalelm.model.dtensors import local_shard
 from scalelm.model.gpu_ops import compute_dtype
 from scalelm.model.loss import join_auxiliary_loss
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard (a mixture's experts under expert parallelism, FSDP's or
-    tensor parallelism's shards), else all of it."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 GROUPED, LOOP = "grouped_mm", "per_expert_loop"  # the experts' two products (`grouped_product` chooses)
 
@@ -79,7 +72,7 @@ class GroupedExperts(nn.Module):
     def grouped(self, tokens: torch.Tensor) -> bool:
         """Whether `forward` runs `tokens` through one grouped product (else a product per expert: the caller passes
         the row counts on the host)."""
-        return grouped_product(tokens, [local(self.up_weight), local(self.down_weight)])
+        return grouped_product(tokens, [local_shard(self.up_weight), local_shard(self.down_weight)])
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e (on the tokens' device; where
@@ -100,7 +93,7 @@ class GroupedExperts(nn.Module):
 
     def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's up weight and bias, down weight and bias, in `dtype`."""
-        return [local(p).to(dtype) for p in (self.up_weight, self.up_bias, self.down_weight, self.down_bias)]
+        return [local_shard(p).to(dtype) for p in (self.up_weight, self.up_bias, self.down_weight, self.down_bias)]
 
 
 def _grouped_linear(

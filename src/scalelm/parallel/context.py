@@ -205,8 +205,8 @@ def _ring_attention_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    seed: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
-    group_name: Optional[str],  # noqa: UP045
+    seed: Optional[Tensor],
+    group_name: Optional[str],
     load_balance: bool,
     dropout_p: float,
     batch_offset: int,
@@ -234,8 +234,8 @@ def _ring_attention_backward_op(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    seed: Optional[Tensor],  # noqa: UP045
-    group_name: Optional[str],  # noqa: UP045
+    seed: Optional[Tensor],
+    group_name: Optional[str],
     load_balance: bool,
     dropout_p: float,
     batch_offset: int,

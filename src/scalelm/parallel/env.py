@@ -100,7 +100,8 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
 
 
 def setup(preference: str, timeout_s: int, cpu_collectives: bool = False) -> DistEnv:
-    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device (SCALELM_SHARE_GPU:
+    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device
+    (SCALELM_SHARE_GPU:
     the module's docstring) and, for more than one process, start the process group (`backend_for`).
 
     On CPU, host memory freed by one step is kept for the next (scalelm.parallel.hostmemory).

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
+from scalelm.model.dtensors import local_shard
 from scalelm.model.moe import mixtures, shapes_only
 from scalelm.parallel.env import all_gather_object
 from scalelm.parallel.layout import Layout
@@ -230,8 +230,7 @@ class Pipeline:
         if not self.holds_loss:
             return torch.zeros((), device=self.device)
         # (from vocabulary-split logits the loss is a DTensor, replicated on the tensor-parallel group)
-        local = [loss.to_local() if isinstance(loss, DTensor) else loss for loss in losses]
-        return torch.stack([loss.detach() for loss in local]).sum() / self.n_microbatches
+        return torch.stack([local_shard(loss).detach() for loss in losses]).sum() / self.n_microbatches
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -15,16 +15,15 @@ parallel options and the resolved precision; building a model changes the model,
 to the blocks besides the layout (activation checkpointing, compilation) is the model's `ModelOptions`, passed to
 `build`.
 
-Two of the single-GPU levers of docs/benchmarks.md live here: `train.attention_kernels: auto` puts cuDNN's attention
-first around every forward on Hopper where torch does not already (`attention_backends`, `forward_context`), and
-`train.precision: bf16_params` on one process builds a mesh of one rank so that FSDP's policy casts the parameters to
-bf16 (every activation bf16, fp32 master weights).
+The numerics (precision, TF32, the attention kernels' order, autocast) are scalelm.parallel.numerics' policy, which
+`forward_context` enters. One single-GPU lever of docs/benchmarks.md lives here: `train.precision: bf16_params` on
+one process builds a mesh of one rank so that FSDP's policy casts the parameters to bf16 (every activation bf16, fp32
+master weights).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ContextManager
@@ -36,12 +35,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from scalelm.config import Config, ParallelConfig, TrainConfig, resolve_precision
+from scalelm.config import Config, ParallelConfig, TrainConfig
 from scalelm.errors import ConfigError
+from scalelm.model.dtensors import local_shard
 from scalelm.model.loss import weighted
-from scalelm.model.moe import local
 from scalelm.parallel.activation_checkpoint import apply_activation_checkpointing
 from scalelm.parallel.compile import apply_compile, check_c_compiler
 from scalelm.parallel.context import SequenceSplit, apply_cp
@@ -51,63 +49,9 @@ from scalelm.parallel.env import DistEnv, all_gather_object, backend_for
 from scalelm.parallel.expert import apply_ep
 from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
+from scalelm.parallel.numerics import Numerics, check_attention_lengths
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
 from scalelm.parallel.tensor import apply_tp
-
-# train.attention_kernels: auto, cuDNN's fused attention first on the GPUs where it beats flash attention for training
-# shapes (Hopper), where torch's own order does not already put it first (torch_prefers_cudnn) and its cuDNN is one
-# torch itself has put first: 9.9 and later (torch 2.9's rule); before 9.15.1, which fixed sequence lengths that are
-# not a multiple of 128 (pytorch#169849: the reason torch 2.10 stopped preferring older versions), only for those
-CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-CUDNN_FIRST_CAPABILITIES = ((9, 0),)
-CUDNN_TRUSTED = 90900
-CUDNN_ANY_LENGTH = 91501
-CUDNN_LENGTH_MULTIPLE = 128
-
-
-def attention_backends(setting: str, device: torch.device) -> list[SDPBackend] | None:
-    """The SDPA backends, in priority order, that forward passes run under for train.attention_kernels; None: torch's
-    own order, which `auto` keeps where it already starts with cuDNN, where the environment tells torch not to prefer
-    cuDNN, and with a cuDNN older than 9.9."""
-    if setting != "auto" or device.type != "cuda" or cudnn_deprioritized():
-        return None
-    if torch.cuda.get_device_capability(device) not in CUDNN_FIRST_CAPABILITIES:
-        return None
-    if (torch.backends.cudnn.version() or 0) < CUDNN_TRUSTED or torch_prefers_cudnn(device):
-        return None
-    return CUDNN_FIRST
-
-
-def cudnn_deprioritized() -> bool:
-    """torch's own switches against cuDNN's attention first: TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (torch 2.10 on) and
-    TORCH_CUDNN_SDPA_PREFERRED=0 (2.9)."""
-    return (
-        os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1" or os.environ.get("TORCH_CUDNN_SDPA_PREFERRED") == "0"
-    )
-
-
-def torch_prefers_cudnn(device: torch.device) -> bool:
-    """Whether torch's own SDPA order on `device` starts with cuDNN's attention (sdp_utils.cpp,
-    check_prefer_cudnn_attention): in torch 2.9 on sm90 and sm100 with a cuDNN of 9.9 or later, from 2.10 on only with
-    a cuDNN above 9.15.0 at run time (so with the cuDNN 9.19 of torch 2.11's CUDA 13 wheels), never before 2.9. Torch
-    settles that order at its first choice of a backend (for the current device: scalelm.parallel.env sets it), which
-    this makes on a tiny input before reading it."""
-    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
-    torch._fused_sdp_choice(q, q, q)
-    return SDPBackend(torch._C._get_sdp_priority_order()[0]) == SDPBackend.CUDNN_ATTENTION
-
-
-def check_attention_lengths(config: Config, device: torch.device) -> None:
-    """train.attention_kernels=auto with a cuDNN older than 9.15.1 only for sequences of a multiple of 128 tokens."""
-    seq_len, cudnn = config.data.seq_len, torch.backends.cudnn.version() or 0
-    if device.type != "cuda" or seq_len % CUDNN_LENGTH_MULTIPLE == 0 or cudnn >= CUDNN_ANY_LENGTH:
-        return
-    if attention_backends(config.train.attention_kernels, device) is not None:
-        raise ConfigError(
-            f"train.attention_kernels=auto would put cuDNN's attention first with cuDNN {cudnn}, older than 9.15.1, "
-            f"which fixed sequence lengths that are not a multiple of 128 (pytorch#169849), and data.seq_len="
-            f"{seq_len} is not one: set train.attention_kernels=default, or data.seq_len to a multiple of 128"
-        )
 
 
 def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
@@ -115,15 +59,6 @@ def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
     if not dist.is_initialized():
         backend = backend_for(device, options.cpu_offload)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def matmul_precision(device: torch.device, compute_dtype: torch.dtype) -> str:
-    """fp32 on CUDA runs its matmuls on TF32 tensor cores ("high"), the rate its MFU is measured against (IEEE fp32
-    is much slower); the CPU keeps IEEE fp32, which its calibrated peak measures. Returns the setting."""
-    setting = "high" if device.type == "cuda" and compute_dtype == torch.float32 else "highest"
-    torch.set_float32_matmul_precision(setting)
-    torch.backends.cudnn.allow_tf32 = setting == "high"
-    return setting
 
 
 @dataclass(frozen=True)
@@ -204,13 +139,11 @@ class Parallel:
         hosts: list[tuple[str, int]],
         options: ParallelConfig,
         train: TrainConfig,
+        numerics: Numerics | None = None,
     ):
         self.env, self.layout, self.meshes, self.hosts, self.options = env, layout, meshes, hosts, options
         dims = self.dims = layout.dims
-        self.precision = resolve_precision(train.precision, env.device.type)
-        self.compute_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        matmul_precision(env.device, self.compute_dtype)
-        self.attention_backends = attention_backends(train.attention_kernels, env.device)
+        self.numerics = numerics or Numerics.of(train, env.device)
         self.uses_fsdp = dims.sharded or fsdp_of_one(train.precision, env.world_size)
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and options.loss_parallel
@@ -224,6 +157,7 @@ class Parallel:
         """Resolve the layout for this world (a clear error if the config cannot run on it) and build the mesh."""
         layout = resolve_layout(config, env.world_size, env.procs_per_node, vocab_size)
         dims = layout.dims
+        numerics = Numerics.of(config.train, env.device)  # bf16 on a CPU refused here, before any group starts
         check_on_device(config, env.device)
         one = fsdp_of_one(config.train.precision, env.world_size)
         if one:
@@ -236,11 +170,19 @@ class Parallel:
                 env.device.type, tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
             )
             meshes = Meshes.of(world, dims)
-        return cls(env, layout, meshes, hosts, config.parallel, config.train)
+        return cls(env, layout, meshes, hosts, config.parallel, config.train, numerics)
 
     @property
     def name(self) -> str:
         return self.dims.name
+
+    @property
+    def precision(self) -> str:
+        return self.numerics.precision
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.numerics.compute_dtype
 
     def describe(self, model: nn.Module) -> dict:
         """The layout as run.json records it: degrees, the ranks of each tensor- and data-parallel group, the node
@@ -346,7 +288,7 @@ class Parallel:
     ) -> torch.Tensor:
         """Forward and backward of one batch for optimizer step `step`, its loss weighted by `scale`; returns that
         weighted mean loss (zero on pipeline ranks without the last stage)."""
-        inputs, targets = self.local_part(inputs), self.local_part(targets)
+        inputs, targets = self.sequence_part(inputs), self.sequence_part(targets)
         pipeline = pipeline_of(model)
         with weighted(scale):  # the weight of the model's auxiliary losses too (scalelm.model.loss)
             if pipeline is not None:
@@ -359,14 +301,14 @@ class Parallel:
         return loss.detach()
 
     def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
-        """Logits of this rank's part of each sequence (`local_part`) for evaluation, on the ranks that compute the
+        """Logits of this rank's part of each sequence (`sequence_part`) for evaluation, on the ranks that compute the
         loss (None on a pipeline's other stages)."""
-        inputs = self.local_part(inputs)
+        inputs = self.sequence_part(inputs)
         with self.forward_context():
             pipeline = pipeline_of(model)
             return pipeline.forward(inputs) if pipeline is not None else model(inputs)
 
-    def local_part(self, tokens: torch.Tensor) -> torch.Tensor:
+    def sequence_part(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of each sequence of a (batch, seq) batch: all of it, but under context parallelism."""
         return tokens if self.sequence_split is None else self.sequence_split.shard(tokens, dim=1)
 
@@ -401,17 +343,10 @@ class Parallel:
         return stack
 
     def attention(self) -> ContextManager:
-        """SDPA's backends in train.attention_kernels' order; a compiled block takes its kernel when it is traced,
-        inside this context, at the first step."""
-        if self.attention_backends is None:
-            return contextlib.nullcontext()
-        return sdpa_kernel(self.attention_backends, set_priority=True)
+        return self.numerics.attention()
 
     def autocast(self) -> ContextManager:
-        """Around forward passes: mixed precision, unless FSDP's policy already casts."""
-        if self.compute_dtype == torch.float32 or self.uses_fsdp:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.compute_dtype)
+        return self.numerics.autocast(self.env.device, cast_by_fsdp=self.uses_fsdp)
 
     def loss_context(self) -> ContextManager:
         """Around forward and backward: the vocabulary-parallel cross-entropy, where the layout has one."""
@@ -445,7 +380,7 @@ class Parallel:
         """Bytes of this rank's own parameters, gradients and optimizer state: what sharding divides."""
 
         def size(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in map(self.local_tensor, tensors))
+            return sum(t.numel() * t.element_size() for t in map(local_shard, tensors))
 
         params = list({id(p): p for p in model.parameters()}.values())
         states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
@@ -454,8 +389,6 @@ class Parallel:
             "grads": size(p.grad for p in params if p.grad is not None),
             "optimizer": size(states),
         }
-
-    local_tensor = staticmethod(local)  # this rank's part of a tensor (scalelm.model.moe.local)
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:
@@ -474,10 +407,9 @@ def _fsdp_no_sync(model: nn.Module):
 
 def check_on_device(config: Config, device: torch.device) -> None:
     """What only the device decides, refused before the run directory is touched (and, in one process, before a
-    process group is started): bf16 on CPU, FSDP's CPU offload without a GPU, cuDNN's attention forced first on
-    sequence lengths its version mishandles, compilation (of the blocks or the optimizer's step) on CUDA without a C
-    compiler."""
-    resolve_precision(config.train.precision, device.type)
+    process group is started) besides its precision (Numerics.of): FSDP's CPU offload without a GPU, cuDNN's attention
+    forced first on sequence lengths its version mishandles, compilation (of the blocks or the optimizer's step) on
+    CUDA without a C compiler."""
     if config.parallel.cpu_offload and device.type != "cuda":
         raise ConfigError(
             "parallel.cpu_offload moves FSDP's parameters from GPU to CPU memory and needs CUDA; this run's device is "

@@ -41,30 +41,31 @@ whole:
 
     e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c
 
-Under expert parallelism the buffers hold the all-to-all's rows of the mixture at work, sent and received (2 c d e
-per token), and FSDP gathers a mixture's experts (their ep share) as a unit of its own. With full activation
-checkpointing a block keeps only its input (e d/u), with selective the outputs of its products and attention as well, e (d/u + (4d + f)/t + 2d) (q, k, v and the
-attention's output, the FFN's hidden activation, the two products whose sum the residual adds); one block at a time
-is recomputed. A mixture's block never recomputes its exchange (scalelm.parallel.activation_checkpoint): with full
-checkpointing it keeps its formula less its attention's and experts' insides, recomputed (4d/t and c g), with
-selective all of it. Under context parallelism attention is a ring (scalelm.parallel.context) that keeps only its fp32
-log-sum-exp (4a/t per token) and recomputes its scores block by block, and the buffers hold two key/value blocks and
-backward's fp32 dk/dv accumulators (4e + 16 bytes per token and d/t) and the working memory of the block at work
-(ring_transient_bytes): through a fused kernel (no dropout; bf16 on GPUs with a head size that is a multiple of 8 up
-to 256, any precision on CPU) its fp32 output accumulator and, the larger, backward's fp32 dq accumulator with the
-block's three gradients and cuDNN's contiguous copies of its queries, keys, values, output and output gradient
-((4 + 8e) bytes per token and d/t); through matrix products (dropout, or fp32 on GPUs) a score block of the rank's
-L = s/cp queries and keys (L a/t scores per token) in fp32 with one live temporary (8 bytes a score), with dropout
-the probabilities and the mask's int64 hash with its shifted temporary (20 bytes a score), and the fp32 dq
-accumulator with the block's three fp32 gradients, in bf16 also its fp32 copies of q, k, v and the output gradient
-(16, in bf16 32 bytes per token and d/t): what a bf16 run with dropout pays, its blocks in IEEE fp32. The embedding
-adds its dropout's mask, the last stage the final norm's and the head's inputs and the loss: on GPUs the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel),
-and beside them the larger of the forward's logits with their fp32 copy ((e + 4) V) and the backward's two fp32
-gradients, of the log-probabilities and of the logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its
-gradients (scalelm.model.cpu_ops), as does the chunked GPU loss (train.fused_loss: chunked, scalelm.model.gpu_ops),
-whose chunk at work holds its fp32 logits and their exponentials with their gradient, (8 + e) V per token of the
-chunk, beside the chunk's fp32 weight gradient. A pipeline rank keeps one micro-batch per schedule slot in flight: all m with
-GPipe, pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
+Under expert parallelism the buffers hold the all-to-all's rows of the mixture at work, sent and received
+(2 c d e per token), and FSDP gathers a mixture's experts (their ep share) as a unit of its own. With full activation
+checkpointing a block keeps only its input (e d/u), with selective the outputs of its products and attention as well,
+e (d/u + (4d + f)/t + 2d) (q, k, v and the attention's output, the FFN's hidden activation, the two products whose sum
+the residual adds); one block at a time is recomputed. A mixture's block never recomputes its exchange
+(scalelm.parallel.activation_checkpoint): with full checkpointing it keeps its formula less its attention's and experts'
+insides, recomputed (4d/t and c g), with selective all of it. Under context parallelism attention is a ring
+(scalelm.parallel.context) that keeps only its fp32 log-sum-exp (4a/t per token) and recomputes its scores block by
+block, and the buffers hold two key/value blocks and backward's fp32 dk/dv accumulators (4e + 16 bytes per token and
+d/t) and the working memory of the block at work (ring_transient_bytes): through a fused kernel (no dropout; bf16 on
+GPUs with a head size that is a multiple of 8 up to 256, any precision on CPU) its fp32 output accumulator and, the
+larger, backward's fp32 dq accumulator with the block's three gradients and cuDNN's contiguous copies of its queries,
+keys, values, output and output gradient ((4 + 8e) bytes per token and d/t); through matrix products (dropout, or fp32
+on GPUs) a score block of the rank's L = s/cp queries and keys (L a/t scores per token) in fp32 with one live temporary
+(8 bytes a score), with dropout the probabilities and the mask's int64 hash with its shifted temporary (20 bytes a
+score), and the fp32 dq accumulator with the block's three fp32 gradients, in bf16 also its fp32 copies of q, k, v and
+the output gradient (16, in bf16 32 bytes per token and d/t): what a bf16 run with dropout pays, its blocks in IEEE
+fp32. The embedding adds its dropout's mask, the last stage the final norm's and the head's inputs and the loss: on GPUs
+the fp32 log-probabilities (4V/t_v per token, t_v = t with loss_parallel), and beside them the larger of the forward's
+logits with their fp32 copy ((e + 4) V) and the backward's two fp32 gradients, of the log-probabilities and of the
+logits (8V: the peak of a bf16 step, measured on an H200); on CPU in fp32 the fused loss keeps its gradients
+(scalelm.model.cpu_ops), as does the chunked GPU loss (train.fused_loss: chunked, scalelm.model.gpu_ops), whose chunk at
+work holds its fp32 logits and their exponentials with their gradient, (8 + e) V per token of the chunk, beside the
+chunk's fp32 weight gradient. A pipeline rank keeps one micro-batch per schedule slot in flight: all m with GPipe,
+pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
 
 The sum of all five parts is the plan's peak: an upper estimate, as a step never holds all activations and all
 gradients at once (the backward frees one as it fills the other). Buffers and activations are estimates; params,

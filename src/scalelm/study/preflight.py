@@ -60,8 +60,8 @@ def preflight_settings(
     training: dict, dims: ParallelDims, batch: int, seq_len: int, data_dir: str, run_dir: str
 ) -> dict:
     """An experiment's training settings for the wiring check: its layout as explicit degrees, a mixture's ep among
-    them (one node holds all its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences of `seq_len` tokens on the
-    sliced data (not staged)."""
+    them (one node holds all its processes), CPU and fp32, no dropout, PREFLIGHT_STEPS steps of `batch` sequences of
+    `seq_len` tokens on the sliced data (not staged)."""
     parallel = {k: v for k, v in training["parallel"].items() if k not in ("cpu_offload", "strategy")}
     settings = {k: v for k, v in training.items() if k != "parallel"}
     return deep_merge(

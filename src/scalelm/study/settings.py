@@ -1,6 +1,6 @@
 """The workflow's settings (config/config.yaml after the `local:` overlay), typed and loaded like the training and
-site settings (scalelm.config.from_mapping): an unknown key is refused naming the closest known one, a value of the
-wrong type naming its key. Snakemake validates the same file against workflow/schemas/config.schema.yaml first;
+site settings (scalelm.settings_yaml.from_mapping): an unknown key is refused naming the closest known one, a value of
+the wrong type naming its key. Snakemake validates the same file against workflow/schemas/config.schema.yaml first;
 this is what the package reads. The training settings of each experiment are typed by resolving them
 (scalelm.study.experiments); here they are the mappings the config gives."""
 
@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from scalelm.config import from_mapping
 from scalelm.errors import ConfigError
 from scalelm.report.disturbance import DEFAULT_SHARE
+from scalelm.settings_yaml import from_mapping
 
 
 @dataclass(frozen=True)

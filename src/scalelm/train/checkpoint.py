@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
+from scalelm.model.dtensors import local_shard
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, global_reduce, is_distributed
-from scalelm.parallel.runtime import Parallel
 from scalelm.train.rundir import CHECKPOINT_PREFIX
 
 # of the files below; a change in what they hold or how is a new format. 2: the feed-forward network's matrices
@@ -108,7 +108,7 @@ def load_plain(value: io.BytesIO, where: str) -> Any:
     """A non-tensor DCP entry, read with weights_only=True: plain values and containers, never an object."""
     try:
         return torch.load(value, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - an unpickling, zip or type error: the entry is refused whatever it is
+    except Exception as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UnsafeFileError(f"{where} holds more than plain values and was not loaded ({reason})") from err
 
@@ -235,7 +235,7 @@ class Checkpointer:
     def refuse_non_finite(self, model: nn.Module, step: int, pending_loss: torch.Tensor | None) -> None:
         """An error naming the ranks whose weights or `pending_loss` are not finite; a collective."""
         tensors = [] if pending_loss is None else [pending_loss.detach().reshape(1)]
-        tensors += [Parallel.local_tensor(p).detach().reshape(-1) for p in model.parameters()]
+        tensors += [local_shard(p).detach().reshape(-1) for p in model.parameters()]
         # one flag per tensor, on the device: with FSDP's CPU offload the parameters live on the host
         flags = [t.isfinite().all().reshape(1).to(self.env.device) for t in tensors]
         bad = ranks_where(~torch.cat(flags).all() if flags else torch.tensor(False), self.env)
@@ -251,7 +251,8 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------------- load
     def latest(self) -> Path | None:
-        """The newest checkpoint whose files match the checksums of its marker; damaged ones are reported and skipped."""
+        """The newest checkpoint whose files match the checksums of its marker; damaged ones are reported and
+        skipped."""
         for path in reversed(complete_checkpoints(self.directory)):
             problem = verify(path)
             if problem is None:

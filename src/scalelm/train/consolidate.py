@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from scalelm.config import Config, ModelConfig, from_mapping, identity_settings, load_config
+from scalelm.config import Config, ModelConfig, identity_settings, load_config
 from scalelm.errors import CheckpointError, ConfigError, friendly_errors
 from scalelm.files import atomic_path, atomic_write_text, check_apart, check_file_output, load_tensors, sha256
 from scalelm.model.transformer import TransformerLM
-from scalelm.settings_yaml import shown
+from scalelm.settings_yaml import from_mapping, shown
 from scalelm.train.checkpoint import (
     Origin,
     TrainerState,

@@ -32,6 +32,7 @@ from scalelm.measure.experts import ExpertLoad
 from scalelm.measure.instruments import Instruments
 from scalelm.model.architecture import parameter_counts
 from scalelm.model.transformer import TransformerLM
+from scalelm.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.parallel.env import DistEnv, global_reduce
 from scalelm.parallel.runtime import ModelOptions, Parallel, pipeline_of
 from scalelm.plan.memory import Workload
@@ -39,7 +40,6 @@ from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, Origin, TrainerState, ranks_where
 from scalelm.train.evaluation import evaluate
 from scalelm.train.metrics import MetricsLogger
-from scalelm.train.optim import build_optimizer, build_scheduler, scaled_lr
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import Results, RunRecord, write_record
 from scalelm.train.rundir import RunDir, identity, lineage
@@ -148,7 +148,7 @@ class Engine:
             torch.use_deterministic_algorithms(True)
         self.shape = model_shape(config, data.vocab_size)
         # the initial weights of a single process with this seed, whatever the layout
-        make = lambda: TransformerLM(config.model, data.vocab_size)  # noqa: E731
+        make = lambda: TransformerLM(config.model, data.vocab_size)
         options = ModelOptions.of(config.train)
         self.model = parallel.build(make, config.seed, options, replicate=not self.wraps_replicas)
         torch.manual_seed(seeds.dropout(config.seed, parallel.dp_rank))

@@ -22,6 +22,7 @@ from scalelm.data.prepared import load_prepared
 from scalelm.data.windows import EvalBatches
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text, check_apart, check_file_output
+from scalelm.model.dtensors import local_shard
 from scalelm.model.loss import IGNORE_INDEX, lm_loss
 from scalelm.train.consolidate import load_consolidated
 from scalelm.train.metrics import perplexity
@@ -60,8 +61,7 @@ def evaluate(
     rank, ranks = (parallel.dp_rank, parallel.dims.dp_size) if parallel else (0, 1)
     forward = (lambda inputs: parallel.forward(model, inputs)) if parallel else model
     loss_context = parallel.loss_context if parallel else contextlib.nullcontext
-    local = parallel.local_tensor if parallel else (lambda tensor: tensor)
-    part = parallel.local_part if parallel else (lambda tokens: tokens)  # of each sequence: context parallelism
+    part = parallel.sequence_part if parallel else (lambda tokens: tokens)  # of each sequence: context parallelism
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
@@ -75,7 +75,7 @@ def evaluate(
                 continue
             with loss_context():  # logits split by vocabulary (loss parallel): the loss without gathering them
                 loss = lm_loss(logits, targets, reduction="sum")
-            totals[0] += local(loss).double()
+            totals[0] += local_shard(loss).double()  # vocabulary-split logits: a DTensor
             totals[1] += (targets != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)

@@ -12,7 +12,7 @@ rerunning the same command resumes from it.
 What Lightning drives is the loop: forward and backward (its DDP wrapper, its precision plugin), the optimizer step
 and gradient accumulation. What scalelm keeps is everything the report compares: the initial weights of the run's
 seed, each data-parallel rank's TrainBatches (same permutations, same share, same micro-batches), AdamW and its
-schedule (scalelm.train.optim), clipping to the global norm, checkpoints (scalelm.train.checkpoint, so the workflow's
+schedule (scalelm.optim), clipping to the global norm, checkpoints (scalelm.train.checkpoint, so the workflow's
 consolidate turns the last one into the same model.pt), the exact evaluation, metrics.jsonl and run.json.
 
 So that `ddp_lightning` and `ddp` differ in the loop only, both engines share one base (scalelm.train.engine): the
@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from scalelm.config import resolve_precision
 from scalelm.errors import ConfigError
 from scalelm.parallel.data import DDP_OPTIONS  # Lightning's defaults would make `ddp_lightning` measure other terms
 from scalelm.parallel.env import backend_for
@@ -100,7 +99,7 @@ class LightningTrainer(Engine):
             devices=env.procs_per_node,
             num_nodes=env.world_size // env.procs_per_node,
             strategy=strategy,
-            precision=PRECISION[resolve_precision(self.config.train.precision, env.device.type)],
+            precision=PRECISION[self.parallel.precision],
             max_epochs=1,  # one pass over `micro_batches`, which holds every remaining step, epoch after epoch
             max_steps=self.total_steps - self.state.step,
             accumulate_grad_batches=self.batches.accumulation,

@@ -9,8 +9,8 @@ import contextlib
 import torch
 
 from scalelm.model.moe import biased_mixtures, update_expert_biases
+from scalelm.optim import optimizer_step
 from scalelm.train.engine import Engine
-from scalelm.train.optim import optimizer_step
 
 
 class Trainer(Engine):
