@@ -34,11 +34,17 @@ SETTINGS = {
     "data": {"seq_len": 128},
     "model": {"d_model": 64, "n_heads": 2, "n_layers": 8, "d_ff": 2048, "dropout": 0.1},
     "batch": {"mode": "global", "size": 32},
-    "train": {"epochs": 1, "max_steps": 3, "log_every": 1, "eval_batch_size": 128, "eval_batch_tokens": 1024,
-              "monitor_interval_s": 0},
+    "train": {
+        "epochs": 1,
+        "max_steps": 3,
+        "log_every": 1,
+        "eval_batch_size": 128,
+        "eval_batch_tokens": 1024,
+        "monitor_interval_s": 0,
+    },
     "checkpoint": {"every": None},
     "parallel": {"host_reuse_below_mb": 1},
-}  # fmt: skip
+}
 
 
 def train(root: Path, prepared: Path, mode: str, repeat: int) -> tuple[float, float]:
@@ -50,8 +56,9 @@ def train(root: Path, prepared: Path, mode: str, repeat: int) -> tuple[float, fl
     config = root / f"{mode}{repeat}.yaml"
     config.write_text(yaml.safe_dump(settings))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
-    subprocess.run([sys.executable, "-m", "scalelm.train", "--config", str(config)], check=True, env=env,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "scalelm.train", "--config", str(config)], check=True, env=env, capture_output=True
+    )
     peak = [r for r in read_metrics(root / f"{mode}{repeat}") if r["kind"] == "train"][-1]["peak_mem_mb"]
     record = json.loads((root / f"{mode}{repeat}" / "run.json").read_text())
     return peak, record["results"]["plan_mb_per_rank"]["activations"]
@@ -73,13 +80,24 @@ def main(argv: list[str] | None = None) -> None:
                 train(root, root / "prepared", mode, repeat) for mode in ("none", "full")
             )
             saved, planned = peak_none - peak_full, plan_none - plan_full
-            rows.append({"peak_none_mb": peak_none, "peak_full_mb": peak_full, "saved_mb": saved,
-                         "planned_saving_mb": planned, "ratio": saved / planned})  # fmt: skip
-            print(f"repeat {repeat}: peak none {peak_none:.0f} MiB, full {peak_full:.0f} MiB; saved {saved:.0f} "
-                  f"MiB, planned {planned:.0f} MiB (ratio {saved / planned:.2f})")  # fmt: skip
+            rows.append(
+                {
+                    "peak_none_mb": peak_none,
+                    "peak_full_mb": peak_full,
+                    "saved_mb": saved,
+                    "planned_saving_mb": planned,
+                    "ratio": saved / planned,
+                }
+            )
+            print(
+                f"repeat {repeat}: peak none {peak_none:.0f} MiB, full {peak_full:.0f} MiB; saved {saved:.0f} "
+                f"MiB, planned {planned:.0f} MiB (ratio {saved / planned:.2f})"
+            )
     ratios = [r["ratio"] for r in rows]
-    print(f"measured / planned saving: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, "
-          f"max {max(ratios):.2f}")  # fmt: skip
+    print(
+        f"measured / planned saving: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, "
+        f"max {max(ratios):.2f}"
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

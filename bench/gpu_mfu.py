@@ -53,8 +53,17 @@ VARIANTS = {
 GPU_ONLY = {"bf16_params", "bf16_params+compiled_optimizer", "max_autotune"}  # bf16 is refused on a CPU
 LEVERS = ["configured", "bf16_params", "compiled_optimizer", "bf16_params+compiled_optimizer"]  # check E's on a GPU
 CPU_LEVERS = ["configured", "cudnn_attention"]  # two variants (the second a no-op on CPU): the harness's structure
-TINY = ["device=cpu", "train.precision=fp32", "model.d_model=64", "model.n_heads=2", "model.n_layers=1",
-        "model.d_ff=128", "batch.size=4", "data.seq_len=32", "train.compile=false"]  # fmt: skip
+TINY = [
+    "device=cpu",
+    "train.precision=fp32",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.d_ff=128",
+    "batch.size=4",
+    "data.seq_len=32",
+    "train.compile=false",
+]
 
 
 def experiment_config(settings: list[str], work: Path, experiment: str = "gpt2_small") -> Config:
@@ -167,8 +176,15 @@ class Variant:
         }
 
 
-def measure(names: list[str], cpu: bool, work: Path, rounds: int, steps: int, warmup: int,
-            on_progress: Callable[[dict], None] = lambda results: None) -> dict:  # fmt: skip
+def measure(
+    names: list[str],
+    cpu: bool,
+    work: Path,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    on_progress: Callable[[dict], None] = lambda results: None,
+) -> dict:
     """Each variant built and warmed up (its compile) in turn, then all interleaved for `rounds` rounds of `steps`
     steps; `on_progress(results)` after each warm-up and each round. A variant that fails is reported and left out."""
     env = one_process(torch.device("cpu") if cpu else torch.device("cuda", 0))
@@ -183,8 +199,11 @@ def measure(names: list[str], cpu: bool, work: Path, rounds: int, steps: int, wa
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             variants[name] = variant
-            results[name] = {"settings": VARIANTS[name], "tokens_per_step": variant.tokens_per_step,
-                             "build_and_warmup_s": round(time.perf_counter() - began, 1)}  # fmt: skip
+            results[name] = {
+                "settings": VARIANTS[name],
+                "tokens_per_step": variant.tokens_per_step,
+                "build_and_warmup_s": round(time.perf_counter() - began, 1),
+            }
         except Exception as error:  # the others still measured
             results[name] = {"settings": VARIANTS[name], "error": f"{type(error).__name__}: {error}"[:2000]}
             (work / f"mfu.{name}.traceback.txt").write_text(traceback.format_exc())

@@ -88,8 +88,18 @@ class Check:
 
 CHECKS: dict[str, Check] = {}
 # cheapest proof first; H before E and G before D, so that their first compiles fill the shared Inductor cache
-RUN_ORDER = ("A.versions", "J.moe", "B.nccl", "F.lightning", "C.ring", "H.baseline", "G.world8", "D.stack",
-             "I.share", "E.levers")  # fmt: skip
+RUN_ORDER = (
+    "A.versions",
+    "J.moe",
+    "B.nccl",
+    "F.lightning",
+    "C.ring",
+    "H.baseline",
+    "G.world8",
+    "D.stack",
+    "I.share",
+    "E.levers",
+)
 
 
 def check(name: str, seconds: float):
@@ -245,8 +255,11 @@ def sdpa_order(ctx: Ctx) -> dict:
         return [getattr(SDPBackend(i), "name", str(i)) for i in indices]
 
     order = getattr(torch._C, "_get_sdp_priority_order", None)
-    facts = {"sdp_priority_order": None, "sdp_choice": None,
-             "TORCH_CUDNN_SDPA_DEPRIORITIZED": os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED")}  # fmt: skip
+    facts = {
+        "sdp_priority_order": None,
+        "sdp_choice": None,
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED": os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    }
     if ctx.cuda and hasattr(torch, "_fused_sdp_choice"):
         q = torch.zeros(1, 12, 1024, 64, dtype=torch.bfloat16, device=ctx.device)
         facts["sdp_choice"] = names([torch._fused_sdp_choice(q, q, q, is_causal=True)])[0]
@@ -276,7 +289,7 @@ def nccl(ctx: Ctx) -> dict:
     watchdog (exit 76) with the collective named, in a process of its own."""
     import torch.distributed as dist
 
-    from scalelm.train import flight_recorder, watchdog
+    from scalelm.hang import flight_recorder, watchdog
 
     autopsy = ctx.work / "B.autopsy"
     os.environ.update(flight_recorder.flight_recorder_env(autopsy))
@@ -327,7 +340,7 @@ def hang(autopsy: Path, cpu: bool) -> None:
     """A one-rank job whose fifth step sleeps: the watchdog (factor 2, floor 2 s) must end it with exit 76."""
     import torch.distributed as dist
 
-    from scalelm.train import flight_recorder, watchdog
+    from scalelm.hang import flight_recorder, watchdog
 
     ctx = Ctx(torch.device("cpu") if cpu else torch.device("cuda", 0), autopsy, autopsy)
     if ctx.cuda:
@@ -352,10 +365,23 @@ def moe_settings(ctx: Ctx) -> list[str]:
     """config.yaml's `moe` experiment (experts in every block of the course model, 4 blocks as the study trains it),
     dropout off, on short sequences: 16 x 128 tokens a step; a tiny one on CPU."""
     if ctx.cuda:
-        return ["model.moe={experts: 8, top_k: 2, d_ff: 1024}", "model.n_layers=4", "model.dropout=0.0",
-                "data.seq_len=128", "batch.size=16"]  # fmt: skip
-    return ["model.moe={experts: 4, top_k: 2, d_ff: 64}", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-            "model.d_ff=64", "model.dropout=0.0", "data.seq_len=16", "batch.size=4"]  # fmt: skip
+        return [
+            "model.moe={experts: 8, top_k: 2, d_ff: 1024}",
+            "model.n_layers=4",
+            "model.dropout=0.0",
+            "data.seq_len=128",
+            "batch.size=16",
+        ]
+    return [
+        "model.moe={experts: 4, top_k: 2, d_ff: 64}",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_layers=2",
+        "model.d_ff=64",
+        "model.dropout=0.0",
+        "data.seq_len=16",
+        "batch.size=4",
+    ]
 
 
 @check("J.moe", 30)
@@ -385,8 +411,12 @@ def moe(ctx: Ctx) -> dict:
         seconds = time.perf_counter() - began
         with HostSyncs() as syncs:
             stepper.step(batches)
-        runs[label] = {"losses": losses, "seconds": round(seconds, 2), "peak_mb": ctx.peak_mb() if label == "device"
-                       else None, "host_syncs_per_step": syncs.count}  # fmt: skip
+        runs[label] = {
+            "losses": losses,
+            "seconds": round(seconds, 2),
+            "peak_mb": ctx.peak_mb() if label == "device" else None,
+            "host_syncs_per_step": syncs.count,
+        }
     worst = worst_relative(runs["device"]["losses"], runs["cpu_fp32"]["losses"])
     figures = {**runs, "worst_relative": worst, "bound": ctx.bound, "grouped_mm": hasattr(torch, "_grouped_mm")}
     if not worst <= ctx.bound:
@@ -410,8 +440,13 @@ def cli_command(ctx: Ctx, run: Path, settings: list[str]) -> list[str]:
     """`python -m scalelm.train` with `settings` on random WikiText-2-sized data, no checkpoint but the one every run
     ends with (in --work; the CLI runs of this script train the course model, never gpt2_small)."""
     command = [sys.executable, "-m", "scalelm.train"]
-    for setting in [f"run_dir={run}", f"data.prepared_dir={ctx.prepared()}", "train.comm_profile_steps=0",
-                    "checkpoint.every=null", *settings]:  # fmt: skip
+    for setting in [
+        f"run_dir={run}",
+        f"data.prepared_dir={ctx.prepared()}",
+        "train.comm_profile_steps=0",
+        "checkpoint.every=null",
+        *settings,
+    ]:
         command += ["--set", setting]
     return command
 
@@ -558,8 +593,9 @@ def ring_model(ctx: Ctx, mode: str, dropout: float, length: int):
 
     torch.manual_seed(0)
     d_model, heads = (768, 12) if ctx.cuda else (32, 2)
-    config = ModelConfig(d_model=d_model, n_heads=heads, n_layers=2, d_ff=4 * d_model, dropout=dropout,
-                         max_seq_len=length)  # fmt: skip
+    config = ModelConfig(
+        d_model=d_model, n_heads=heads, n_layers=2, d_ff=4 * d_model, dropout=dropout, max_seq_len=length
+    )
     model = TransformerLM(config, 512).to(ctx.device)
     apply_cp(model, SequenceSplit(None, load_balance=False), 0, 1)
     apply_activation_checkpointing(model, mode)
@@ -615,8 +651,9 @@ def machine_baseline(ctx: Ctx) -> dict:
     config.data.prepared_dir = str(ctx.work / "no-prepared-data")  # no manifest: WikiText-2's vocabulary
     config.train.compile = ctx.cuda
     outputs = baseline.matmul_rates(baseline.output_shapes(config), ctx.device, ctx.dtype)
-    alone = baseline.measure_alone(config, baseline.gemm_shapes(config, ctx.device.type), VOCAB, ctx.device,
-                                   all_cores=False)  # fmt: skip
+    alone = baseline.measure_alone(
+        config, baseline.gemm_shapes(config, ctx.device.type), VOCAB, ctx.device, all_cores=False
+    )
     return {"output_products": outputs, "alone": alone, "idle_health": baseline.gpu_health(ctx.device)}
 
 
@@ -627,10 +664,19 @@ def gpt2_config(ctx: Ctx, dropout: float = 0.0):
     from scalelm.config import ModelConfig
 
     if ctx.cuda:
-        return ModelConfig(d_model=768, n_heads=12, n_layers=12, d_ff=3072, dropout=dropout, max_seq_len=1024,
-                           norm="pre", tie_weights=True)  # fmt: skip
-    return ModelConfig(d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=dropout, max_seq_len=64, norm="pre",
-                       tie_weights=True)  # fmt: skip
+        return ModelConfig(
+            d_model=768,
+            n_heads=12,
+            n_layers=12,
+            d_ff=3072,
+            dropout=dropout,
+            max_seq_len=1024,
+            norm="pre",
+            tie_weights=True,
+        )
+    return ModelConfig(
+        d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=dropout, max_seq_len=64, norm="pre", tie_weights=True
+    )
 
 
 def batches(ctx: Ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -700,10 +746,16 @@ def stack(ctx: Ctx) -> dict:
     losses = train_losses_of(ctx, model, data, autocast=False)
     worst = worst_relative(losses, expected)
     figures = {
-        "compiled": compile_too, "steps": steps, "losses": losses, "expected": expected, "worst_relative": worst,
-        "peak_mb": ctx.peak_mb(), "reference_peak_mb": reference_peak,
-        "graphs": dict(torch._dynamo.utils.counters["stats"]), "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
-    }  # fmt: skip
+        "compiled": compile_too,
+        "steps": steps,
+        "losses": losses,
+        "expected": expected,
+        "worst_relative": worst,
+        "peak_mb": ctx.peak_mb(),
+        "reference_peak_mb": reference_peak,
+        "graphs": dict(torch._dynamo.utils.counters["stats"]),
+        "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+    }
     if not worst <= ctx.bound:
         raise AssertionError(f"losses differ by {worst:.2e} (> {ctx.bound}): {figures}")
     return figures
@@ -714,18 +766,25 @@ def stack(ctx: Ctx) -> dict:
 
 WORLD8 = {  # name: (strategy, settings of the training config)
     "fsdp8_compile_selective": ("fsdp", {"train": {"compile": True, "activation_checkpointing": "selective"}}),
-    "cp4_long": ("cp", {"parallel": {"cp": 4, "dp_shard": 2}, "data": {"seq_len": 8192},
-                        "model": {"max_seq_len": 8192, "d_model": 1024, "n_heads": 16, "d_ff": 4096}}),
+    "cp4_long": (
+        "cp",
+        {
+            "parallel": {"cp": 4, "dp_shard": 2},
+            "data": {"seq_len": 8192},
+            "model": {"max_seq_len": 8192, "d_model": 1024, "n_heads": 16, "d_ff": 4096},
+        },
+    ),
     "pp2_stage0": ("pp", {"parallel": {"pp": 2, "dp_shard": 4}}),
-}  # fmt: skip
+}
 
 
 @check("G.world8", 55)
 def world8(ctx: Ctx) -> dict:
     """Each layout in a process of its own, as rank 0 of 8 on the fake backend (its collectives do nothing), the three
     side by side (each process's peak is its own): the memory of one training step on this rank, against the plan's."""
-    commands = {f"G.{name}": ([sys.executable, str(SCRIPT), "--world8", name, *child_arguments(ctx)], {})
-                for name in WORLD8}  # fmt: skip
+    commands = {
+        f"G.{name}": ([sys.executable, str(SCRIPT), "--world8", name, *child_arguments(ctx)], {}) for name in WORLD8
+    }
     run_processes(ctx, commands, 50 if ctx.cuda else 150)
     return {name: json.loads((ctx.work / f"G.{name}.json").read_text()) for name in WORLD8}
 
@@ -747,11 +806,17 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
     ctx = Ctx(torch.device("cpu") if cpu else torch.device("cuda", 0), work, work)
     strategy, changes = WORLD8[name]
     values = {"device": ctx.device.type, "parallel": {"strategy": strategy}, "model": {}, "data": {}, "train": {}}
-    base = {"model": {"d_model": 768, "n_heads": 12, "n_layers": 12, "d_ff": 3072, "dropout": 0.0, "max_seq_len": 1024},
-            "data": {"seq_len": 1024}, "batch": {"size": 16}}  # fmt: skip
+    base = {
+        "model": {"d_model": 768, "n_heads": 12, "n_layers": 12, "d_ff": 3072, "dropout": 0.0, "max_seq_len": 1024},
+        "data": {"seq_len": 1024},
+        "batch": {"size": 16},
+    }
     if cpu:
-        base = {"model": {"d_model": 32, "n_heads": 2, "n_layers": 4, "d_ff": 64, "dropout": 0.0, "max_seq_len": 256},
-                "data": {"seq_len": 64}, "batch": {"size": 8}}  # fmt: skip
+        base = {
+            "model": {"d_model": 32, "n_heads": 2, "n_layers": 4, "d_ff": 64, "dropout": 0.0, "max_seq_len": 256},
+            "data": {"seq_len": 64},
+            "batch": {"size": 8},
+        }
         changes = {k: v for k, v in changes.items() if k not in ("model", "data")}
         if name == "cp4_long":
             changes = {**changes, "data": {"seq_len": 128}, "model": {"max_seq_len": 128}}
@@ -784,8 +849,13 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
         optimizer.step()
     ctx.sync()
     plan = plan_memory(Workload(config, VOCAB, ctx.device.type), layout.dims)
-    result = {"layout": layout.dims.name, "stepped": stepped, "built_mb": built_mb, "peak_mb": ctx.peak_mb(),
-              "plan_mb": plan.mb()}  # fmt: skip
+    result = {
+        "layout": layout.dims.name,
+        "stepped": stepped,
+        "built_mb": built_mb,
+        "peak_mb": ctx.peak_mb(),
+        "plan_mb": plan.mb(),
+    }
     (work / f"G.{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     sys.stdout.flush()
     os._exit(0)
@@ -818,9 +888,17 @@ def rank_environment(rank: int, world: int, port: int, cuda: bool) -> dict[str, 
     (SCALELM_SHARE_GPU: scalelm.parallel.env), NCCL saying which transport it took."""
     from scalelm.parallel.env import SHARE_GPU
 
-    environment = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                   "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   SHARE_GPU: "1"}  # fmt: skip
+    environment = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        SHARE_GPU: "1",
+    }
     return environment | ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"} if cuda else {})
 
 
@@ -1139,8 +1217,10 @@ class Report:
 
 def plan(names: list[str], cpu: bool) -> dict[str, float]:
     """Each chosen check's limit in seconds: its GPU estimate, times CPU_FACTOR on a CPU."""
-    return {name: REHEARSAL[name] if name in REHEARSAL else CHECKS[name].seconds * (CPU_FACTOR if cpu else 1)
-            for name in names}  # fmt: skip
+    return {
+        name: REHEARSAL[name] if name in REHEARSAL else CHECKS[name].seconds * (CPU_FACTOR if cpu else 1)
+        for name in names
+    }
 
 
 def command_of(name: str, call: Path, cache: Path, cpu: bool) -> list[str]:

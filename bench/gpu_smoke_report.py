@@ -178,8 +178,14 @@ class Report:
         compilation). On one GPU every layout is one process: DDP and FSDP need two ranks or more."""
         self.gpu_only()
         figures, failed = [], []
-        for name, checked in (("course", 1), ("fp32", 1), ("gpt2_eager", 1), ("course_compiled", 0),
-                              ("gpt2_compiled", 0), ("gpt2_recompute", 0)):  # fmt: skip
+        for name, checked in (
+            ("course", 1),
+            ("fp32", 1),
+            ("gpt2_eager", 1),
+            ("course_compiled", 0),
+            ("gpt2_compiled", 0),
+            ("gpt2_recompute", 0),
+        ):
             self.exited(name)
             run = steady(self.runs / name)
             planned = run["record"]["results"]["plan_mb_per_rank"]["total"]

@@ -66,8 +66,9 @@ def train(run: RunDir, prepared: Path, seed: int, steps: int, threads: int) -> f
     config.write_text(yaml.safe_dump(settings))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "scalelm.train", "--config", str(config)], env=env, check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "scalelm.train", "--config", str(config)], env=env, check=True, stdout=subprocess.DEVNULL
+    )
     seconds = time.perf_counter() - start
     consolidate(run)
     evaluate(["--model", str(run.model), "--data", str(prepared), "--out", str(run.test_result)])
@@ -117,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.seeds} seeds x {args.steps} steps per study, {time.perf_counter() - started:.0f} s in all")
     for study, threads in STUDIES.items():
         speeds = ", ".join(f"{v:,.0f}" for v in figures[study]["tokens_per_s_per_device"])
-        print(f"  {study:<11} {threads} thread(s): tokens/s/device {speeds}; test loss "
-              f"{', '.join(f'{v:.4f}' for v in figures[study]['test_loss'])}")  # fmt: skip
+        print(
+            f"  {study:<11} {threads} thread(s): tokens/s/device {speeds}; test loss "
+            f"{', '.join(f'{v:.4f}' for v in figures[study]['test_loss'])}"
+        )
     for study, changes in found.items():
         for figure in ("tokens_per_s_per_device", "step_time_s", "test_loss"):
             c = changes[figure]

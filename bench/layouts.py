@@ -52,13 +52,25 @@ MODELS: dict[str, dict[str, Any]] = {
     "m136": {"model": {"d_model": 768, "n_heads": 12, "n_layers": 12, "d_ff": 3072}, "seq_len": 64, "batch": 4},
     "m270": {"model": {"d_model": 1024, "n_heads": 16, "n_layers": 16, "d_ff": 4096}, "seq_len": 64, "batch": 4},
     # a long sequence of a small model, where context parallelism pays
-    "long4k": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "max_seq_len": 4096},
-               "seq_len": 4096, "batch": 1},
+    "long4k": {
+        "model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "max_seq_len": 4096},
+        "seq_len": 4096,
+        "batch": 1,
+    },
     # the course model with a mixture of 4 experts of half the FFN's width, top 2, in each block: the dense model's
     # active parameters per token (bench/moe.py)
-    "course_moe": {"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 2048,
-                             "moe": {"experts": 4, "top_k": 2, "d_ff": 1024}}, "seq_len": 32, "batch": 128},
-}  # fmt: skip
+    "course_moe": {
+        "model": {
+            "d_model": 128,
+            "n_heads": 4,
+            "n_layers": 2,
+            "d_ff": 2048,
+            "moe": {"experts": 4, "top_k": 2, "d_ff": 1024},
+        },
+        "seq_len": 32,
+        "batch": 128,
+    },
+}
 PROFILED = 2  # the last steps, under the profiler for the communication share
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # name: (processes, parallel settings)
     "single": (1, {}),

@@ -47,11 +47,23 @@ def main(argv: list[str] | None = None) -> None:
                     seconds.append(staging.seconds)
                     size = staging.bytes
             median = statistics.median(seconds)
-            rows.append({"mode": mode, "dir": str(staging.path.parent), "mib": size / 2**20, "seconds": median,
-                         "min_s": min(seconds), "max_s": max(seconds), "mib_per_s": size / 2**20 / median})  # fmt: skip
-            print(f"{mode:<6} {rows[-1]['dir']:<10} {rows[-1]['mib']:.1f} MiB: median {median * 1e3:.1f} ms "
-                  f"({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f}), {rows[-1]['mib_per_s']:.0f} MiB/s "
-                  "copied and checked", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "dir": str(staging.path.parent),
+                    "mib": size / 2**20,
+                    "seconds": median,
+                    "min_s": min(seconds),
+                    "max_s": max(seconds),
+                    "mib_per_s": size / 2**20 / median,
+                }
+            )
+            print(
+                f"{mode:<6} {rows[-1]['dir']:<10} {rows[-1]['mib']:.1f} MiB: median {median * 1e3:.1f} ms "
+                f"({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f}), {rows[-1]['mib_per_s']:.0f} MiB/s "
+                "copied and checked",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

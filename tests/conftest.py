@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from forked import run_forked
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "resources" / "wikitext-2-sample"
 
@@ -108,11 +110,25 @@ def train_command(config: Path, nproc: int = 1, *overrides: str) -> list[str]:
     return [*launcher, "-m", "scalelm.train", "--config", str(config), *sets]
 
 
-def run_train(config: Path, nproc: int = 1, *overrides: str, check: bool = True, timeout: int = 120, env=None):
+def run_train(
+    config: Path,
+    nproc: int = 1,
+    *overrides: str,
+    check: bool = True,
+    timeout: int = 120,
+    env=None,
+    launcher: str = "forked",
+):
+    """`python -m scalelm.train` on `nproc` ranks of this machine. `launcher`: "forked" (tests/forked.py: ranks forked
+    from a server that imported torch and scalelm once) where nothing process-level is under test, or "torchrun" (the
+    real launcher and interpreters, as a user starts them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(
-        train_command(config, nproc, *overrides), capture_output=True, text=True, timeout=timeout, env=env
-    )
+    if launcher == "forked":
+        sets = [arg for o in overrides for arg in ("--set", o)]
+        result = run_forked(["--config", str(config), *sets], nproc, env, timeout)
+    else:
+        command = train_command(config, nproc, *overrides)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise AssertionError(
             f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

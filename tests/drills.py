@@ -170,8 +170,15 @@ if "torchrun" not in command and ("scalelm.train" in command or "--multiprocessi
 """
 
 
-def freeze_rank(config: Path, rank: int, at_step: int, site: Path, timeout: int = 120,
-                env: dict[str, str] | None = None, procs: int = 2) -> Freeze:  # fmt: skip
+def freeze_rank(
+    config: Path,
+    rank: int,
+    at_step: int,
+    site: Path,
+    timeout: int = 120,
+    env: dict[str, str] | None = None,
+    procs: int = 2,
+) -> Freeze:
     """SIGSTOP one training process once it has ended step `at_step` (train.log_every: 1): a process that makes no
     progress at all, its threads included, as with a hung file system, a driver hang or a node that stops
     answering. Wait for the job to end; whatever happens, no process of the job is left behind, stopped or running.

@@ -19,7 +19,7 @@ import pytest
 
 from scalelm.errors import ConfigError, DataError
 from scalelm.report import expectations, history, history_compare, history_store
-from scalelm.report.aggregate import aggregate, check_out_dir, read_run
+from scalelm.report.aggregate import ReportOptions, aggregate, check_out_dir, read_run
 from scalelm.report.aggregate import main as aggregate_main
 from scalelm.report.expectations import Expectation, from_arguments, parse_expectations, to_arguments
 from scalelm.report.figures import COLUMNS, RunSummary
@@ -29,9 +29,23 @@ from scalelm.train.record import RECORD_FORMAT, RunRecord, write_record
 from scalelm.train.rundir import RunDir
 
 
-def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_time=0.1, tokens_per_step=512,
-             test_loss=5.0, peak_mem_mb=100.0, hour=10, numpy="2.4.6", threads="2", other_cores=None,
-             moe=False):  # fmt: skip
+def fake_run(
+    results,
+    experiment,
+    seed,
+    *,
+    world_size=1,
+    mode="global",
+    step_time=0.1,
+    tokens_per_step=512,
+    test_loss=5.0,
+    peak_mem_mb=100.0,
+    hour=10,
+    numpy="2.4.6",
+    threads="2",
+    other_cores=None,
+    moe=False,
+):
     """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
     `step_time` long, validation at steps 10 and 20; with `other_cores`, its host's load: 2 CPUs, the run's ranks
     busy on 1.9 of them, other work on `other_cores`; with `moe`, a mixture of 4 experts whose load evens out (from
@@ -40,11 +54,19 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
     run.path.mkdir(parents=True)
     lines = []
     for step in range(2, 21, 2):
-        lines.append({
-            "kind": "train", "step": step, "tokens": step * tokens_per_step, "time": step * step_time,
-            "loss": 8.0 - 0.1 * step - 0.01 * seed, "step_time_s": step_time, "tokens_per_step": tokens_per_step,
-            "world_size": world_size, "peak_mem_mb": peak_mem_mb,
-        })  # fmt: skip
+        lines.append(
+            {
+                "kind": "train",
+                "step": step,
+                "tokens": step * tokens_per_step,
+                "time": step * step_time,
+                "loss": 8.0 - 0.1 * step - 0.01 * seed,
+                "step_time_s": step_time,
+                "tokens_per_step": tokens_per_step,
+                "world_size": world_size,
+                "peak_mem_mb": peak_mem_mb,
+            }
+        )
         if step % 10 == 0:
             lines.append(
                 {
@@ -57,12 +79,21 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             )
     if moe:
         for line in (line for line in lines if line["kind"] == "train"):
-            line |= {"aux_loss": 1.0 + 0.1 / line["step"], "expert_load_max_over_mean": 1.0 + 4.0 / line["step"],
-                     "expert_max_vio_0": 3.0 / line["step"], "expert_max_vio_1": 4.0 / line["step"]}  # fmt: skip
+            line |= {
+                "aux_loss": 1.0 + 0.1 / line["step"],
+                "expert_load_max_over_mean": 1.0 + 4.0 / line["step"],
+                "expert_max_vio_0": 3.0 / line["step"],
+                "expert_max_vio_1": 4.0 / line["step"],
+            }
     run.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run.identity.write_text(json.dumps({"settings": {"seed": seed, "batch": {"mode": mode}}, "world_size": world_size}))
     record = {
-        "config": {"seed": seed, "batch": {"mode": mode}, "model": {"n_layers": 2, "d_model": 10}, "data": {"seq_len": 8}},
+        "config": {
+            "seed": seed,
+            "batch": {"mode": mode},
+            "model": {"n_layers": 2, "d_model": 10},
+            "data": {"seq_len": 8},
+        },
         "world_size": world_size,
         "launch": {"nodes": 1, "procs_per_node": world_size},
         "nodes": [f"{experiment}-{seed}"],  # a host of its own: no overlaps
@@ -73,12 +104,20 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
         "environment": {"OMP_NUM_THREADS": threads},
         "hostnames": [f"{experiment}-{seed}"] * world_size,
         "results": {
-            "strategy": "single" if world_size == 1 else "ddp", "layout": f"{world_size}x1x1x1", "global_batch": 16,
-            "tokens_per_step": tokens_per_step, "steps": 20, "train_time_s": 20 * step_time,
-            "state_mb_per_rank": {"total": 12.5}, "plan_mb_per_rank": {"state": 12.5, "total": 20.0},
-            "peak_flops_per_device": None, "flops_per_token": 6000, "final_train_loss": 6.0, "validation": {"loss": 5.5},
+            "strategy": "single" if world_size == 1 else "ddp",
+            "layout": f"{world_size}x1x1x1",
+            "global_batch": 16,
+            "tokens_per_step": tokens_per_step,
+            "steps": 20,
+            "train_time_s": 20 * step_time,
+            "state_mb_per_rank": {"total": 12.5},
+            "plan_mb_per_rank": {"state": 12.5, "total": 20.0},
+            "peak_flops_per_device": None,
+            "flops_per_token": 6000,
+            "final_train_loss": 6.0,
+            "validation": {"loss": 5.5},
         },
-    }  # fmt: skip
+    }
     if moe:
         record["config"]["model"]["moe"] = {"experts": 4, "top_k": 2}
         record["results"] |= {
@@ -92,8 +131,14 @@ def fake_run(results, experiment, seed, *, world_size=1, mode="global", step_tim
             "comm": {"share": 0.5, "all_to_all_share": 0.2},
         }
     if other_cores is not None:
-        record["host_load"] = {f"{experiment}-{seed}": {"cpus": 2, "busy_cores": 1.9 + other_cores, "run_cores": 1.9,
-                                                        "other_cores": other_cores}}  # fmt: skip
+        record["host_load"] = {
+            f"{experiment}-{seed}": {
+                "cpus": 2,
+                "busy_cores": 1.9 + other_cores,
+                "run_cores": 1.9,
+                "other_cores": other_cores,
+            }
+        }
     write_record(run.path, RunRecord.from_dict(record | {"format": RECORD_FORMAT}))
     run.model_meta.write_text(json.dumps({"model": str(run.model), "sha256": "0" * 64}))
     run.test_result.write_text(json.dumps({"loss": test_loss, "perplexity": math.exp(test_loss)}))
@@ -161,8 +206,15 @@ def test_a_mixture_of_experts_shows_its_load_balance_and_all_to_all_beside_the_d
     out = tmp_path / "summary"
     aggregate([dense, moe], out)
     rows = {r["experiment"]: r for r in read_csv(out / "summary.csv")}
-    figures = ("experts", "params_total", "params_active", "aux_loss", "expert_load_max_over_mean", "all_to_all_share",
-               "max_vio_end")  # fmt: skip
+    figures = (
+        "experts",
+        "params_total",
+        "params_active",
+        "aux_loss",
+        "expert_load_max_over_mean",
+        "all_to_all_share",
+        "max_vio_end",
+    )
     assert [rows["moe_ep"][f] for f in figures] == ["4", "3000", "2000", "1.005", "1.5", "0.2", "0.2"]  # worst layer
     assert [rows["dense"][f] for f in figures] == [""] * 7  # an older run.json: no parameters recorded either
     by_name = {r["experiment"]: r for r in read_csv(out / "summary_by_experiment.csv")}
@@ -175,7 +227,9 @@ def test_a_mixture_of_experts_shows_its_load_balance_and_all_to_all_beside_the_d
     # experts.png: a curve per layer, max / mean (MaxVio + 1), and the aux loss beside them
     balance, aux = experts_figure([read_run(RunDir(moe))]).axes[:2]
     assert [line.get_label() for line in balance.lines if not line.get_label().startswith("_")] == [
-        "moe_ep 2x1x1x1 (seed 1), layer 0", "moe_ep 2x1x1x1 (seed 1), layer 1"]  # fmt: skip
+        "moe_ep 2x1x1x1 (seed 1), layer 0",
+        "moe_ep 2x1x1x1 (seed 1), layer 1",
+    ]
     assert balance.lines[1].get_ydata()[-1] == pytest.approx(1 + 4.0 / 20) and len(aux.lines) == 2  # and y = 1
 
 
@@ -193,8 +247,10 @@ def test_one_seed_leaves_the_standard_deviation_empty(tmp_path):
 
 
 def test_loss_curves_of_several_seeds_are_their_mean_and_range(tmp_path, two_seeds):
-    runs = [RunSummary({"global_batch_tokens": 512}, [json.loads(line) for line in (p / "metrics.jsonl").open()])
-            for p in two_seeds[:2]]  # fmt: skip
+    runs = [
+        RunSummary({"global_batch_tokens": 512}, [json.loads(line) for line in (p / "metrics.jsonl").open()])
+        for p in two_seeds[:2]
+    ]
     x, mean, low, high = across_seeds(runs, "tokens", "train")
     assert x[:2] == [1024, 2048] and len(x) == 10
     assert mean[0] == pytest.approx(8.0 - 0.2 - 0.015) and (low[0], high[0]) == (8.0 - 0.2 - 0.02, 8.0 - 0.2 - 0.01)
@@ -216,7 +272,7 @@ def test_the_baseline_is_named_or_the_experiment_with_fewest_devices(tmp_path):
         fake_run(tmp_path, "ddp", 1, world_size=2, tokens_per_step=1024),  # 10240 tokens/s
     ]
     out = tmp_path / "summary"
-    aggregate(runs, out, baseline="ddp")
+    aggregate(runs, out, ReportOptions(baseline="ddp"))
     rows = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
     assert float(rows["single", "2"]["speedup"]) == pytest.approx(0.5)
     assert float(rows["single", "2"]["scaling_efficiency"]) == pytest.approx(1.0)  # half the speed on half the devices
@@ -225,11 +281,21 @@ def test_the_baseline_is_named_or_the_experiment_with_fewest_devices(tmp_path):
 
 def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, two_seeds, capsys):
     out = tmp_path / "summary"
-    aggregate_main([
-        *(arg for run in two_seeds for arg in ("--run", str(run))), "--out-dir", str(out),
-        "--expect", "ddp.min_tokens_per_s_per_device=6000", "--expect", "ddp.max_test_perplexity=200",
-        "--expect", "single.max_step_time_s=0.1", "--expect", "single.tolerance=0.2",
-    ])  # fmt: skip
+    aggregate_main(
+        [
+            *(arg for run in two_seeds for arg in ("--run", str(run))),
+            "--out-dir",
+            str(out),
+            "--expect",
+            "ddp.min_tokens_per_s_per_device=6000",
+            "--expect",
+            "ddp.max_test_perplexity=200",
+            "--expect",
+            "single.max_step_time_s=0.1",
+            "--expect",
+            "single.tolerance=0.2",
+        ]
+    )
     checks = {(c["experiment"], c["expectation"]): c for c in read_csv(out / "expectations.csv")}
     missed = checks["ddp", "min_tokens_per_s_per_device"]  # 5120 per device < 6000 x 0.95
     assert (missed["value"], missed["limit"], missed["threshold"], missed["status"]) == (
@@ -273,7 +339,7 @@ def test_a_missed_expectation_is_reported_and_fails_the_strict_check(tmp_path, t
             {"min_tokens_per_sec": 1},
             r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you mean "
             r"'min_tokens_per_s_per_device'\? \(known: min_tokens_per_s_per_device, .*tolerance\)",
-        ),  # fmt: skip
+        ),
         ({"max_test_loss": 0}, r"experiments.ddp.expect.max_test_loss must be a positive number or .*, got 0"),
         ({"min_mfu": True}, r"experiments.ddp.expect.min_mfu must be a positive number or .*, got True"),
         ({"min_mfu": float("nan")}, r"experiments.ddp.expect.min_mfu must be a positive number or .*, got nan"),
@@ -292,17 +358,27 @@ def test_bad_expectations_are_refused_naming_the_key(expect, message):
 
 
 def test_expectations_travel_to_the_aggregate_command_unchanged():
-    parsed = parse_expectations({
-        "single": {"expect": {"max_test_perplexity": 5000}},
-        "ddp": {"expect": {"min_mfu": 0.25, "max_peak_mem_mb_per_rank": 4000, "tolerance": 0.1,
-                           "min_tokens_per_s_per_device": {"history": "median_of_last", "n": 3, "tolerance": 0.2},
-                           "max_step_time_s": {"history": "median_of_last"}}},
-    })  # fmt: skip
+    parsed = parse_expectations(
+        {
+            "single": {"expect": {"max_test_perplexity": 5000}},
+            "ddp": {
+                "expect": {
+                    "min_mfu": 0.25,
+                    "max_peak_mem_mb_per_rank": 4000,
+                    "tolerance": 0.1,
+                    "min_tokens_per_s_per_device": {"history": "median_of_last", "n": 3, "tolerance": 0.2},
+                    "max_step_time_s": {"history": "median_of_last"},
+                }
+            },
+        }
+    )
     assert [(e.figure, e.is_minimum, e.threshold, e.tolerance, e.history_n) for e in parsed] == [
-        ("test_perplexity", False, pytest.approx(5250), 0.05, None), ("mfu", True, pytest.approx(0.225), 0.1, None),
+        ("test_perplexity", False, pytest.approx(5250), 0.05, None),
+        ("mfu", True, pytest.approx(0.225), 0.1, None),
         ("peak_mem_mb_per_rank", False, pytest.approx(4400), 0.1, None),
-        ("tokens_per_s_per_device", True, None, 0.2, 3), ("step_time_s", False, None, 0.1, 5),
-    ]  # fmt: skip
+        ("tokens_per_s_per_device", True, None, 0.2, 3),
+        ("step_time_s", False, None, 0.1, 5),
+    ]
     assert from_arguments(to_arguments(parsed)) == parsed
     assert shlex.split(shlex.join(to_arguments(parsed))) == to_arguments(parsed)  # through the rule's shell
     with pytest.raises(ConfigError, match=r"ddp.min_mfu take their limit from the results history: give the"):
@@ -316,11 +392,18 @@ def test_expectations_travel_to_the_aggregate_command_unchanged():
 # ------------------------------------------------------------------------------------------ the results history
 def history_row(study, experiment, seed, figures, torch_version="2.13.0"):
     return {
-        "key": f"{study}|{experiment}|{seed}", "study": study, "recorded": "2026-11-25T10:00:00.000000+00:00",
-        "experiment": experiment, "seed": seed, "layout": "1x1x1x1", "settings_hash": "s", "start_time": None,
+        "key": f"{study}|{experiment}|{seed}",
+        "study": study,
+        "recorded": "2026-11-25T10:00:00.000000+00:00",
+        "experiment": experiment,
+        "seed": seed,
+        "layout": "1x1x1x1",
+        "settings_hash": "s",
+        "start_time": None,
         "end_time": None,
-        "figures": figures, "environment": {"device": "cpu", "torch": torch_version},
-    }  # fmt: skip
+        "figures": figures,
+        "environment": {"device": "cpu", "torch": torch_version},
+    }
 
 
 def write_history(db, worker):
@@ -332,8 +415,12 @@ def write_history(db, worker):
 def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp_path, two_seeds, capsys):
     db = tmp_path / "shared" / "history.sqlite"
     # limits from the history: ddp's speed and test loss against the median of its last 3 earlier studies
-    drift = ["--expect", "ddp.min_tokens_per_s_per_device={history: median_of_last, n: 3, tolerance: 0.1}",
-             "--expect", "ddp.max_test_loss={history: median_of_last, n: 3}"]  # fmt: skip
+    drift = [
+        "--expect",
+        "ddp.min_tokens_per_s_per_device={history: median_of_last, n: 3, tolerance: 0.1}",
+        "--expect",
+        "ddp.max_test_loss={history: median_of_last, n: 3}",
+    ]
     arguments = [arg for run in two_seeds for arg in ("--run", str(run))] + [*drift, "--history", str(db)]
     aggregate_main([*arguments, "--out-dir", str(tmp_path / "first")])
     aggregate_main([*arguments, "--out-dir", str(tmp_path / "again")])  # the same attempts: recorded once
@@ -366,13 +453,25 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     # a week later the ddp runs are slower (a new torch, say): the summary says so first
     later = tmp_path / "later"
     slower = [fake_run(later, "single", seed, hour=12) for seed in (1, 2)] + [
-        fake_run(later, "ddp", seed, world_size=2, mode="per_device", tokens_per_step=1024, step_time=0.2, hour=12,
-                 numpy="2.5.0", threads="1")
+        fake_run(
+            later,
+            "ddp",
+            seed,
+            world_size=2,
+            mode="per_device",
+            tokens_per_step=1024,
+            step_time=0.2,
+            hour=12,
+            numpy="2.5.0",
+            threads="1",
+        )
         for seed in (1, 2)
-    ]  # fmt: skip
+    ]
     capsys.readouterr()
-    aggregate_main([arg for run in slower for arg in ("--run", str(run))] + [*drift, "--history", str(db), "--out-dir",
-                   str(tmp_path / "week2")])  # fmt: skip
+    aggregate_main(
+        [arg for run in slower for arg in ("--run", str(run))]
+        + [*drift, "--history", str(db), "--out-dir", str(tmp_path / "week2")]
+    )
     summary = (tmp_path / "week2/summary.md").read_text()
     assert "## Since the previous study" in summary and "first" in summary
     flagged = "| missed min_tokens_per_s_per_device, regression tokens_per_s_per_device, regression step_time_s |"
@@ -381,7 +480,9 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     assert '| regression | package numpy: "2.4.6" -> "2.5.0"; threads: "2" -> "1" |' in summary
     week2 = {c["expectation"]: c for c in read_csv(tmp_path / "week2/expectations.csv")}
     assert (week2["min_tokens_per_s_per_device"]["limit"], week2["min_tokens_per_s_per_device"]["status"]) == (
-        "5120.0", "missed")  # fmt: skip
+        "5120.0",
+        "missed",
+    )
     assert week2["max_test_loss"]["status"] == "met" and week2["max_test_loss"]["threshold"] == "5.25"
     assert week2["max_test_loss"]["reference"] == "median of the last 1 study (n 3)"
     # the trend: every study of these settings, one point each, coloured by environment
@@ -437,10 +538,16 @@ def test_a_writer_killed_mid_study_leaves_no_partial_study(tmp_path):
 
 def test_a_regression_is_flagged_only_beyond_the_tolerance_and_significant(tmp_path, capsys):
     db = tmp_path / "history.sqlite"
-    before = {"tokens_per_s_per_device": [100, 102, 98, 101], "test_loss": [5.0, 5.01, 4.99, 5.0],
-              "step_time_s": [1.0, 1.5, 0.5, 1.2]}  # fmt: skip
-    after = {"tokens_per_s_per_device": [80, 82, 79, 81], "test_loss": [5.02, 5.0, 5.01, 4.99],
-             "step_time_s": [1.3, 0.6, 1.9, 1.0]}  # fmt: skip
+    before = {
+        "tokens_per_s_per_device": [100, 102, 98, 101],
+        "test_loss": [5.0, 5.01, 4.99, 5.0],
+        "step_time_s": [1.0, 1.5, 0.5, 1.2],
+    }
+    after = {
+        "tokens_per_s_per_device": [80, 82, 79, 81],
+        "test_loss": [5.02, 5.0, 5.01, 4.99],
+        "step_time_s": [1.3, 0.6, 1.9, 1.0],
+    }
     rows = []
     for study, values, version in (("2026-11-01 a", before, "2.9.0"), ("2026-11-02 b", after, "2.13.0")):
         rows += [history_row(study, "ddp", seed, {k: v[seed] for k, v in values.items()}, version) for seed in range(4)]
@@ -478,8 +585,10 @@ def test_the_history_flags_a_slowdown_and_no_rerun(tmp_path):
     summaries = {}
     for hour, (study, times) in enumerate(step_times.items(), 10):
         threads = "1" if study == "one_thread" else "2"
-        runs = [fake_run(tmp_path / study, "tiny", seed, step_time=time, hour=hour, threads=threads)
-                for seed, time in enumerate(times, 1)]  # fmt: skip
+        runs = [
+            fake_run(tmp_path / study, "tiny", seed, step_time=time, hour=hour, threads=threads)
+            for seed, time in enumerate(times, 1)
+        ]
         aggregate(runs, tmp_path / study / "summary", history_db=db)
         summaries[study] = (tmp_path / study / "summary/summary.md").read_text()
     rows = history_store.read_rows(db)
@@ -508,27 +617,52 @@ def test_a_damaged_run_is_refused_naming_its_file_and_what_to_do(tmp_path, capsy
     cases = [
         (run.record, "[]", f"{run.record} is not a run record this scalelm reads .*: {again}"),
         (run.record, "{", f"{run.record} is not a run record this scalelm reads .*: {again}"),
-        (run.record, json.dumps(record | {"config": {"batch": {"mode": "global"}}}),
-         f"{run.record} is not a run record this scalelm reads \\(KeyError: 'seed'\\): {again}"),
+        (
+            run.record,
+            json.dumps(record | {"config": {"batch": {"mode": "global"}}}),
+            f"{run.record} is not a run record this scalelm reads \\(KeyError: 'seed'\\): {again}",
+        ),
         (run.record, json.dumps(record | {"launch": "1x1"}), f"{run.record} is not a run record this scalelm reads"),
-        (run.record, json.dumps(record | {"results": record["results"] | {"validation": [5.5]}}),
-         f"{run.record} is not a run record"),
-        (run.record, json.dumps(record | {"results": record["results"] | {"final_train_loss": math.nan}}),
-         f"{run.record} gives final_train_loss = nan: {broken}"),
+        (
+            run.record,
+            json.dumps(record | {"results": record["results"] | {"validation": [5.5]}}),
+            f"{run.record} is not a run record",
+        ),
+        (
+            run.record,
+            json.dumps(record | {"results": record["results"] | {"final_train_loss": math.nan}}),
+            f"{run.record} gives final_train_loss = nan: {broken}",
+        ),
         (run.record, json.dumps(record | {"wall_time_s": math.inf}), f"{run.record} gives wall_time_s = inf"),
-        (run.test_result, json.dumps({"loss": math.nan, "perplexity": math.nan}),
-         f"{run.test_result} gives test_loss = nan: {broken} .*train it again .*or aggregate without it"),
-        (run.test_result, json.dumps({"loss": 900.0, "perplexity": math.inf}), f"{run.test_result} gives "
-         "test_perplexity = inf"),
-        (run.test_result, json.dumps({"loss": "low", "perplexity": 3.0}), f"{run.test_result} is not a test "
-         "evaluation this scalelm reads .*: remove it and evaluate the model again"),
+        (
+            run.test_result,
+            json.dumps({"loss": math.nan, "perplexity": math.nan}),
+            f"{run.test_result} gives test_loss = nan: {broken} .*train it again .*or aggregate without it",
+        ),
+        (
+            run.test_result,
+            json.dumps({"loss": 900.0, "perplexity": math.inf}),
+            f"{run.test_result} gives test_perplexity = inf",
+        ),
+        (
+            run.test_result,
+            json.dumps({"loss": "low", "perplexity": 3.0}),
+            f"{run.test_result} is not a test evaluation this scalelm reads .*: remove it and evaluate the model again",
+        ),
         (run.test_result, "[5.0]", f"{run.test_result} is not a test evaluation this scalelm reads"),
-        (run.model_meta, "{}", f"{run.model_meta} is not a model record this scalelm reads .*: remove it and "
-         "consolidate the run again"),
+        (
+            run.model_meta,
+            "{}",
+            f"{run.model_meta} is not a model record this scalelm reads .*: remove it and consolidate the run again",
+        ),
         (run.metrics, files[run.metrics] + "{cut short\n", f"{run.metrics}, line 13, is not a complete JSON record"),
-        (run.metrics, files[run.metrics].replace('"step_time_s"', '"step_s"'), f"{run.metrics}, line 1, is not a "
-         "metrics record this scalelm reads \\(no step_time_s\\) \\(and 9 more lines\\): remove that line"),
-    ]  # fmt: skip
+        (
+            run.metrics,
+            files[run.metrics].replace('"step_time_s"', '"step_s"'),
+            f"{run.metrics}, line 1, is not a "
+            "metrics record this scalelm reads \\(no step_time_s\\) \\(and 9 more lines\\): remove that line",
+        ),
+    ]
     for path, text, message in cases:
         path.write_text(text)
         with pytest.raises(SystemExit) as failed:
@@ -548,15 +682,25 @@ def test_a_finished_runs_unreadable_metrics_line_is_named_and_removing_it_gets_p
     lines = run.metrics.read_text().splitlines()
     without_time = {k: v for k, v in json.loads(lines[2]).items() if k != "step_time_s"}
     for number, bad, message in (
-        (3, json.dumps(without_time), "is not a metrics record this scalelm reads \\(no step_time_s\\): remove "
-                                      "that line \\(the summary then leaves it out; training the run again would "
-                                      "keep its log as it is\\)"),
-        (5, json.dumps({"kind": "eval", "split": "validation", "step": 10, "time": 1.0, "loss": "low"}),
-         "is not a metrics record this scalelm reads \\(loss 'low', not a finite number\\): remove that line"),
-        (2, json.dumps({"kind": "train", "loss": 3.0}), "is a record without a step number .*: the file is "
-                                                          "damaged; repair or delete that line"),
+        (
+            3,
+            json.dumps(without_time),
+            "is not a metrics record this scalelm reads \\(no step_time_s\\): remove "
+            "that line \\(the summary then leaves it out; training the run again would "
+            "keep its log as it is\\)",
+        ),
+        (
+            5,
+            json.dumps({"kind": "eval", "split": "validation", "step": 10, "time": 1.0, "loss": "low"}),
+            "is not a metrics record this scalelm reads \\(loss 'low', not a finite number\\): remove that line",
+        ),
+        (
+            2,
+            json.dumps({"kind": "train", "loss": 3.0}),
+            "is a record without a step number .*: the file is damaged; repair or delete that line",
+        ),
         (4, "{cut short", "is not a complete JSON record: the file is damaged; repair or delete that line"),
-    ):  # fmt: skip
+    ):
         damaged = [*lines[: number - 1], bad, *lines[number - 1 :]]
         run.metrics.write_text("\n".join(damaged) + "\n")
         with pytest.raises(SystemExit):
@@ -595,8 +739,10 @@ def test_the_aggregation_refuses_an_out_dir_in_a_run_directory(tmp_path, two_see
             aggregate_main([*runs, "--out-dir", str(out)])
         error = capsys.readouterr().err
         run = two_seeds[0] if where == "is" else two_seeds[1]
-        assert error == f"error: --out-dir {out} {where} the run directory {run}: the summary would be written " \
-                        "among the run's files; choose another --out-dir\n", error  # fmt: skip
+        assert (
+            error == f"error: --out-dir {out} {where} the run directory {run}: the summary would be written "
+            "among the run's files; choose another --out-dir\n"
+        ), error
         assert not (out / "summary.csv").exists() and not (two_seeds[1] / "checkpoints").exists()
     check_out_dir(tmp_path, two_seeds)  # the results directory, above the runs
 
@@ -607,8 +753,11 @@ def test_a_run_given_twice_is_refused_not_counted_as_two_seeds(tmp_path):
         aggregate([runs[0], runs[1], tmp_path / "runs/single/../single/seed1"], tmp_path / "summary")
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path / "runs", copy / "runs")
-    with pytest.raises(DataError, match=f"{runs[1]} and {copy}/runs/single/seed2 are both seed 2 of single: one "
-                       "seed would count twice; give one of them"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=f"{runs[1]} and {copy}/runs/single/seed2 are both seed 2 of single: one "
+        "seed would count twice; give one of them",
+    ):
         aggregate([*runs, copy / "runs/single/seed2"], tmp_path / "summary")
     assert not (tmp_path / "summary").exists()
 
@@ -620,12 +769,21 @@ def test_the_aggregation_refuses_a_history_among_what_it_writes_or_replaces(tmp_
     for db, message in (
         (out / "summary.csv", f"--history {out}/summary.csv is {out}/summary.csv, which the study writes"),
         (out / "trend.png", f"--history {out}/trend.png is {out}/trend.png, which the study writes"),
-        (two_seeds[0] / "history.sqlite", f"--history {two_seeds[0]}/history.sqlite lies in {two_seeds[0]}, which "
-                                          "the workflow replaces whole"),
-    ):  # fmt: skip
+        (
+            two_seeds[0] / "history.sqlite",
+            f"--history {two_seeds[0]}/history.sqlite lies in {two_seeds[0]}, which the workflow replaces whole",
+        ),
+    ):
         with pytest.raises(SystemExit) as failed:
-            aggregate_main([*(arg for run in two_seeds for arg in ("--run", str(run))), "--out-dir", str(out),
-                            "--history", str(db)])  # fmt: skip
+            aggregate_main(
+                [
+                    *(arg for run in two_seeds for arg in ("--run", str(run))),
+                    "--out-dir",
+                    str(out),
+                    "--history",
+                    str(db),
+                ]
+            )
         error = capsys.readouterr().err
         assert failed.value.code == 2 and error.startswith(f"error: {message}") and error.count("\n") == 1, error
         assert "choose a file apart from them" in error
@@ -643,11 +801,31 @@ def fake_baseline(path, nodes, procs, job_all_reduce, node_all_reduce=None, tflo
     for scope, busbw, ranks in (("job", job_all_reduce, world), ("node", node_all_reduce, procs)):
         for size, share in ((2**20, 0.5), (2**22, 1.0)):
             if busbw is not None:
-                rows.append({"scope": scope, "op": "all_reduce", "ranks": ranks, "bytes": size, "time_s": 0.01,
-                             "algbw_gbps": busbw * share / 1.5, "busbw_gbps": busbw * share})  # fmt: skip
-    path.write_text(json.dumps({"world_size": world, "procs_per_node": procs, "hosts": [f"n{i}" for i in range(nodes)],
-                                "device": "cpu", "matmul_tflops_min": tflops, "per_rank": [], "collectives": rows,
-                                "nccl_network": None}))  # fmt: skip
+                rows.append(
+                    {
+                        "scope": scope,
+                        "op": "all_reduce",
+                        "ranks": ranks,
+                        "bytes": size,
+                        "time_s": 0.01,
+                        "algbw_gbps": busbw * share / 1.5,
+                        "busbw_gbps": busbw * share,
+                    }
+                )
+    path.write_text(
+        json.dumps(
+            {
+                "world_size": world,
+                "procs_per_node": procs,
+                "hosts": [f"n{i}" for i in range(nodes)],
+                "device": "cpu",
+                "matmul_tflops_min": tflops,
+                "per_rank": [],
+                "collectives": rows,
+                "nccl_network": None,
+            }
+        )
+    )
     return path
 
 
@@ -670,7 +848,9 @@ def test_the_machine_baseline_sits_beside_the_runs_on_its_nodes(tmp_path, two_se
     assert [line.split(" | ")[0] for line in flagged] == ["| single", "| single", "| ddp", "| ddp"]  # one node each
     rows = read_csv(out / "machine.csv")
     assert [(r["nodes"], r["scope"], r["bytes"], r["busbw_gbps"]) for r in rows] == [
-        ("1", "job", "1048576", "1.1"), ("1", "job", "4194304", "2.2")]  # fmt: skip
+        ("1", "job", "1048576", "1.1"),
+        ("1", "job", "4194304", "2.2"),
+    ]
     with pytest.raises(ConfigError, match=r"references.busbw_gbps: unknown key 'all_reduce' \(known: job_all_reduce"):
         MachineReferences(busbw_gbps={"all_reduce": 1.0})
     (tmp_path / "broken.json").write_text("{")
@@ -688,7 +868,8 @@ def test_other_work_beyond_a_share_of_the_cores_a_run_was_given_disturbs_it():
 
     # the issue's run: 1 process of 2 threads on 2 cores, other work on 1.04 of them; 0.15 is within a tenth of 2
     assert disturbance({"vm": load(2, 0.9, 1.04)}, {"vm": 1}, 2, {}) == (
-        "other work took 1.04 of the 2 cores it was given on vm")  # fmt: skip
+        "other work took 1.04 of the 2 cores it was given on vm"
+    )
     assert disturbance({"vm": load(2, 1.8, 0.15)}, {"vm": 1}, 2, {}) == ""
     assert disturbance({"vm": load(2, 1.8, 0.15)}, {"vm": 1}, 2, {}, share=0.05)  # the share is a setting
     # the cores given: ranks x threads, at most the CPUs; without a thread count, the CPUs
@@ -711,13 +892,15 @@ def test_other_work_beyond_a_share_of_the_cores_a_run_was_given_disturbs_it():
     shared = {"disturbed": "", "overlapped_by": "ddp/seed1"}
     assert figure_caveat(shared, "step_time_s") == "not isolated (with ddp/seed1)"
     ddp = {"experiment": "ddp", "seed": 1, "scaling_efficiency": 16.9}
-    assert scaling_flag(ddp, [run]) == ("baseline disturbed (single seed 1); implausible efficiency (above 1.25): "
-                                        "likely its disturbed baseline")  # fmt: skip
+    assert scaling_flag(ddp, [run]) == (
+        "baseline disturbed (single seed 1); implausible efficiency (above 1.25): likely its disturbed baseline"
+    )
     slow = "implausible efficiency (above 1.25): likely a baseline run slower than its machine allows"
     assert scaling_flag(ddp, [{**run, "disturbed": ""}]).startswith(slow)
     assert scaling_flag({**ddp, "scaling_efficiency": 0.9}, [{**run, "disturbed": ""}]) == ""
     assert figure_caveat({**ddp, "scaling_flag": "baseline disturbed (single seed 1)"}, "speedup") == (
-        "baseline disturbed (single seed 1)")  # fmt: skip
+        "baseline disturbed (single seed 1)"
+    )
     assert figure_caveat({**ddp, "scaling_flag": "baseline disturbed (single seed 1)"}, "tokens_per_s") == ""
 
 
@@ -741,10 +924,22 @@ def disturbed_study(root):
 def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     out, db = tmp_path / "summary", tmp_path / "history.sqlite"
     runs = disturbed_study(tmp_path)
-    expect = ["single.min_tokens_per_s_per_device=5000", "ddp.min_scaling_efficiency=0.5", "fsdp.max_test_loss=6",
-              "fsdp.min_tokens_per_s_per_device=100"]  # fmt: skip
-    aggregate_main([*(a for run in runs for a in ("--run", str(run))), *(a for e in expect for a in ("--expect", e)),
-                    "--out-dir", str(out), "--history", str(db)])  # fmt: skip
+    expect = [
+        "single.min_tokens_per_s_per_device=5000",
+        "ddp.min_scaling_efficiency=0.5",
+        "fsdp.max_test_loss=6",
+        "fsdp.min_tokens_per_s_per_device=100",
+    ]
+    aggregate_main(
+        [
+            *(a for run in runs for a in ("--run", str(run))),
+            *(a for e in expect for a in ("--expect", e)),
+            "--out-dir",
+            str(out),
+            "--history",
+            str(db),
+        ]
+    )
     rows = {(r["experiment"], r["seed"]): r for r in read_csv(out / "summary.csv")}
     disturbed = "other work took 1.04 of the 2 cores it was given on single-1"
     assert {key: r["disturbed"] for key, r in rows.items() if r["disturbed"]} == {("single", "1"): disturbed}
@@ -753,7 +948,10 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert {key: r["scaling_flag"] for key, r in rows.items() if r["scaling_flag"]} == {("ddp", "1"): flag}
     by_name = {r["experiment"]: r for r in read_csv(out / "summary_by_experiment.csv")}
     assert {name: (r["disturbed_seeds"], r["scaling_flag"]) for name, r in by_name.items()} == {
-        "single": ("1", ""), "ddp": ("0", flag), "fsdp": ("0", "")}  # fmt: skip
+        "single": ("1", ""),
+        "ddp": ("0", flag),
+        "fsdp": ("0", ""),
+    }
 
     summary = (out / "summary.md").read_text()
     lead = {tuple(cells[:2]): cells[-1] for cells in table_cells(summary.split("\n\n")[2])}
@@ -761,7 +959,10 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert lead["ddp", "1"] == f"{flag}, met min_scaling_efficiency (disturbed)"
     # the others: only their experiment's checks, which take the mean over the disturbed seed too
     assert [lead[key] for key in (("single", "2"), ("ddp", "2"), ("fsdp", "2"))] == [
-        "missed min_tokens_per_s_per_device (disturbed)", "met min_scaling_efficiency (disturbed)", ""]  # fmt: skip
+        "missed min_tokens_per_s_per_device (disturbed)",
+        "met min_scaling_efficiency (disturbed)",
+        "",
+    ]
     assert "**Disturbed**: other work on their hosts took more than 0.1 of the cores they were given " in summary
     assert f"`single` seed 1 ({disturbed})" in summary and f"`ddp` seed 1 ({flag})" in summary
     per_experiment = table_cells(summary.split("## Per experiment")[1].split("\n\n")[2])
@@ -783,9 +984,17 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert recorded["single", 1]["disturbed"] == disturbed and recorded["ddp", 1]["scaling_flag"] == flag
     later = tmp_path / "later"
     again = [fake_run(later, "single", seed, step_time=0.1, hour=12) for seed in (1, 2)]
-    aggregate_main([*(a for run in again for a in ("--run", str(run))), "--expect",
-                    "single.min_tokens_per_s_per_device={history: median_of_last, n: 3}", "--out-dir",
-                    str(later / "summary"), "--history", str(db)])  # fmt: skip
+    aggregate_main(
+        [
+            *(a for run in again for a in ("--run", str(run))),
+            "--expect",
+            "single.min_tokens_per_s_per_device={history: median_of_last, n: 3}",
+            "--out-dir",
+            str(later / "summary"),
+            "--history",
+            str(db),
+        ]
+    )
     (check,) = read_csv(later / "summary/expectations.csv")
     assert check["limit"] == "5120.0"  # seed 2's alone: seed 1's 512 is no reference
     assert check["reference"] == "median of the last 1 study (n 3) (1 disturbed run(s) left out)"
@@ -795,8 +1004,15 @@ def test_a_disturbed_run_is_flagged_wherever_its_figures_go(tmp_path, capsys):
     assert [p.disturbed for p in trend["single"]] == [1, 0]
 
     # the share is the study's: at 0.6 of the cores, 1.04 of 2 is no disturbance
-    aggregate_main([*(a for run in runs for a in ("--run", str(run))), "--out-dir", str(tmp_path / "lenient"),
-                    "--disturbed-share", "0.6"])  # fmt: skip
+    aggregate_main(
+        [
+            *(a for run in runs for a in ("--run", str(run))),
+            "--out-dir",
+            str(tmp_path / "lenient"),
+            "--disturbed-share",
+            "0.6",
+        ]
+    )
     assert not any(r["disturbed"] for r in read_csv(tmp_path / "lenient/summary.csv"))
     with pytest.raises(SystemExit):
         aggregate_main(["--run", str(runs[0]), "--out-dir", str(tmp_path / "x"), "--disturbed-share", "0"])
@@ -823,7 +1039,8 @@ def test_a_machine_baseline_beside_other_work_flags_the_step_times_planned_from_
     assert error_cell(planned) == "+200%"
     assert error_cell(planned | {"machine_disturbed": "other work ..."}) == "+200% (machine baseline disturbed)"
     assert error_cell(planned | {"machine_disturbed": "x", "disturbed": "y"}) == (
-        "+200% (machine baseline and run disturbed)")  # fmt: skip
+        "+200% (machine baseline and run disturbed)"
+    )
 
 
 def test_mfu_is_reported_under_both_conventions_beside_the_peak(tmp_path):

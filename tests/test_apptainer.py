@@ -145,14 +145,30 @@ def test_the_launcher_refuses_an_image_built_for_another_architecture(base_image
     partition.write_bytes(bytes(4096))
     subprocess.run(["apptainer", "sif", "new", str(image)], check=True, capture_output=True)
     subprocess.run(
-        ["apptainer", "sif", "add", "--datatype", "4", "--partfs", "1", "--parttype", "2", "--partarch", other[1],
-         str(image), str(partition)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "apptainer",
+            "sif",
+            "add",
+            "--datatype",
+            "4",
+            "--partfs",
+            "1",
+            "--parttype",
+            "2",
+            "--partarch",
+            other[1],
+            str(image),
+            str(partition),
+        ],
+        check=True,
+        capture_output=True,
+    )
     result = subprocess.run(
         [sys.executable, "-m", "scalelm.launch", "--container", str(image), "--", "--config", "unused.yaml"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "torchrun" not in result.stdout, result.stdout + result.stderr
     assert f"built for {other[0]} but this node" in result.stderr and platform.machine() in result.stderr, result.stderr
     assert "docs/gpu.md" in result.stderr

@@ -136,17 +136,31 @@ def test_a_pipeline_that_cannot_be_built_is_refused_where_its_layout_is_resolved
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        (["parallel.cp=2", "data.seq_len=18"], 2,
-         r"^data.seq_len=18 is not divisible by 2 x parallel.cp = 4 \(context parallelism with load balancing cuts "
-         r"each sequence into 2 x cp chunks\); choose a sequence length that is a multiple of 4$"),
-        (["parallel.cp=4", "parallel.cp_load_balance=false", "data.seq_len=18"], 4,
-         r"data.seq_len=18 is not divisible by parallel.cp = 4 .*multiple of 4$"),
-        (["parallel.cp=2", "parallel.cp_load_balance=false", "parallel.tp=2", "parallel.sequence_parallel=true",
-          "data.seq_len=18"], 4,
-         r"parallel.sequence_parallel splits each context-parallel rank's 9 tokens .* across parallel.tp=2 ranks"),
+        (
+            ["parallel.cp=2", "data.seq_len=18"],
+            2,
+            r"^data.seq_len=18 is not divisible by 2 x parallel.cp = 4 \(context parallelism with load balancing cuts "
+            r"each sequence into 2 x cp chunks\); choose a sequence length that is a multiple of 4$",
+        ),
+        (
+            ["parallel.cp=4", "parallel.cp_load_balance=false", "data.seq_len=18"],
+            4,
+            r"data.seq_len=18 is not divisible by parallel.cp = 4 .*multiple of 4$",
+        ),
+        (
+            [
+                "parallel.cp=2",
+                "parallel.cp_load_balance=false",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "data.seq_len=18",
+            ],
+            4,
+            r"parallel.sequence_parallel splits each context-parallel rank's 9 tokens .* across parallel.tp=2 ranks",
+        ),
         (["parallel.cp=0"], 1, r"parallel.cp must be a positive integer or -1 \(the rest of the world\), got 0"),
     ],
-)  # fmt: skip
+)
 def test_a_sequence_that_context_parallelism_cannot_split_is_refused_where_its_layout_is_resolved(
     overrides, world, message
 ):
@@ -198,13 +212,15 @@ def test_settings_files_refuse_aliases_duplicate_keys_deep_nesting_and_unreadabl
 
     cases = {
         "bomb.yaml": (alias_bomb(7), r"bomb.yaml, line 2: YAML anchors and aliases \(&name, \*name\) are not accepted"),
-        "twice.yaml": ("seed: 1\nmodel:\n  d_ff: 64\n  n_layers: 3\n  d_ff: 32\n",
-                       r"twice.yaml, line 5: key 'd_ff' appears twice \(first on line 3\); keep one"),
+        "twice.yaml": (
+            "seed: 1\nmodel:\n  d_ff: 64\n  n_layers: 3\n  d_ff: 32\n",
+            r"twice.yaml, line 5: key 'd_ff' appears twice \(first on line 3\); keep one",
+        ),
         "deep.yaml": ("seed: " + "[" * 50_000 + "]" * 50_000 + "\n", r"deep.yaml, line 1: nested more than 32 levels"),
         "latin1.yaml": (b"run_dir: r\xe9sultats\n", r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 10\); save"),
         "huge_int.yaml": ("seed: " + "1" * 5000 + "\n", r"huge_int.yaml is not valid YAML: a value cannot be read"),
         "huge.yaml": ("seed: 1\n#" + "#" * 2**20, r"huge.yaml is larger than 1 MiB, far beyond any settings"),
-    }  # fmt: skip
+    }
     assert len(alias_bomb(7)) < 500
     for name, (text, message) in cases.items():
         path = tmp_path / name
@@ -266,14 +282,17 @@ def test_set_merges_a_mapping_into_its_section_and_refuses_a_value_in_place_of_a
     assert (c.model.d_model, c.model.n_heads, c.model.n_layers, c.model.d_ff) == (64, 2, 5, 64)
     assert c.optim.betas == (0.8, 0.9) and c.optim.lr == Config().optim.lr and c.data.seq_len == Config().data.seq_len
     for override, message in [
-        ("model=null", r"cannot set 'model' to None: it is a section of settings \(n_layers, d_ff\); set its keys "
-                       r"\(model.KEY=VALUE\) or merge a mapping into it \(model=\{KEY: VALUE\}\)"),
+        (
+            "model=null",
+            r"cannot set 'model' to None: it is a section of settings \(n_layers, d_ff\); set its keys "
+            r"\(model.KEY=VALUE\) or merge a mapping into it \(model=\{KEY: VALUE\}\)",
+        ),
         ("model=0", r"cannot set 'model' to 0: it is a section"),
         ("data=0", r"^data: expected a mapping of settings, got 0$"),
         ("train=[]", r"^train: expected a mapping of settings, got \[\]$"),
         ("train=", r"^train: expected a mapping of settings, got ''$"),
         ("model={n_layers: {x: 1}}", r"^model.n_layers: expected an integer, got \{'x': 1\}$"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(path, [override])
     path.write_text("train: 0\n")
@@ -347,23 +366,30 @@ def test_a_lock_line_that_is_not_an_exact_pin_is_refused_naming_the_line(tmp_pat
     pinned = "pyyaml==6.0.2 \\\n    --hash=sha256:00\n    # via scalelm\npywin32==306 ; sys_platform == 'win32'\n"
     lock.write_text(pinned)
     assert read_lock(lock) == {"pyyaml": "6.0.2"}
-    for line, problem in [("numpy>=1,<3", "is not an exact pin"), ("numpy>=1", "is not an exact pin"),
-                          ("numpy", "is not an exact pin"), ("numpy==1.*", "is not an exact pin"),
-                          ("numpy = 1", "is not a requirement")]:  # fmt: skip
+    for line, problem in [
+        ("numpy>=1,<3", "is not an exact pin"),
+        ("numpy>=1", "is not an exact pin"),
+        ("numpy", "is not an exact pin"),
+        ("numpy==1.*", "is not an exact pin"),
+        ("numpy = 1", "is not a requirement"),
+    ]:
         lock.write_text(f"{pinned}{line} \\\n    --hash=sha256:11\n")
         with pytest.raises(ConfigError, match=rf"^the lock file {lock}, line 5: '{re.escape(line)}' {problem}"):
             read_lock(lock)
     monkeypatch.setenv("SCALELM_LOCK", str(lock))
-    with pytest.raises(ConfigError, match="a lock holds exact pins, as scripts/lock.sh exports them .*: point "
-                       "SCALELM_LOCK at one, or unset it"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="a lock holds exact pins, as scripts/lock.sh exports them .*: point SCALELM_LOCK at one, or unset it",
+    ):
         check_lock()
     lock.write_bytes(b"numpy==1.0 # \xff\n")
     with pytest.raises(ConfigError, match=rf"^the lock file {lock} cannot be read"):
         check_lock()
 
 
-def test_a_training_refuses_a_lock_that_is_not_exact_before_touching_its_run_directory(tiny_config, tmp_path,
-                                                                                        monkeypatch):  # fmt: skip
+def test_a_training_refuses_a_lock_that_is_not_exact_before_touching_its_run_directory(
+    tiny_config, tmp_path, monkeypatch
+):
     from conftest import run_dir_of, train_here
 
     lock = tmp_path / "lock.txt"
@@ -419,6 +445,8 @@ def test_the_workflow_refuses_a_duplicate_key_in_its_config_files(tmp_path):
     local.write_text(local.read_text() + "local:\n  results: results/elsewhere\n")
     result = subprocess.run(["snakemake", "-n"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert (f"invalid config: config file {local}, line {lines + 1}: key 'local' appears twice (first on line "
-            in result.stdout + result.stderr), result.stdout + result.stderr  # fmt: skip
+    assert (
+        f"invalid config: config file {local}, line {lines + 1}: key 'local' appears twice (first on line "
+        in result.stdout + result.stderr
+    ), result.stdout + result.stderr
     assert not (tmp_path / "results").exists()

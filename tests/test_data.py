@@ -144,8 +144,11 @@ def test_prepare_and_prefetch_never_replace_a_directory_that_is_not_theirs(tmp_p
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("years of work")
-    with pytest.raises(ScaleLMError, match=rf"{foreign} is a directory with files and no manifest.json: it does not hold "
-                                           "the prepared data scalelm wrote"):  # fmt: skip
+    with pytest.raises(
+        ScaleLMError,
+        match=rf"{foreign} is a directory with files and no manifest.json: it does not hold "
+        "the prepared data scalelm wrote",
+    ):
         prepare(raw_data, foreign, False, 2)
     files = {split: str(SAMPLE / f"{split}.txt") for split in ("train", "validation", "test")}
     with pytest.raises(ScaleLMError, match=rf"{foreign} is a directory with files and no scalelm_source.json"):
@@ -163,8 +166,11 @@ def test_damaged_prepared_data_is_named_with_what_to_do(tmp_path, prepared):
     manifest = json.loads((copy / "manifest.json").read_text())
     with (copy / "validation.pt").open("r+b") as handle:  # a copy cut short
         handle.truncate(100)
-    with pytest.raises(DataError, match=rf"{copy / 'validation.pt'} does not match the checksum in {copy / 'manifest.json'} "
-                                         r"\(truncated or changed since it was prepared\); run the prepare step again"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"{copy / 'validation.pt'} does not match the checksum in {copy / 'manifest.json'} "
+        r"\(truncated or changed since it was prepared\); run the prepare step again",
+    ):
         load_prepared(copy)
 
     torch.save(torch.tensor([5, manifest["vocab_size"], 7], dtype=torch.int32), copy / "validation.pt")
@@ -209,8 +215,12 @@ def test_staging_copies_checks_and_removes_the_data_and_refuses_a_full_file_syst
     with stage.staged(prepared, "local", str(tmp_path / "scratch"), env, str(tmp_path / "run")) as staging:
         assert staging.path.parent == tmp_path / "scratch" and staging.path.name.endswith("-node1")
         assert load_prepared(staging.path).checksums() == load_prepared(prepared).checksums()
-        assert staging.record() == {"mode": "local", "dir": str(staging.path), "seconds": staging.seconds,
-                                    "bytes": sum(p.stat().st_size for p in prepared.iterdir())}  # fmt: skip
+        assert staging.record() == {
+            "mode": "local",
+            "dir": str(staging.path),
+            "seconds": staging.seconds,
+            "bytes": sum(p.stat().st_size for p in prepared.iterdir()),
+        }
     assert not staging.path.exists()
     with pytest.raises(RuntimeError), stage.staged(prepared, "local", str(tmp_path), env, "run") as staging:
         raise RuntimeError("the training failed")

@@ -43,13 +43,22 @@ def test_a_stalled_rank_is_named_within_the_threshold_and_the_rerun_resumes(tiny
     """One rank of four stalls inside step 8: every rank's watchdog finds its step overdue (max(5 x the median step,
     the 4 s floor)), names rank 2 as the one the others wait for, writes the stacks and stops the job (EXIT_HUNG),
     instead of hanging until the collective timeout; the checkpoint of step 5 is whole and the rerun resumes it."""
-    config = tiny_config("stall", parallel__strategy="ddp", train__max_steps=12, checkpoint__every=5,
-                         train__hang_factor=5, train__hang_floor_s=4)  # fmt: skip
+    config = tiny_config(
+        "stall",
+        parallel__strategy="ddp",
+        train__max_steps=12,
+        checkpoint__every=5,
+        train__hang_factor=5,
+        train__hang_floor_s=4,
+    )
     stall = drills.stall_rank(config, rank=2, at_step=8, site=tmp_path / "site", timeout=240)
     assert stall.exit_code != 0 and "exitcode  : 76" in stall.output, stall.output[-3000:]
     assert stall.detected_s < 4 + 20, stall.detected_s  # the threshold, the autopsy's wait, the job's teardown
-    found = re.findall(r"rank 2 is behind in process group default_pg \(ranks 0, 1, 2, 3\): it issued (\d+) "
-                       r"collectives, rank\(s\) 0, 1, 3 issued (\d+) and wait for it", stall.output)  # fmt: skip
+    found = re.findall(
+        r"rank 2 is behind in process group default_pg \(ranks 0, 1, 2, 3\): it issued (\d+) "
+        r"collectives, rank\(s\) 0, 1, 3 issued (\d+) and wait for it",
+        stall.output,
+    )
     assert len(found) == 1 and int(found[0][0]) + 1 == int(found[0][1]), stall.output[-3000:]  # told once
     autopsy = RunDir(run_dir_of(config)).autopsy
     assert "in train_step" in (autopsy / "rank2.txt").read_text()  # its stack: where it stalled
@@ -67,12 +76,19 @@ def test_the_autopsy_names_late_and_silent_ranks_in_every_process_group():
     """From the progress the ranks published: a rank that issued fewer collectives in a group than its other members
     (here in the TP group of ranks 0 and 1, the world group agreeing), and ranks whose progress is stale or missing;
     not a rank whose training is over (its watchdog closed)."""
-    from scalelm.train.watchdog import behind
+    from scalelm.hang.watchdog import behind
 
     def progress(issued_world, issued_tp, age=0.0, step=9, **more):
         groups = {"0": {"desc": "default_pg", "issued": issued_world}, "3": {"desc": "mesh_tp", "issued": issued_tp}}
-        return {"step": step, "in_step_s": 30.0, "groups": groups, "time": 1000.0 - age, "host": "node7", "pid": 42,
-                **more}  # fmt: skip
+        return {
+            "step": step,
+            "in_step_s": 30.0,
+            "groups": groups,
+            "time": 1000.0 - age,
+            "host": "node7",
+            "pid": 42,
+            **more,
+        }
 
     progresses = {0: progress(50, 20), 1: progress(50, 19), 2: None, 3: progress(48, 20, age=60, step=8)}
     findings = behind({**progresses, 4: progress(50, 20, age=60, closed=True, groups={})}, 1000.0)
@@ -99,8 +115,8 @@ def test_a_rank_that_left_the_job_is_named_by_the_rank_whose_collective_failed(t
     watchdog closed) having issued fewer collectives, and those on its host whose process is gone without ending its
     training; told once, in the log and autopsy/summary.txt. Nothing at a normal end or on an error every rank shares
     (a refusal, a preemption), nor for a rank only late in publishing."""
-    from scalelm.train import watchdog
-    from scalelm.train.watchdog import Watchdog, left_early
+    from scalelm.hang import watchdog
+    from scalelm.hang.watchdog import Watchdog, left_early
 
     def groups(issued):
         return {"0": {"desc": "default_pg", "issued": {"gloo": issued}}}
@@ -148,8 +164,9 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config,
     log line; rank 0 waits for it in that line's collective, between two steps. Its watchdog finds rank 1's progress
     as old as its own wait, over the 4 s floor: it writes the autopsy naming rank 1, kills it (torchrun's SIGTERM
     would wait for a SIGCONT, its SIGKILL for 30 s) and exits 76. The rerun resumes from step 5."""
-    config = tiny_config("freeze", parallel__strategy="ddp", train__max_steps=12, checkpoint__every=5,
-                         train__hang_floor_s=4)  # fmt: skip
+    config = tiny_config(
+        "freeze", parallel__strategy="ddp", train__max_steps=12, checkpoint__every=5, train__hang_floor_s=4
+    )
     site = tmp_path / "site"
     freeze = drills.freeze_rank(config, rank=1, at_step=7, site=site, timeout=45)
     assert freeze.exit_code not in (None, 0) and "exitcode  : 76" in freeze.output, freeze.output[-3000:]
@@ -157,8 +174,11 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_rerun_resumes(tiny_config,
     assert freeze.detected_s < 30 and freeze.survivors == 0, (freeze.detected_s, freeze.survivors)
     run = RunDir(run_dir_of(config))
     summary = (run.autopsy / "summary.txt").read_text()
-    assert re.match(r"scalelm: rank 0 has waited \d+ s since step 7 ended \(limit 4 s\), and rank\(s\) 1 published no "
-                    r"progress for as long", summary), summary  # fmt: skip
+    assert re.match(
+        r"scalelm: rank 0 has waited \d+ s since step 7 ended \(limit 4 s\), and rank\(s\) 1 published no "
+        r"progress for as long",
+        summary,
+    ), summary
     pid = drills.pid_in(site / "paused")
     # where its last progress placed it: a watchdog publishes once a second, and 7 tiny steps may all fall in the
     # first second (on an idle machine), so that its last word was from before step 1
@@ -199,7 +219,7 @@ class Store(dict):
 
 def publish(store, rank, age=0.0, step=1, **more):
     """Rank `rank`'s progress in `store`, as its watchdog publishes it, `age` seconds ago."""
-    from scalelm.train.watchdog import KEY
+    from scalelm.hang.watchdog import KEY
 
     progress = {"step": step, "in_step_s": 0.0, "groups": {}, "time": time.time() - age, "host": "n", "pid": 7}
     store.set(KEY.format(rank), json.dumps({**progress, **more}))
@@ -211,7 +231,7 @@ def test_a_rank_waiting_between_steps_for_a_silent_rank_or_store_is_overdue(tmp_
     alive, nor for a rank whose training is over, nor before the limit. In a step, the step's limit alone. A store
     that does not answer (held by the stopped process: rank 0's under the spawn launcher) holds no call of the
     watchdog's longer than its timeout, and stops the job once it has not answered for the limit."""
-    from scalelm.train.watchdog import BoundedStore, Unanswered, Watchdog
+    from scalelm.hang.watchdog import BoundedStore, Unanswered, Watchdog
 
     store = Store()
     dog = Watchdog(0, tmp_path, factor=0, floor_s=10, store=store, world_size=3)  # factor 0: no thread, asked here
@@ -262,7 +282,7 @@ def test_a_rank_frozen_before_its_first_step_is_named_after_the_floor(tmp_path):
     others waiting for the collective timeout (600 s), told by gloo's message that names no rank. Until a step has
     ended no step is overdue (the first may compile for minutes), but a silent rank or store is, after
     hang_floor_s: a rank that compiles keeps publishing its progress, a frozen one does not."""
-    from scalelm.train.watchdog import KEY, BoundedStore, Watchdog, behind
+    from scalelm.hang.watchdog import KEY, BoundedStore, Watchdog, behind
 
     store = Store()
     dog = Watchdog(0, tmp_path, factor=0, floor_s=10, store=store, world_size=3)  # factor 0: no thread, asked here
@@ -401,8 +421,14 @@ def test_a_full_disk_is_one_clear_line_and_the_checkpoints_before_it_are_kept(ti
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
     try:
-        config = tiny_config("full", run_dir=str(disk / "run"), train__max_steps=20, checkpoint__every=2,
-                             checkpoint__keep=100, train__monitor_interval_s=0)  # fmt: skip
+        config = tiny_config(
+            "full",
+            run_dir=str(disk / "run"),
+            train__max_steps=20,
+            checkpoint__every=2,
+            checkpoint__keep=100,
+            train__monitor_interval_s=0,
+        )
         result = run_train(config, check=False)
         assert result.returncode == 2, result.stderr[-3000:]
         assert f"error: no space left on device (or quota exceeded) writing {disk / 'run'}" in result.stderr

@@ -103,9 +103,14 @@ def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch)
     """Finding 3: cuBLAS refuses deterministic mode unless CUBLAS_WORKSPACE_CONFIG is set before it starts; and it
     reaches the container, like every NCCL_, TORCH_, CUDA_ and PYTORCH_ variable (finding 9). So does NCCL's Flight
     Recorder, on before the process group starts, dumping into the run's autopsy directory
-    (scalelm.train.flight_recorder)."""
-    recorder = ("CUBLAS_WORKSPACE_CONFIG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")  # fmt: skip
+    (scalelm.hang.flight_recorder)."""
+    recorder = (
+        "CUBLAS_WORKSPACE_CONFIG",
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_DUMP_TEMP_FILE",
+    )
     for name in recorder:
         monkeypatch.setenv(name, "")  # so that the test's end removes what the training sets
         monkeypatch.delenv(name)
@@ -115,11 +120,20 @@ def test_deterministic_training_fixes_cublas_workspace(tiny_config, monkeypatch)
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir_of(config) / "autopsy" / "fr_trace_rank_")
     assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     host = {
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_IB_TIMEOUT": "22", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "UCX_TLS": "rc",
-        "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "8",
-        "WANDB_API_KEY": "secret", "HF_TOKEN": "secret", "HOME": "/home/u", "LD_PRELOAD": "/tmp/x.so",
-    }  # fmt: skip
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "NCCL_IB_TIMEOUT": "22",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "UCX_TLS": "rc",
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "GLOO_SOCKET_IFNAME": "ib0",
+        "OMP_NUM_THREADS": "8",
+        "WANDB_API_KEY": "secret",
+        "HF_TOKEN": "secret",
+        "HOME": "/home/u",
+        "LD_PRELOAD": "/tmp/x.so",
+    }
     passed = passed_environment(host)
     assert sorted(passed) == sorted(set(host) - {"WANDB_API_KEY", "HF_TOKEN", "HOME", "LD_PRELOAD"})
 
@@ -291,8 +305,9 @@ def test_jobs_that_need_no_gpu_go_to_the_sites_cpu_partition(tmp_path):
     import yaml
 
     site = tmp_path / "site.yaml"
-    site.write_text(yaml.safe_dump({"gpus_per_node": 4, "partition": "dc-gpu", "cpu_partition": "dc-cpu",
-                                    "reservation": "course"}))  # fmt: skip
+    site.write_text(
+        yaml.safe_dump({"gpus_per_node": 4, "partition": "dc-gpu", "cpu_partition": "dc-cpu", "reservation": "course"})
+    )
     config = local_config()
     config["site"] = str(site)
     study = Study(config, on_login_node=False)
@@ -357,9 +372,17 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     assert {name for name, status in probed.items() if status == "PASS"} == set(probed) - cuda_only
     smoked = {r["check"]: r["status"] for r in json.loads((tmp_path / "smoke/smoke.json").read_text())}
     assert smoked == {
-        "course": "PASS", "fp32": "N/A", "course_compiled": "N/A", "stop_resume": "PASS", "evaluate_on_cpu": "PASS", "gpt2": "N/A",
-        "gpt2_recompute": "N/A", "plan_vs_peak": "N/A", "monitor_vs_smi": "N/A", "compiled_cpu": "PASS",
-    }  # fmt: skip
+        "course": "PASS",
+        "fp32": "N/A",
+        "course_compiled": "N/A",
+        "stop_resume": "PASS",
+        "evaluate_on_cpu": "PASS",
+        "gpt2": "N/A",
+        "gpt2_recompute": "N/A",
+        "plan_vs_peak": "N/A",
+        "monitor_vs_smi": "N/A",
+        "compiled_cpu": "PASS",
+    }
     for name in ("probe", "smoke"):  # one line per check, its status first
         assert all(
             line.split()[0] in ("PASS", "N/A")
@@ -370,8 +393,18 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     assert returned.keys() == {"paths.json", "logs.tgz"} and max(returned.values()) < 16 * 2**20
     recorded = json.loads((paths_out / "paths.json").read_text())
     results = {r["check"]: r for r in recorded["checks"]}
-    assert list(results) == ["A.versions", "J.moe", "B.nccl", "F.lightning", "C.ring", "H.baseline", "G.world8",
-                             "D.stack", "I.share", "E.levers"]  # fmt: skip
+    assert list(results) == [
+        "A.versions",
+        "J.moe",
+        "B.nccl",
+        "F.lightning",
+        "C.ring",
+        "H.baseline",
+        "G.world8",
+        "D.stack",
+        "I.share",
+        "E.levers",
+    ]
     assert {r["status"] for r in results.values()} == {"PASS"}, {n: r["status"] for n, r in results.items()}
     assert recorded["summary"] == "10 PASS, 0 FAIL, 0 N/A, 0 SKIPPED" and recorded["logs"]["truncated"] == {}
     with tarfile.open(paths_out / "logs.tgz") as logs:
@@ -387,8 +420,11 @@ def test_the_gpu_proof_kit_runs_on_cpu_and_reports_cuda_checks_as_not_applicable
     assert (products["output_unpadded"]["shape"][2], products["output_padded"]["shape"][2]) == (33_278, 33_280)
     assert results["J.moe"]["figures"]["worst_relative"] <= 1e-4
     shared = results["I.share"]["figures"]  # several ranks (gloo here): the smoke, then a layout against one process
-    assert all(shared["smoke"][rank][op] for rank in ("0", "1") for op in ("all_reduce", "all_to_all_single",
-                                                                            "batch_isend_irecv"))  # fmt: skip
+    assert all(
+        shared["smoke"][rank][op]
+        for rank in ("0", "1")
+        for op in ("all_reduce", "all_to_all_single", "batch_isend_irecv")
+    )
     assert shared["moe_ep"]["worst_relative"] <= 1e-4 and len(shared["moe_ep"]["losses"]) == 4
     levers = results["E.levers"]["figures"]  # interleaved in one process: each variant's rounds and MFU
     assert set(levers) == {"configured", "cudnn_attention"}
@@ -685,9 +721,17 @@ def test_every_rank_may_share_the_one_gpu_each_an_nccl_host_of_its_own(monkeypat
 
 BAD_BENCH_ARGUMENTS = [  # script, its arguments ({tmp}: the test's directory, holding a_file), the error's line
     ("activation_memory", ["--repeats", "0"], "argument --repeats: 0: give a whole number at least 1"),
-    ("activation_memory", ["--json", "{tmp}/a_file/out.json"], "a_file/out.json cannot be written: .*a_file is not a directory"),
+    (
+        "activation_memory",
+        ["--json", "{tmp}/a_file/out.json"],
+        "a_file/out.json cannot be written: .*a_file is not a directory",
+    ),
     ("fault_trials", ["--trials", "200"], "argument --trials: 200: give a whole number from 1 to 108"),
-    ("fault_trials", ["--strategies", "ddp,fsdb"], "unknown strategy 'fsdb' \\(did you mean 'fsdp'\\?\\); choose from single"),
+    (
+        "fault_trials",
+        ["--strategies", "ddp,fsdb"],
+        "unknown strategy 'fsdb' \\(did you mean 'fsdp'\\?\\); choose from single",
+    ),
     ("gpu_mfu", ["{tmp}/a_file", "--cpu"], "argument out: .*a_file is a file: give a directory"),
     ("gpu_mfu", ["{tmp}/mfu", "--rounds", "1"], "argument --rounds: 1: give a whole number at least 2"),
     ("gpu_mfu", ["{tmp}/mfu", "--steps", "0"], "argument --steps: 0: give a whole number at least 1"),
@@ -695,7 +739,11 @@ BAD_BENCH_ARGUMENTS = [  # script, its arguments ({tmp}: the test's directory, h
     ("gpu_paths", ["--cpu"], "--out is required: the folder paths.json and logs.tgz go to"),
     ("gpu_paths", ["--cpu", "--out", "{tmp}/p", "--work", "{tmp}/p/work"], "--out .*/p holds --work .*/p/work"),
     ("gpu_paths", ["--out", "{tmp}/p", "--rehearse"], "--rehearse is the runner's drill for CI: use it with --cpu"),
-    ("gpu_probe", ["--cpu", "--out", "{tmp}/p", "--only", "a.fats"], "unknown check 'a.fats' \\(did you mean 'a.facts'\\?\\)"),
+    (
+        "gpu_probe",
+        ["--cpu", "--out", "{tmp}/p", "--only", "a.fats"],
+        "unknown check 'a.fats' \\(did you mean 'a.facts'\\?\\)",
+    ),
     ("gpu_smoke_report", ["{tmp}/missing"], "argument out: .*missing is not an existing directory"),
     ("gpu_smoke_report", ["{tmp}", "--cpu"], "holds no status file: give the directory bench/gpu_smoke.sh wrote"),
     ("history_slowdown", ["--seeds", "1"], "argument --seeds: 1: give a whole number at least 2"),
@@ -709,7 +757,7 @@ BAD_BENCH_ARGUMENTS = [  # script, its arguments ({tmp}: the test's directory, h
     ("staging", ["--local-dir", "{tmp}/a_file"], "argument --local-dir: .*a_file is a file: give a directory"),
     ("throughput", ["--models", "c"], "argument --models: unknown model 'c'; choose from a, b"),
     ("throughput", ["--json", "{tmp}"], "argument --json: .* is a directory: give a file path"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(

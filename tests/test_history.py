@@ -336,11 +336,13 @@ def test_the_history_commands_refuse_hostile_input_in_one_line(tmp_path, capsys,
     [
         (bytes(range(256)) * 4, r"is not an expectations.csv as the aggregation writes it \('utf-8' codec"),
         (b"name,score\nddp,1\n", r"\(no column experiment, expectation, value, limit, tolerance, threshold, seeds"),
-        (b"experiment,expectation,value,limit,tolerance,threshold,seeds,status\nddp,min_mfu,x,1,0,1,2,met\n",
-         r"\(could not convert string to float: 'x'\)"),
+        (
+            b"experiment,expectation,value,limit,tolerance,threshold,seeds,status\nddp,min_mfu,x,1,0,1,2,met\n",
+            r"\(could not convert string to float: 'x'\)",
+        ),
     ],
     ids=["binary", "other_columns", "not_a_number"],
-)  # fmt: skip
+)
 def test_the_expectations_command_refuses_a_file_that_is_no_expectations_csv(tmp_path, capsys, content, message):
     checks = tmp_path / "expectations.csv"
     checks.write_bytes(content)

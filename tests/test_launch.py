@@ -238,9 +238,15 @@ def test_a_stop_goes_to_the_training_processes_not_to_torchrun_which_would_kill_
         f"sys.exit(1 if subprocess.call([sys.executable, '-c', {worker!r}, 'scalelm.train']) else 0)\n"
     )
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from scalelm.launch.supervise import supervise; sys.exit(supervise([sys.argv[1:]]))",
-         sys.executable, "-c", torchrun],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from scalelm.launch.supervise import supervise; sys.exit(supervise([sys.argv[1:]]))",
+            sys.executable,
+            "-c",
+            torchrun,
+        ],
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
         assert time.monotonic() < deadline and supervisor.poll() is None

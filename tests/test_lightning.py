@@ -44,7 +44,7 @@ def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_c
 
     ddp, lightning = tiny_config("ddp", **DDP, **PARITY), tiny_config("lightning", **LIGHTNING, **PARITY)
     run_train(ddp, 2)
-    run_train(lightning, 2)
+    run_train(lightning, 2, launcher="torchrun")  # Lightning reads torchrun's environment
     theirs, ours = train_losses(run_dir_of(lightning)), train_losses(run_dir_of(ddp))
     assert len(theirs) == 20
     assert relative_gap(theirs, ours) <= TOLERANCE
@@ -61,8 +61,16 @@ def test_lightning_ddp_trains_like_scalelm_ddp_and_its_run_reads_like_one(tiny_c
     run = RunDir(run_dir_of(lightning))
     meta = consolidate(run)
     assert meta["step"] == 20
-    evaluate_main(["--model", str(run.model), "--data", str(load_config(lightning).data.prepared_dir),
-                   "--out", str(run.test_result)])  # fmt: skip
+    evaluate_main(
+        [
+            "--model",
+            str(run.model),
+            "--data",
+            str(load_config(lightning).data.prepared_dir),
+            "--out",
+            str(run.test_result),
+        ]
+    )
     row = read_run(run).figures
     assert row["strategy"] == "ddp" and row["steps"] == 20 and row["tokens_per_s"] > 0
     assert row["test_loss"] == pytest.approx(record.results.test["loss"], rel=1e-5)
@@ -75,12 +83,12 @@ def test_lightning_run_stopped_by_a_signal_resumes_to_the_same_end(tiny_config, 
     bitwise where an uninterrupted run ends (weights and every logged loss)."""
     settings = dict(LIGHTNING, model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
-    run_train(straight, 2)
+    run_train(straight, 2, launcher="torchrun")
     status, stderr = drills.interrupt_after_step(train_command(broken, 2), run_dir_of(broken), step=6)
     # torchrun passes SIGTERM on to its workers, which checkpoint and exit 75; torchrun then reports the failure
     assert status != 0 and "stopped by a signal" in stderr, stderr[-3000:]
     assert not (run_dir_of(broken) / "run.json").exists()
-    resumed = run_train(broken, 2)
+    resumed = run_train(broken, 2, launcher="torchrun")
     assert "resumed from step" in resumed.stdout
     a, b = drills.final_weights(straight, tmp_path / "a.pt"), drills.final_weights(broken, tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -119,8 +127,12 @@ def test_lightning_errors_are_clear(tiny_config, monkeypatch):
         resolve_layout(load_config(None, ["train.engine=lightning", *settings]), 2, 2)
     message = str(refused.value)
     assert message.startswith("train.engine=lightning refuses 4 things in these settings: (1) train.engine=lightning")
-    for named in ("(1) train.engine=lightning runs DDP only, not tp", "(2) model.moe is", "(3) train.compile_optimizer",
-                  "(4) train.attention_kernels=auto"):  # fmt: skip
+    for named in (
+        "(1) train.engine=lightning runs DDP only, not tp",
+        "(2) model.moe is",
+        "(3) train.compile_optimizer",
+        "(4) train.attention_kernels=auto",
+    ):
         assert named in message, message
 
 
@@ -131,7 +143,9 @@ def test_lightning_never_checkpoints_non_finite_weights(tiny_config):
     from scalelm.train.checkpoint import complete_checkpoints
 
     config = tiny_config("nan", train__engine="lightning", checkpoint__every=1, checkpoint__keep=2)
-    result = run_train(config, 1, "train.max_steps=5", "train.log_every=10", "optim.lr=1e37", check=False)
+    result = run_train(
+        config, 1, "train.max_steps=5", "train.log_every=10", "optim.lr=1e37", check=False, launcher="torchrun"
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "non-finite loss or weights at step" in result.stderr and "on rank(s) [0]" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -142,8 +156,15 @@ def test_lightning_never_checkpoints_non_finite_weights(tiny_config):
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """A process group of one rank (gloo) in this process, with torchrun's environment as Lightning reads it."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():  # fmt: skip
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29599",
+    }.items():
         monkeypatch.setenv(name, value)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -178,9 +199,17 @@ def test_lightning_ddp_has_scalelms_ddp_options(one_rank_group):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ddp_strategy(torch.device("cpu")), max_steps=1,
-                        plugins=[TorchElasticEnvironment()], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ddp_strategy(torch.device("cpu")),
+        max_steps=1,
+        plugins=[TorchElasticEnvironment()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Tiny(), train_dataloaders=iter([torch.ones(2, 4)]))
     (theirs,) = wrappers
     ours = apply_ddp(
@@ -188,8 +217,14 @@ def test_lightning_ddp_has_scalelms_ddp_options(one_rank_group):
     )
     assert isinstance(theirs, DistributedDataParallel)
     assert theirs.broadcast_buffers is False and theirs.gradient_as_bucket_view is True
-    options = ("broadcast_buffers", "gradient_as_bucket_view", "bucket_bytes_cap", "find_unused_parameters",
-               "static_graph", "mixed_precision")  # fmt: skip
+    options = (
+        "broadcast_buffers",
+        "gradient_as_bucket_view",
+        "bucket_bytes_cap",
+        "find_unused_parameters",
+        "static_graph",
+        "mixed_precision",
+    )
     assert {o: getattr(theirs, o) for o in options} == {o: getattr(ours, o) for o in options}
 
 
@@ -197,8 +232,8 @@ def test_lightning_trains_scalelms_model_watched_and_measured(tiny_config, monke
     """Review 2, finding 9: Lightning trains the model scalelm's trainer would: activation checkpointing wraps every
     block (the loss unchanged) and compile reaches apply_compile after it (recorded, not compiled: CPU compiles
     are slow); every optimizer step runs under the hang watchdog; the metrics and run.json have MFU and energy."""
+    from scalelm.hang.watchdog import Watchdog
     from scalelm.parallel import activation_checkpoint, runtime
-    from scalelm.train.watchdog import Watchdog
 
     compiled, checkpoints, watched = [], [], []
     monkeypatch.setattr(runtime, "apply_compile", lambda model, device, mode="default": compiled.append(model))

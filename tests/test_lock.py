@@ -24,8 +24,13 @@ def test_the_lock_is_current_and_its_exports_are_what_the_lock_script_makes(tmp_
         (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / part, tmp_path / part)
     # --locked: fails if pyproject.toml asks for what uv.lock does not hold (offline: no resolution, a check)
-    made = subprocess.run(["bash", "scripts/lock.sh", "--locked", "--offline"], cwd=tmp_path, capture_output=True,
-                          text=True, env={"UV": shutil.which("uv"), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    made = subprocess.run(
+        ["bash", "scripts/lock.sh", "--locked", "--offline"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"UV": shutil.which("uv"), "PATH": "/usr/bin:/bin"},
+    )
     assert made.returncode == 0, made.stderr
     for export in EXPORTS:
         assert (tmp_path / f"requirements/{export}.txt").read_text() == (
@@ -51,8 +56,13 @@ def test_the_environment_holds_the_locks_versions(tmp_path, monkeypatch):
         "numpy==0.0.1 \\\n    --hash=sha256:00\n    # via scalelm\npyyaml==" + closure["pyyaml"] + "\n"
         "pywin32==306 ; sys_platform == 'win32'\nnot-installed-anywhere==1.0\n"
     )
-    assert read_lock(tmp_path / "lock.txt") == {"numpy": "0.0.1", "pyyaml": closure["pyyaml"],
-                                                "not-installed-anywhere": "1.0"}  # fmt: skip
+    assert read_lock(tmp_path / "lock.txt") == {
+        "numpy": "0.0.1",
+        "pyyaml": closure["pyyaml"],
+        "not-installed-anywhere": "1.0",
+    }
     monkeypatch.setenv("SCALELM_LOCK", str(tmp_path / "lock.txt"))
     assert lock_facts(distributions)["differs"] == {
-        "numpy": ["0.0.1", closure["numpy"]], "not-installed-anywhere": ["1.0", None]}  # fmt: skip
+        "numpy": ["0.0.1", closure["numpy"]],
+        "not-installed-anywhere": ["1.0", None],
+    }

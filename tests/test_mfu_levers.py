@@ -129,7 +129,11 @@ def test_cudnn_attention_goes_first_on_hopper_around_every_forward(monkeypatch):
         monkeypatch.delenv(variable, raising=False)
     cuda = torch.device("cuda", 0)
     assert numerics.attention_backends("auto", cuda) == [
-        SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # fmt: skip
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
     assert numerics.attention_backends("default", cuda) is None
     assert numerics.attention_backends("auto", torch.device("cpu")) is None
     for name, value in (("torch_prefers", True), ("cudnn", 90701), ("capability", (8, 0))):
@@ -238,8 +242,15 @@ def test_compiled_optimizer_step_equals_fused_adamw_and_resumes_bitwise(tiny_con
     straight; an optimizer's state loaded into the other kind keeps the loading run's implementation."""
     from torch._dynamo.utils import counters
 
-    settings = dict(model__n_layers=1, train__max_steps=10, checkpoint__every=5, optim__schedule="cosine",
-                    optim__warmup_steps=3, optim__weight_decay=0.1, **QUIET)  # fmt: skip
+    settings = dict(
+        model__n_layers=1,
+        train__max_steps=10,
+        checkpoint__every=5,
+        optim__schedule="cosine",
+        optim__warmup_steps=3,
+        optim__weight_decay=0.1,
+        **QUIET,
+    )
     config = load_config(tiny_config("parity", **settings))
     torch.manual_seed(1)
     models = [TransformerLM(config.model, load_prepared(prepared).vocab_size) for _ in range(2)]
@@ -292,8 +303,12 @@ def test_compiled_optimizers_cuda_form_steps_dtensors_of_two_meshes_as_fused_ada
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(optim, "CAPTURABLE_DEVICES", ("cpu",))
-    config = from_dict({"model": {**TINY_MODEL, "n_layers": 1, "moe": {"experts": 2, "top_k": 1}},
-                        "optim": {"weight_decay": 0.1, "warmup_steps": 2, "schedule": "cosine"}})  # fmt: skip
+    config = from_dict(
+        {
+            "model": {**TINY_MODEL, "n_layers": 1, "moe": {"experts": 2, "top_k": 1}},
+            "optim": {"weight_decay": 0.1, "warmup_steps": 2, "schedule": "cosine"},
+        }
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
 

@@ -256,8 +256,14 @@ def test_the_expert_bias_chooses_moves_by_its_rate_and_the_z_loss_trains_the_rou
     them: a bias of 1 on expert 3 sends every token there, at the router's probability. The z-loss adds to the
     router's gradient (and through the router's input to the blocks before); the language-model loss and the last
     mixture's experts' gradients stay as they are."""
-    config = ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0,
-                         moe=MoEConfig(4, top_k=1, balance="bias", bias_rate=0.5))  # fmt: skip
+    config = ModelConfig(
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        d_ff=32,
+        dropout=0.0,
+        moe=MoEConfig(4, top_k=1, balance="bias", bias_rate=0.5),
+    )
     torch.manual_seed(0)
     model = TransformerLM(config, vocab_size=32)
     moe = mixtures(model)[0]

@@ -44,8 +44,11 @@ def test_a_file_never_replaces_a_directory_nor_a_directory_a_file(tmp_path):
     directory built in `.partial` replaces only its own kind, and the refused `.partial` goes."""
     mine = foreign_directory(tmp_path / "mine")
     before = tree(mine)
-    with pytest.raises(ScaleLMError, match=rf"^{mine} is a directory: writing a file in its place would delete it; "
-                                           "choose a file path"):  # fmt: skip
+    with pytest.raises(
+        ScaleLMError,
+        match=rf"^{mine} is a directory: writing a file in its place would delete it; "
+        "choose a file path",
+    ):
         atomic_write_text(mine, "{}")
     held = foreign_directory(tmp_path / "out.json.partial")
     with pytest.raises(ScaleLMError, match=rf"^{held} is a directory, not a file scalelm left: .*move it"):
@@ -122,8 +125,18 @@ def test_evaluate_refuses_batches_of_no_sequences_or_tokens(tmp_path, capsys):
 
     for option, value in (("--batch-size", "0"), ("--batch-tokens", "-5")):
         with pytest.raises(SystemExit) as exit_info:
-            evaluate(["--model", str(tmp_path / "none.pt"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "t.json"),
-                      option, value])  # fmt: skip
+            evaluate(
+                [
+                    "--model",
+                    str(tmp_path / "none.pt"),
+                    "--data",
+                    str(tmp_path / "data"),
+                    "--out",
+                    str(tmp_path / "t.json"),
+                    option,
+                    value,
+                ]
+            )
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and f"error: {option} must be 1 or more, got {value}\n" in err, err
         assert "Traceback" not in err and not (tmp_path / "t.json").exists()
@@ -197,8 +210,11 @@ def test_staging_names_a_damaged_source_and_leaves_no_partial_copy(tmp_path, pre
     train = source / "train.pt"
     train.write_bytes(train.read_bytes()[:-8] + bytes(8))
     scratch = tmp_path / "scratch"
-    with pytest.raises(DataError, match=rf"^{train} does not match the checksum in {source / 'manifest.json'} .*run "
-                                        "the prepare step again"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=rf"^{train} does not match the checksum in {source / 'manifest.json'} .*run "
+        "the prepare step again",
+    ):
         with stage.staged(source, "local", str(scratch), env, "run"):
             pass
     assert list(scratch.iterdir()) == []

@@ -105,11 +105,29 @@ def test_a_stage_keeps_its_blocks_under_the_whole_models_names():
 @pytest.mark.parametrize(
     "strategy, explicit, world, per_node, message",
     [
-        (None, {"dp_replicate": 2, "dp_shard": 2}, 8, 4, "dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = 4 processes, but the world size is 8"),
-        (None, {"dp_shard": -1, "tp": -1}, 4, 4, "only one degree may be -1 (the rest of the world size), got dp_shard and tp = -1"),
+        (
+            None,
+            {"dp_replicate": 2, "dp_shard": 2},
+            8,
+            4,
+            "dp_replicate 2 x dp_shard 2 x tp 1 x pp 1 = 4 processes, but the world size is 8",
+        ),
+        (
+            None,
+            {"dp_shard": -1, "tp": -1},
+            4,
+            4,
+            "only one degree may be -1 (the rest of the world size), got dp_shard and tp = -1",
+        ),
         ("ddp", {"tp": -1}, 4, 4, "dp_replicate and tp would both take the rest of the world size"),
         (None, {"dp_shard": -1, "tp": 3}, 4, 4, "3 does not divide it"),
-        ("fsdp", {"tp": 2}, 2, 1, "parallel.tp=2 does not divide the 1 processes of a node: a tensor-parallel group would span nodes"),
+        (
+            "fsdp",
+            {"tp": 2},
+            2,
+            1,
+            "parallel.tp=2 does not divide the 1 processes of a node: a tensor-parallel group would span nodes",
+        ),
         ("zero3", {}, 2, 2, "unknown strategy 'zero3'"),
         ("fsdp_tpp", {}, 2, 2, "did you mean 'fsdp_tp'?"),
         ("single", {}, 2, 2, "strategy 'single' runs one process, but it was started with WORLD_SIZE=2"),
@@ -118,7 +136,7 @@ def test_a_stage_keeps_its_blocks_under_the_whole_models_names():
         (None, {"pp": 3, "tp": 2}, 4, 4, "parallel: dp_replicate 1 x dp_shard 1 x tp 2 x pp 3 = 6 processes"),
         (None, {"tp": 0}, 2, 2, "parallel.tp must be a positive integer or -1"),
     ],
-)  # fmt: skip
+)
 def test_a_layout_that_does_not_fit_is_a_clear_error(strategy, explicit, world, per_node, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         dims(strategy, world, per_node, **explicit)
@@ -174,21 +192,37 @@ MOE = ["model.moe={experts: 4, top_k: 2}"]
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        (["parallel.ep=2", "parallel.dp_shard=2"], 2, "parallel.ep=2 splits a mixture's experts over ranks, and this model has none: set model.moe"),
+        (
+            ["parallel.ep=2", "parallel.dp_shard=2"],
+            2,
+            "parallel.ep=2 splits a mixture's experts over ranks, and this model has none: set model.moe",
+        ),
         ([*MOE, "parallel.ep=3", "parallel.dp_shard=4"], 4, "parallel.ep=3 does not divide parallel.dp_shard=4"),
-        (["model.moe={experts: 3, top_k: 1}", "parallel.strategy=ep"], 2, "model.moe.experts=3 is not divisible by parallel.ep=2"),
+        (
+            ["model.moe={experts: 3, top_k: 1}", "parallel.strategy=ep"],
+            2,
+            "model.moe.experts=3 is not divisible by parallel.ep=2",
+        ),
         ([*MOE, "parallel.ep=0", "parallel.dp_shard=2"], 2, "parallel.ep must be a positive integer or -1"),
         ([*MOE, "parallel.cp=2"], 2, "model.moe balances its experts' load per sequence, and parallel.cp=2"),
         ([*MOE, "parallel.strategy=ddp", "train.engine=lightning"], 2, "model.moe is scalelm's engine only"),
         (["model.moe={experts: 2, top_k: 3}"], 1, "model.moe.top_k=3 exceeds model.moe.experts=2"),
         (["model.moe={experts: 4, every: 3}"], 1, "model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),
-        (["model.moe={experts: 4, aux_loss_coef: -0.1}"], 1, "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive"),
+        (
+            ["model.moe={experts: 4, aux_loss_coef: -0.1}"],
+            1,
+            "model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive",
+        ),
         (["model.moe={experts: 4, balance: even}"], 1, "model.moe.balance: 'even' is not one of 'aux', 'bias', 'none'"),
         (["model.moe={experts: 4, bias_rate: 0}"], 1, "model.moe.bias_rate must be positive"),
-        (["model.moe={experts: 4, z_loss_coef: -1}"], 1, "model.moe.z_loss_coef must be 0 (no router z-loss) or positive"),
+        (
+            ["model.moe={experts: 4, z_loss_coef: -1}"],
+            1,
+            "model.moe.z_loss_coef must be 0 (no router z-loss) or positive",
+        ),
         (["model.moe={expert: 4}"], 1, "unknown setting 'model.moe.expert'; did you mean 'model.moe.experts'"),
     ],
-)  # fmt: skip
+)
 def test_a_mixture_or_expert_layout_that_cannot_run_is_refused_by_name(overrides, world, message):
     """Each refused before any process group exists (the workflow resolves every experiment's layout before queueing
     a job: scalelm.study.experiments)."""

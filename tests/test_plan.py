@@ -733,8 +733,12 @@ def test_bf16_params_plans_fsdps_bf16_copies_and_the_chunked_loss_its_gradients_
     gradients = 4 * (tokens * d + vocab * (d + 1))
     assert autocast.bytes["activations"] - chunked.bytes["activations"] == logits - gradients
     assert chunked.bytes["buffers"] - autocast.bytes["buffers"] == vocab * (tokens * (8 + 2) + 4 * d)
-    cpu = {path: plan_memory(Workload(load_config(None, [*shape, f"train.fused_loss={path}"]), vocab, "cpu"),
-                             ParallelDims()) for path in ("auto", "chunked", "plain")}  # fmt: skip
+    cpu = {
+        path: plan_memory(
+            Workload(load_config(None, [*shape, f"train.fused_loss={path}"]), vocab, "cpu"), ParallelDims()
+        )
+        for path in ("auto", "chunked", "plain")
+    }
     assert cpu["auto"].bytes == cpu["chunked"].bytes != cpu["plain"].bytes  # fp32 on a CPU: its own fused loss
 
 

@@ -28,10 +28,21 @@ def summaries(matrix: list[tuple[str, int]]) -> list[dict]:
     rows = []
     for i, (name, devices) in enumerate(matrix):
         speedup = devices * (0.6 + 0.02 * i)
-        rows.append({"experiment": name, "baseline": matrix[0][0], "world_size": devices, "scaling": "strong",
-                     "layout": f"{devices}x1x1x1", "tokens_per_s_mean": 1e4 * speedup, "tokens_per_s_std": 100.0,
-                     "speedup_mean": speedup, "speedup_std": 0.1, "scaling_efficiency_mean": speedup / devices,
-                     "scaling_efficiency_std": 0.01})  # fmt: skip
+        rows.append(
+            {
+                "experiment": name,
+                "baseline": matrix[0][0],
+                "world_size": devices,
+                "scaling": "strong",
+                "layout": f"{devices}x1x1x1",
+                "tokens_per_s_mean": 1e4 * speedup,
+                "tokens_per_s_std": 100.0,
+                "speedup_mean": speedup,
+                "speedup_std": 0.1,
+                "scaling_efficiency_mean": speedup / devices,
+                "scaling_efficiency_std": 0.01,
+            }
+        )
     rows[-1]["scaling"] = "weak"
     return rows
 
@@ -39,10 +50,14 @@ def summaries(matrix: list[tuple[str, int]]) -> list[dict]:
 def loss_runs(matrix: list[tuple[str, int]]) -> list[RunSummary]:
     runs = []
     for i, (name, devices) in enumerate(matrix):
-        train = [{"kind": "train", "step": s, "tokens": 512 * s, "time": s / devices, "loss": 7 - s / 10 - i / 50}
-                 for s in range(1, 21)]  # fmt: skip
-        evals = [{"kind": "eval", "split": "validation", "step": s, "time": s / devices, "loss": 7 - s / 10}
-                 for s in (10, 20)]  # fmt: skip
+        train = [
+            {"kind": "train", "step": s, "tokens": 512 * s, "time": s / devices, "loss": 7 - s / 10 - i / 50}
+            for s in range(1, 21)
+        ]
+        evals = [
+            {"kind": "eval", "split": "validation", "step": s, "time": s / devices, "loss": 7 - s / 10}
+            for s in (10, 20)
+        ]
         figures = {"experiment": name, "seed": 1, "layout": f"{devices}x1x1x1", "global_batch_tokens": 512}
         runs.append(RunSummary(figures=figures, metrics=train + evals))
     return runs
@@ -100,8 +115,11 @@ def test_the_real_matrix_is_drawn_readable_with_a_colour_and_a_marker_per_experi
 
 def rings(ax) -> list[tuple[float, float]]:
     """The red rings on an axes (plots.ring): where they are."""
-    return [(line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines()
-            if line.get_markeredgecolor() == DISTURBED and line.get_marker() == "o"]  # fmt: skip
+    return [
+        (line.get_xdata()[0], line.get_ydata()[0])
+        for line in ax.get_lines()
+        if line.get_markeredgecolor() == DISTURBED and line.get_marker() == "o"
+    ]
 
 
 def note_below_the_axes(fig) -> str:
@@ -124,8 +142,11 @@ def test_what_other_work_disturbed_is_marked_in_the_real_matrix_and_named_under_
     check_readable(fig, fig.axes)  # the rings add no legend entry
     for ax, figure in zip(fig.axes[1:], ("speedup_mean", "scaling_efficiency_mean")):
         assert sorted(y for _, y in rings(ax)) == sorted([disturbed[figure], compared[figure]])
-    hatched = [label.get_text().split()[0] for bar, label in zip(fig.axes[0].patches, fig.axes[0].get_yticklabels())
-               if bar.get_hatch()]  # fmt: skip
+    hatched = [
+        label.get_text().split()[0]
+        for bar, label in zip(fig.axes[0].patches, fig.axes[0].get_yticklabels())
+        if bar.get_hatch()
+    ]
     assert hatched == [disturbed["experiment"]]  # the throughput of a disturbed seed; the other's is its own
     note = note_below_the_axes(fig)
     assert f"{disturbed['experiment']}: 1 of 2 seed(s) disturbed" in note
@@ -147,9 +168,15 @@ def test_what_other_work_disturbed_is_marked_in_the_real_matrix_and_named_under_
     assert not fig.texts and not any(rings(ax) for ax in fig.axes)
 
     # the trend: a ring around the speed of the study with a disturbed run, none around its test loss
-    studies = [TrendPoint(datetime(2026, 11, day), "local, cpu", {"tokens_per_s_per_device": [100.0 * day],
-                                                                  "test_loss": [5.0]}, disturbed)
-               for day, disturbed in ((1, 0), (8, 1), (15, 0))]  # fmt: skip
+    studies = [
+        TrendPoint(
+            datetime(2026, 11, day),
+            "local, cpu",
+            {"tokens_per_s_per_device": [100.0 * day], "test_loss": [5.0]},
+            disturbed,
+        )
+        for day, disturbed in ((1, 0), (8, 1), (15, 0))
+    ]
     fig = trend_figure({name: studies})
     speed, loss = fig.axes[:2]
     assert [y for _, y in rings(speed)] == [800.0] and not rings(loss)

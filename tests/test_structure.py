@@ -18,7 +18,7 @@ FLOORS = [
     ["parallel"],
     ["data", "launch", "cli", "site"],
     ["plan"],
-    ["measure"],
+    ["measure", "hang"],
     ["train"],
     ["report", "selftest"],
     ["study"],

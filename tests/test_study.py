@@ -58,14 +58,21 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
     study = resolve(local_config())
     geometry = {e.name: (e.nodes, e.procs_per_node, e.strategy, e.dims.layout) for e in study.matrix.values()}
     assert geometry == {
-        "single_gpu": (1, 1, "single", "1x1x1x1"), "ddp": (1, 2, "ddp", "2x1x1x1"),
-        "ddp_multinode": (2, 1, "ddp", "2x1x1x1"), "fsdp": (2, 1, "fsdp", "1x2x1x1"),
-        "hsdp": (2, 2, "hsdp", "2x2x1x1"), "tp": (1, 2, "tp", "1x1x2x1"), "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
-        "pp": (1, 2, "pp", "1x1x1x2"), "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
-        "ddp_spawn": (1, 2, "ddp", "2x1x1x1"), "cp": (1, 2, "cp", "1x1x1x1x2"),
-        "ddp_lightning": (1, 2, "ddp", "2x1x1x1"), "moe": (1, 1, "single", "1x1x1x1"),
+        "single_gpu": (1, 1, "single", "1x1x1x1"),
+        "ddp": (1, 2, "ddp", "2x1x1x1"),
+        "ddp_multinode": (2, 1, "ddp", "2x1x1x1"),
+        "fsdp": (2, 1, "fsdp", "1x2x1x1"),
+        "hsdp": (2, 2, "hsdp", "2x2x1x1"),
+        "tp": (1, 2, "tp", "1x1x2x1"),
+        "fsdp_tp": (2, 2, "fsdp_tp", "1x2x2x1"),
+        "pp": (1, 2, "pp", "1x1x1x2"),
+        "pp_gpipe": (1, 2, "pp", "1x1x1x2"),  # 3d: null, left out here
+        "ddp_spawn": (1, 2, "ddp", "2x1x1x1"),
+        "cp": (1, 2, "cp", "1x1x1x1x2"),
+        "ddp_lightning": (1, 2, "ddp", "2x1x1x1"),
+        "moe": (1, 1, "single", "1x1x1x1"),
         "moe_ep": (1, 2, "ep", "1x2[ep2]x1x1"),
-    }  # fmt: skip
+    }
     launchers = {e.name: e.launcher for e in study.matrix.values()}
     assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}
     assert study.matrix["ddp_multinode", "1"].config.data.stage == "shm"  # staged in /dev/shm on each "node"
@@ -109,7 +116,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
             {"expect": {"min_tokens_per_sec": 9000}},
             r"experiments.ddp.expect: unknown key 'min_tokens_per_sec'; did you "
             r"mean 'min_tokens_per_s_per_device'\? \(known: .*\); rename or remove it",
-        ),  # fmt: skip
+        ),
         ({"expect": {"max_test_loss": -1}}, "-1 is less than or equal to the minimum of 0"),
         ({"expect": {"min_mfu": 0.3, "tolerance": 1}}, "1 is greater than or equal to the maximum of 1"),
         ({"expect": {"min_mfu": {"history": "median_of_last", "n": 0}}}, "0 is less than the minimum of 1"),
@@ -179,8 +186,10 @@ def test_baseline_and_expectations_reach_the_aggregation():
     study = resolve(local_config())
     assert study.baseline == "single_gpu" and not study.expect_strict  # the single-device experiment by default
     args = study.aggregate_args()
-    assert args.endswith("--baseline single_gpu --expect single_gpu.max_test_perplexity=5000.0 --expect "
-                         "single_gpu.tolerance=0.05 --history results/local/history.sqlite")  # fmt: skip
+    assert args.endswith(
+        "--baseline single_gpu --expect single_gpu.max_test_perplexity=5000.0 --expect "
+        "single_gpu.tolerance=0.05 --history results/local/history.sqlite"
+    )
 
     def strict(local):
         local.update(baseline="ddp", expect_strict=True)
@@ -193,9 +202,10 @@ def test_baseline_and_expectations_reach_the_aggregation():
     study = resolve(local_config(strict))
     assert study.baseline == "ddp" and study.expect_strict
     assert [(e.experiment, e.key, e.limit, e.tolerance, e.history_n) for e in study.expectations] == [
-        ("single_gpu", "max_test_perplexity", 5000.0, 0.05, None), ("ddp", "min_scaling_efficiency", 0.5, 0.2, None),
+        ("single_gpu", "max_test_perplexity", 5000.0, 0.05, None),
+        ("ddp", "min_scaling_efficiency", 0.5, 0.2, None),
         ("ddp", "min_tokens_per_s_per_device", None, 0.2, 4),
-    ]  # fmt: skip
+    ]
     assert "--baseline ddp" in study.aggregate_args() and "--expect ddp.tolerance=0.2" in study.aggregate_args()
     assert """--expect 'ddp.min_tokens_per_s_per_device={"history": "median_of_last", "n": 4, "tolerance": 0.2}'""" in (
         study.aggregate_args()
@@ -212,7 +222,7 @@ def test_baseline_and_expectations_reach_the_aggregation():
             r"baseline: 'single' names no experiment; did you mean 'single_gpu'\? \(experiments: "
             r"single_gpu, ddp, .*\); set it to one of them, or leave it out to compare with the "
             "experiment with the fewest devices",
-        ),  # fmt: skip
+        ),
         ({"baseline": 1}, "1 is not of type 'string'"),
         ({"expect_strict": "yes"}, "'yes' is not of type 'boolean'"),
     ],
@@ -276,7 +286,7 @@ def rename(old: str, new: str):
             lambda local: local.update(results="res$(touch x)"),
             r"results: 'res\$\(touch x\)' holds \$, which a job's "
             "command line would hand to the shell",
-        ),  # fmt: skip
+        ),
         (lambda local: local["data"].update(prepared_dir="data/`id`"), "data.prepared_dir: 'data/`id`' holds `"),
         (lambda local: local["data"]["source"]["files"].update(test="a;b"), "data.source.files.test: 'a;b' holds ;"),
         (

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import run_train
+from scalelm.hang.flight_recorder import buffer_size_variable, flight_recorder_env
 from scalelm.parallel.data import apply_ddp
-from scalelm.train.flight_recorder import buffer_size_variable, flight_recorder_env
 
 RECORDER_BUFFER_NAMES = {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
 
@@ -39,7 +39,7 @@ class WithBuffer(nn.Module):
 def test_a_tiny_ddp_training_prints_no_warning(tiny_config):
     """Two processes under torchrun with a process group (the Flight Recorder's environment is read when it starts)
     and DDP with scalelm's options: stderr holds no warning (torch 2.13 warned of both)."""
-    result = run_train(tiny_config("ddp"), 2, "parallel.strategy=ddp", "train.max_steps=2")
+    result = run_train(tiny_config("ddp"), 2, "parallel.strategy=ddp", "train.max_steps=2", launcher="torchrun")
     warned = [line for line in result.stderr.splitlines() if re.search(r"warn|deprecat", line, re.IGNORECASE)]
     assert warned == [], "\n".join(warned)
 

@@ -12,9 +12,9 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from scalelm.train import flight_recorder, watchdog
-from scalelm.train.flight_recorder import FR_PREFIX, GENERIC_DUMP, GENERIC_FR_PREFIX, NCCL_DUMP
-from scalelm.train.watchdog import KEY, NONE_BEHIND, Watchdog
+from scalelm.hang import flight_recorder, watchdog
+from scalelm.hang.flight_recorder import FR_PREFIX, GENERIC_DUMP, GENERIC_FR_PREFIX, NCCL_DUMP
+from scalelm.hang.watchdog import KEY, NONE_BEHIND, Watchdog
 
 OFFLOAD = "cuda:nccl,cpu:gloo"  # scalelm.parallel.env.backend_for with parallel.cpu_offload
 
@@ -40,11 +40,25 @@ def entry(record_id, name, state="completed", group=("0", "default_pg"), seq=0, 
         "time_discovered_started_ns": None,
         "time_discovered_completed_ns": None,
     }
-    return {"record_id": record_id, "pg_id": int(group[0]), "process_group": group, "collective_seq_id": seq,
-            "p2p_seq_id": p2p_seq, "op_id": record_id + 1, "profiling_name": name, **times, "input_sizes": sizes,
-            "input_dtypes": ["Float"], "output_sizes": sizes, "output_dtypes": ["Float"], "state": state,
-            "retired": state == "completed", "timeout_ms": 600000, "frames": [],
-            "is_p2p": name.split(":")[1].split(" ")[0] in ("send", "recv", "coalesced")}  # fmt: skip
+    return {
+        "record_id": record_id,
+        "pg_id": int(group[0]),
+        "process_group": group,
+        "collective_seq_id": seq,
+        "p2p_seq_id": p2p_seq,
+        "op_id": record_id + 1,
+        "profiling_name": name,
+        **times,
+        "input_sizes": sizes,
+        "input_dtypes": ["Float"],
+        "output_sizes": sizes,
+        "output_dtypes": ["Float"],
+        "state": state,
+        "retired": state == "completed",
+        "timeout_ms": 600000,
+        "frames": [],
+        "is_p2p": name.split(":")[1].split(" ")[0] in ("send", "recv", "coalesced"),
+    }
 
 
 def nccl_dump(*entries):
@@ -67,7 +81,10 @@ def test_the_autopsy_reads_nccls_recorder_beside_the_generic_one(gloo_group, tmp
     assert watchdog.parse_backends(OFFLOAD) == {"cuda": "nccl", "cpu": "gloo"}
     assert watchdog.parse_backends("nccl") == {"": "nccl"}
     both, generic_only, nccl_only = (
-        {GENERIC_DUMP: True, NCCL_DUMP: True}, {GENERIC_DUMP: True, NCCL_DUMP: False}, {NCCL_DUMP: True})  # fmt: skip
+        {GENERIC_DUMP: True, NCCL_DUMP: True},
+        {GENERIC_DUMP: True, NCCL_DUMP: False},
+        {NCCL_DUMP: True},
+    )
     plan = flight_recorder.dump_plan
     assert plan({"nccl", "gloo"}, both) == [(FR_PREFIX, NCCL_DUMP), (GENERIC_FR_PREFIX, GENERIC_DUMP)]
     assert plan({"nccl"}, both) == [(FR_PREFIX, NCCL_DUMP)]  # nothing writes to the generic one
@@ -199,13 +216,25 @@ def test_a_hang_in_a_send_or_recv_is_named_from_the_flight_recorder(tmp_path):
     pp = ("1", "mesh_pp")
     activations = {"group": pp, "sizes": [(2, 8)]}
     stage0 = nccl_dump(entry(0, "nccl:all_reduce", seq=5), entry(1, "nccl:send 0->1", p2p_seq=1, **activations))
-    stage1 = nccl_dump(entry(0, "nccl:all_reduce", seq=5), entry(1, "nccl:recv 1<-0", p2p_seq=1, **activations),
-                       entry(2, "nccl:recv 1<-0", "scheduled", p2p_seq=2, **activations))  # fmt: skip
+    stage1 = nccl_dump(
+        entry(0, "nccl:all_reduce", seq=5),
+        entry(1, "nccl:recv 1<-0", p2p_seq=1, **activations),
+        entry(2, "nccl:recv 1<-0", "scheduled", p2p_seq=2, **activations),
+    )
     for rank, dump in ((2, stage0), (3, stage1)):
         (tmp_path / f"{FR_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
     dumps = flight_recorder.read_dumps(tmp_path)
-    progress = {r: {"step": 4, "in_step_s": 30.0, "groups": {"0": {"desc": "default_pg", "issued": {"nccl": 5}}},
-                    "time": 1000.0, "host": "node7", "pid": 40 + r} for r in (2, 3)}  # fmt: skip
+    progress = {
+        r: {
+            "step": 4,
+            "in_step_s": 30.0,
+            "groups": {"0": {"desc": "default_pg", "issued": {"nccl": 5}}},
+            "time": 1000.0,
+            "host": "node7",
+            "pid": 40 + r,
+        }
+        for r in (2, 3)
+    }
     assert watchdog.behind(progress, 1000.0) == []  # the collectives agree
     assert watchdog.diagnosis(progress, dumps, 1000.0) == [
         "rank 3 is in recv from rank 2, p2p op #2 of group mesh_pp (nccl:recv 1<-0, inputs [[2, 8]], scheduled); "
@@ -233,8 +262,9 @@ def test_a_hang_in_a_send_or_recv_is_named_from_the_flight_recorder(tmp_path):
         f"rank {r} is in {d} rank {5 - r}"
         for r, d in ((2, "send to"), (2, "recv from"), (3, "recv from"), (3, "send to"))
     ]
-    assert waits[0].endswith("; rank 3 is in the matching recv from rank 2 (p2p op #3, scheduled): both wait, the "
-                             "transfer does not complete")  # fmt: skip
+    assert waits[0].endswith(
+        "; rank 3 is in the matching recv from rank 2 (p2p op #3, scheduled): both wait, the transfer does not complete"
+    )
     (tmp_path / f"{FR_PREFIX}3").unlink()
     assert flight_recorder.p2p_waits(flight_recorder.read_dumps(tmp_path))[0].endswith(
         "; rank 3 wrote no Flight Recorder dump (stopped, or gone)"

@@ -193,7 +193,7 @@ class TrainConfig:
         "default", identity=False, lightning_refuses=("auto", "Lightning runs the forward outside scalelm's step")
     )
     # a step running longer than max(hang_factor x the median step, hang_floor_s) stops the job with an autopsy of
-    # its ranks (scalelm.train.watchdog) instead of hanging; hang_factor 0: no watchdog
+    # its ranks (scalelm.hang.watchdog) instead of hanging; hang_factor 0: no watchdog
     hang_factor: float = setting(20.0, identity=False)
     hang_floor_s: float = setting(120.0, identity=False)
     # what runs the loop: scalelm's trainer, or PyTorch Lightning's Trainer with its DDP strategy over the same
@@ -282,7 +282,8 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def merge_setting(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
-    """node[key] = value, but a mapping merges into the section there, and a value of another kind replaces none."""
+    """node[key] = value, but a mapping merges into the section there, and a value of another kind replaces none (the
+    rule of `--set` overrides; the study's layers replace sections: scalelm.study.experiments.deep_merge)."""
     current = node.get(key)
     if value is None and optional_section(dotted):  # null is such a section's default: off
         node[key] = None

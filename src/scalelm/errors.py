@@ -7,7 +7,7 @@ import os
 import sys
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later, the run will resume
-EXIT_HUNG = 76  # a step overran its limit: the watchdog wrote its autopsy (scalelm.train.watchdog) and stopped the job
+EXIT_HUNG = 76  # a step overran its limit: the watchdog wrote its autopsy (scalelm.hang.watchdog) and stopped the job
 
 
 class ScaleLMError(Exception):

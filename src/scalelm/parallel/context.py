@@ -140,9 +140,9 @@ def _rank_forward(q, ring, plan: _Plan, drop: _Dropout, kernel) -> tuple[torch.T
         k, v = ring.kv(step).unbind(0)
         if block.empty:
             continue
-        where = plan.on(step, q.device)
+        positions = plan.on(step, q.device)
         out_b, lse_b = _block_forward(
-            _rows(q, block), _cols(k, block), _cols(v, block), where, block, scale, drop, kernel
+            _rows(q, block), _cols(k, block), _cols(v, block), positions, block, scale, drop, kernel
         )
         lse = _merge(out, lse, block, out_b, lse_b)
     return out.to(q.dtype), lse
@@ -164,8 +164,8 @@ def _rank_backward(d_out, q, out, lse, ring, plan: _Plan, drop: _Dropout, kernel
                 lse_rows = _contiguous(_rows(lse, block, -1))  # torch's context_parallel: a strided one reads wrong
                 grads = kernel.backward(*args, _rows(out, block), lse_rows, block.causal, scale)
             else:
-                where = plan.on(step, q.device)
-                grads = _product_backward(*args, _rows(lse, block, -1), _rows(delta, block), where, scale, drop)
+                positions = plan.on(step, q.device)
+                grads = _product_backward(*args, _rows(lse, block, -1), _rows(delta, block), positions, scale, drop)
             _rows(dq, block).add_(grads[0])
             _cols(dk, block).add_(grads[1])
             _cols(dv, block).add_(grads[2])

@@ -265,11 +265,11 @@ def _logsumexp(s: torch.Tensor) -> torch.Tensor:
     return torch.sub(s, top).exp_().sum(-1).log_().add_(top.squeeze(-1))
 
 
-def _block_forward(q, k, v, where, block: _Block, scale: float, drop: _Dropout, kernel):
+def _block_forward(q, k, v, positions, block: _Block, scale: float, drop: _Dropout, kernel):
     """A block's attention output, normalised over its own keys, and its log-sum-exp: what the ring merges. By
     matrix products in the accumulation dtype where dropout needs them (or no kernel fits): the probabilities
     overwrite the scores, so the block holds one score matrix (and the mask's hash while it is made)."""
-    q_pos, k_pos, hidden = where
+    q_pos, k_pos, hidden = positions
     if kernel is not None and not drop.p and (not block.masked or block.causal):
         return kernel.forward(q, k, v, block.causal, scale)
     s = _scores(q, k, scale, hidden)
@@ -278,10 +278,10 @@ def _block_forward(q, k, v, where, block: _Block, scale: float, drop: _Dropout, 
     return torch.matmul(p, _acc(v)), lse
 
 
-def _product_backward(d_out, q, k, v, lse, delta, where, scale: float, drop: _Dropout):
+def _product_backward(d_out, q, k, v, lse, delta, positions, scale: float, drop: _Dropout):
     """A block's dq, dk, dv by matrix products (accumulation dtype), from the whole attention's log-sum-exp: the
     probabilities are recomputed against the final normalisation, so the blocks' gradients add up."""
-    q_pos, k_pos, hidden = where
+    q_pos, k_pos, hidden = positions
     d_out, q, k, v = _acc(d_out), _acc(q), _acc(k), _acc(v)
     p = _scores(q, k, scale, hidden).sub_(lse.unsqueeze(-1)).exp_()  # undropped; masked entries exp(-inf) = 0
     dropped = drop.dropped(q_pos, k_pos)

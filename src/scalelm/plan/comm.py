@@ -202,4 +202,4 @@ def expert_flows(work: Workload, dims: ParallelDims, tensors: list, tokens: int,
 
 def totals(flows: list[Traffic]) -> dict[str, int]:
     """Bytes per step by link."""
-    return {where: sum(f.bytes for f in flows if f.link == where) for where in (INTRA, INTER)}
+    return {link: sum(f.bytes for f in flows if f.link == link) for link in (INTRA, INTER)}

@@ -81,16 +81,16 @@ class Speeds:
         """A baseline's slowest rank's rates and its collectives: those over the whole job carry inter-node
         traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node."""
         if "elementwise_gbps_min" not in result or "model_step" not in result:
-            where = f" {source}" if source else ""
+            named = f" {source}" if source else ""
             raise ConfigError(
-                f"the machine baseline{where} lacks the step-time model's figures (made by an older "
+                f"the machine baseline{named} lacks the step-time model's figures (made by an older "
                 "scalelm): rerun the workflow's machine_baseline"
             )
         nodes = result["world_size"] // result["procs_per_node"]
         curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
         for row in result["collectives"]:
-            where = INTRA if row["scope"] == "node" or nodes == 1 else INTER
-            curves[where][row["op"]].append((row["bytes"], row["busbw_gbps"]))
+            link = INTRA if row["scope"] == "node" or nodes == 1 else INTER
+            curves[link][row["op"]].append((row["bytes"], row["busbw_gbps"]))
         cpu = result["device"] == "cpu"
         first = result["per_rank"][0]
         return cls(
@@ -121,12 +121,12 @@ class Speeds:
                 raise ConfigError(f"{flag} must be a positive bus bandwidth in GB/s, got {value}")
         return cls(matmul_tflops, elementwise_gbps, curves, source="the command line")
 
-    def bus_gbps(self, where: str, op: str, size: int) -> float:
-        """The bus bandwidth of `op` on link `where` for a message of `size` bytes: interpolated in log-log between
+    def bus_gbps(self, link: str, op: str, size: int) -> float:
+        """The bus bandwidth of `op` on `link` for a message of `size` bytes: interpolated in log-log between
         the measured sizes; below the smallest the time stays the smallest's (latency), above the largest the
         bandwidth stays the largest's. A link the baseline did not measure takes the other's figures, an op it did not
         time its STAND_IN's, else all_reduce's."""
-        curves = self.busbw_gbps.get(where) or self.busbw_gbps.get(INTER if where == INTRA else INTRA)
+        curves = self.busbw_gbps.get(link) or self.busbw_gbps.get(INTER if link == INTRA else INTRA)
         if not curves:
             raise ConfigError(f"the machine's {self.source} has no collectives: time it with more than one process")
         points = (

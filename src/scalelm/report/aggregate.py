@@ -38,6 +38,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,22 @@ def metrics_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: float = DEFAULT_SHARE) -> RunSummary:
+@dataclass(frozen=True)
+class ReportOptions:
+    """How runs are read into the report: the steps left out of the speed figures (None: 10% of the run, at least
+    5), the experiment speedups are taken against (None: the one with the fewest devices), and the share of the cores
+    a run (or a machine baseline) was given that other work on its hosts may take before it is marked disturbed
+    (scalelm.report.disturbance)."""
+
+    warmup_steps: int | None = None
+    baseline: str | None = None
+    disturbed_share: float = DEFAULT_SHARE
+
+
+def read_run(run: RunDir, options: ReportOptions = ReportOptions()) -> RunSummary:
     """The run's row of summary.csv and what the plots draw besides. A file of the run of another shape than its
     writer gives it, or a figure that is not a finite number (a broken run), is refused naming the file. Other work
-    on its hosts beyond `disturbed_share` of the cores it was given marks it `disturbed`."""
+    on its hosts beyond `options.disturbed_share` of the cores it was given marks it `disturbed`."""
     try:
         with shape_errors(run.record):
             record = read_record(run.path)
@@ -152,7 +165,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: floa
     with shape_errors(run.metrics):
         train = [m for m in metrics if m["kind"] == "train"]
         unprofiled = [m for m in train if not m.get("profiled")] or train
-        steady = steady_state(train, warmup_steps)
+        steady = steady_state(train, options.warmup_steps)
         memory = {  # the profiler's records would count (scalelm.measure.comm)
             "peak_mem_mb_per_rank": max((m["peak_mem_mb"] for m in unprofiled), default=None),
             "peak_reserved_mb_per_rank": max(
@@ -164,7 +177,7 @@ def read_run(run: RunDir, warmup_steps: int | None = None, disturbed_share: floa
         utilisation = summarise(series, monitor_cost)
     with shape_errors(run.record):
         figures = run_figures(run, record, steady, memory, utilisation, test, model)
-        figures["disturbed"] = run_disturbance(record, disturbed_share)
+        figures["disturbed"] = run_disturbance(record, options.disturbed_share)
     sources = {
         **dict.fromkeys([*steady, *memory], run.metrics),
         **dict.fromkeys(utilisation, run.monitor),
@@ -523,32 +536,29 @@ def mark_overlaps(runs: list[RunSummary]) -> None:
 def aggregate(
     run_dirs: list[Path],
     out_dir: Path,
-    warmup_steps: int | None = None,
-    baseline: str | None = None,
+    options: ReportOptions = ReportOptions(),
     expected: list[expectations.Expectation] | None = None,
     history_db: Path | None = None,
     machine_files: list[Path] = (),
     references: MachineReferences | None = None,
-    disturbed_share: float = DEFAULT_SHARE,
 ) -> list[RunSummary]:
-    """The summary of `run_dirs` in `out_dir`; with `history_db` the runs are appended to the results history first,
-    and the summary compares them with the previous study there; with `machine_files` (scalelm.measure.baseline)
-    it shows the machine's baseline against the site's `references`. A run or baseline whose hosts did other work
-    beyond `disturbed_share` of the cores it was given is marked disturbed (scalelm.report.disturbance)."""
+    """The summary of `run_dirs` in `out_dir`, read as `options` say; with `history_db` the runs are appended to the
+    results history first, and the summary compares them with the previous study there; with `machine_files`
+    (scalelm.measure.baseline) it shows the machine's baseline against the site's `references`."""
     if history_db:
         history_store.check_location(
             history_db, [out_dir / name for name in OUTPUTS], run_dirs, "--history", f"{out_dir / 'history.sqlite'}"
         )
     check_out_dir(out_dir, run_dirs)
     check_distinct(run_dirs)
-    runs = [read_run(RunDir(Path(d)), warmup_steps, disturbed_share) for d in run_dirs]
+    runs = [read_run(RunDir(Path(d)), options) for d in run_dirs]
     check_distinct(run_dirs, runs)
     mark_overlaps(runs)
-    baselines = machine.read_baselines(list(machine_files), disturbed_share)
+    baselines = machine.read_baselines(list(machine_files), options.disturbed_share)
     steptime.add_planned(runs, baselines)
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
     rows = [run.figures for run in runs]
-    add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, baseline))
+    add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, options.baseline))
     summaries = repeats.by_experiment(rows)
     since = trend = reference = None
     if history_db:
@@ -563,7 +573,7 @@ def aggregate(
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks, disturbed_share)
+    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks, options.disturbed_share)
     plot(runs, summaries, out_dir, trend)
     return runs
 
@@ -615,13 +625,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = aggregate(
         args.run,
         args.out_dir,
-        warmup_steps=args.warmup_steps,
-        baseline=args.baseline,
+        ReportOptions(args.warmup_steps, args.baseline, args.disturbed_share),
         expected=expected,
         history_db=args.history,
         machine_files=args.machine,
         references=references,
-        disturbed_share=args.disturbed_share,
     )
     print((args.out_dir / "summary.md").read_text())
     print(

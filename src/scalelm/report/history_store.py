@@ -101,15 +101,15 @@ def check_location(
     """Refuse a history `db` that is one of the files a study writes over (`written`) or lies in a directory it
     replaces whole (`replaced`: the data, a run directory): the history would be overwritten or deleted with it.
     `setting` names where it was given, `suggestion` a place apart."""
-    where = Path(db).resolve()
+    resolved = Path(db).resolve()
     for output in written:
-        if where == Path(output).resolve():
+        if resolved == Path(output).resolve():
             raise ConfigError(
                 f"{setting} {db} is {Path(output)}, which the study writes: the history would be overwritten; "
                 f"choose a file apart from them, such as {suggestion}"
             )
     for directory in replaced:
-        if where.is_relative_to(Path(directory).resolve()):
+        if resolved.is_relative_to(Path(directory).resolve()):
             raise ConfigError(
                 f"{setting} {db} lies in {Path(directory)}, which the workflow replaces whole (the data, a run "
                 f"directory): the history would be deleted with it; choose a file apart from them, such as "
@@ -335,12 +335,13 @@ def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path)
     return study, insert(db, rows)
 
 
-def read_rows(db: str | Path, where: str = "", args: tuple = ()) -> list[dict[str, Any]]:
+def read_rows(db: str | Path, clause: str = "", args: tuple = ()) -> list[dict[str, Any]]:
+    """The history's rows in the order they were recorded; `clause` (a WHERE with `args`) keeps some."""
     if not Path(db).exists():
         raise DataError(f"no results history at {db}: aggregate a study first (its summary records its runs)")
     with closing(connect(db, write=False)) as connection, database_errors(db, "read"):
         connection.row_factory = sqlite3.Row
-        found = connection.execute(f"SELECT * FROM runs {where} ORDER BY recorded, experiment, seed", args)
+        found = connection.execute(f"SELECT * FROM runs {clause} ORDER BY recorded, experiment, seed", args)
         return [_decoded(dict(row), db) for row in found]
 
 

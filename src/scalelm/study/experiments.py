@@ -61,6 +61,10 @@ class Experiment:
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """The study's layering of settings (its training defaults, an experiment's changes, the `local:` overlay, the
+    command line), as a copy: mappings merge key by key and any other value of `update` replaces what `base` holds, a
+    whole section included (`3d: null` drops an experiment). A training override is stricter
+    (scalelm.config.merge_setting: a value in place of a section is refused, since it would drop its settings)."""
     merged = copy.deepcopy(base)
     for key, value in (update or {}).items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):

@@ -27,6 +27,7 @@ from scalelm.data.prepared import PreparedData
 from scalelm.data.stage import Staged
 from scalelm.data.windows import TrainBatches
 from scalelm.errors import ScaleLMError
+from scalelm.hang.watchdog import Watchdog
 from scalelm.measure.device import Stopwatch, reset_peak_memory
 from scalelm.measure.experts import ExpertLoad
 from scalelm.measure.instruments import Instruments
@@ -44,7 +45,6 @@ from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import Results, RunRecord, write_record
 from scalelm.train.rundir import RunDir, identity, lineage
 from scalelm.train.wandb_offline import WandbRun
-from scalelm.train.watchdog import Watchdog
 
 
 class TrainingError(ScaleLMError):
@@ -121,6 +121,35 @@ def due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
 
 
+class LossInterval:
+    """The steps since the last logged line, kept on the device so that no step waits on the host: their summed loss,
+    their count, and how many had a non-finite gradient norm (a loss that overflows only in its gradients); and the
+    mean loss of the last line logged."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.nonfinite_norms = torch.zeros((), device=device)
+        self.last_loss = math.nan
+
+    def add(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.loss_sum += step_loss
+        self.steps += 1
+        self.nonfinite_norms += ~grad_norm.detach().isfinite().to(self.nonfinite_norms.device)
+
+    def values(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss, the last step's gradient norm and the count of non-finite norms, to reduce."""
+        norm_now = grad_norm.detach().float().to(self.loss_sum.device)
+        return torch.stack([self.loss_sum / self.steps, norm_now, self.nonfinite_norms])
+
+    def logged(self, loss: float) -> None:
+        """The interval's line is out (its mean loss over the ranks `loss`): the next interval starts."""
+        self.loss_sum.zero_()
+        self.nonfinite_norms.zero_()
+        self.steps = 0
+        self.last_loss = loss
+
+
 class Engine:
     """The run an engine trains, and what happens around its steps (module docstring). A subclass runs the steps
     (`train_steps`, calling `after_step` after each); `wraps_replicas`: the engine wraps DDP's replicas itself."""
@@ -187,10 +216,7 @@ class Engine:
         self.experts = ExpertLoad.of(self.model, config.model, parallel.dims.tp, self.state.experts)  # None: dense
         train = config.train
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, train.hang_factor, train.hang_floor_s)
-        # between logged steps: the summed step losses of this rank, and how many steps they are
-        self.loss_acc, self.steps_acc = torch.zeros((), device=env.device), 0
-        self.nonfinite_norms = torch.zeros((), device=env.device)  # the interval's steps with one: no sync per step
-        self.last_loss = math.nan
+        self.interval = LossInterval(env.device)
         self.validation: dict[str, Any] | None = None  # the last step's
         self.stop_requested = False
 
@@ -216,7 +242,7 @@ class Engine:
                 f"{self.batches.accumulation}",
                 flush=True,
             )
-        where = provenance.collect(config.to_dict(), env.world_size)
+        facts = provenance.collect(config.to_dict(), env.world_size)
         self.clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
         self.instruments.start()
         try:
@@ -234,7 +260,7 @@ class Engine:
             raise Preempted(
                 f"stopped by a signal at step {self.state.step}; checkpoint {path}; rerun to resume"
             ) from None
-        return self.finish(where, test, self.save())
+        return self.finish(facts, test, self.save())
 
     def remaining_steps(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """The micro-batches of every step left, from where the run stands, measured for their data time."""
@@ -253,9 +279,7 @@ class Engine:
         """After each optimizer step, on every rank: the step counted, then logged, validated and checkpointed as
         the cadence says; True if the ranks agreed to stop (a signal, now or during the validation)."""
         state, cadence = self.state, self.cadence
-        self.loss_acc += step_loss
-        self.steps_acc += 1
-        self.nonfinite_norms += ~grad_norm.detach().isfinite().to(self.nonfinite_norms.device)
+        self.interval.add(step_loss, grad_norm)
         if self.experts is not None:
             self.experts.end_step(self.env.device)
         epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
@@ -278,9 +302,8 @@ class Engine:
         mixture of experts' aux loss and load balance, summed over the ranks in the same reduction; the only
         host-device sync of the hot loop. A non-finite loss, or a non-finite gradient norm at any step of the interval
         (a loss that overflows only in its gradients), stops the run, the last good checkpoint kept."""
-        steps = self.steps_acc
-        norm_now = grad_norm.detach().float().to(self.loss_acc.device)
-        values = torch.stack([self.loss_acc / steps, norm_now, self.nonfinite_norms])
+        steps = self.interval.steps
+        values = self.interval.values(grad_norm)
         if self.experts is not None:  # the mixtures' counts ride in the same reduction
             values = torch.cat([values, self.experts.take(values.device)])
         summed = global_reduce(values)
@@ -291,7 +314,7 @@ class Engine:
         experts = self.experts.interval(summed[3:].tolist()) if self.experts is not None else {}
         kept = f"the last good checkpoint stays in {self.checkpointer.directory}"
         if not math.isfinite(loss):
-            bad = ranks_where(~self.loss_acc.isfinite(), self.env)
+            bad = ranks_where(~self.interval.loss_sum.isfinite(), self.env)
             raise TrainingError(
                 f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; {kept}. Lower "
                 "optim.lr or set optim.grad_clip"
@@ -306,14 +329,11 @@ class Engine:
                 f"non-finite gradient norm at {round(nonfinite_norms)} of the {steps} steps up to step "
                 f"{self.state.step} (the last: {norm}): the gradients overflow; {kept}. Lower optim.lr{coefficient}"
             )
-        self.nonfinite_norms.zero_()
-        self.loss_acc.zero_()
-        self.steps_acc = 0
+        self.interval.logged(loss)
         state = self.state
         interval = self.instruments.interval(state.step - steps + 1, state.step, elapsed, steps * self.tokens_per_step)
         reset_peak_memory(self.env.device)  # each interval's peak is its own
         state.spent(elapsed, interval["energy_j"])
-        self.last_loss = loss
         step_time = elapsed / steps
         self.metrics.log(
             {
@@ -354,11 +374,12 @@ class Engine:
         """A checkpoint of this step, once (the last step's is asked for at the end, and maybe at its epoch's end or
         on a stop signal); Checkpointer.save refuses non-finite weights or a non-finite loss not yet logged."""
         if self.checkpointer.latest_step != self.state.step:
-            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, self.loss_acc)
+            self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state, self.interval.loss_sum)
         return self.checkpointer.latest_path
 
-    def finish(self, where: dict[str, Any], test: dict[str, Any], checkpoint: Path) -> RunRecord:
-        """run.json (written by rank 0; a collective): `where` (scalelm.train.provenance) and the results."""
+    def finish(self, facts: dict[str, Any], test: dict[str, Any], checkpoint: Path) -> RunRecord:
+        """run.json (written by rank 0; a collective): the provenance `facts` (scalelm.train.provenance) and the
+        results."""
         state = self.state
         measured = self.instruments.results(state.tokens_seen, state.train_seconds, state.energy_j)
         results = Results(
@@ -372,7 +393,7 @@ class Engine:
             tokens_per_step=self.tokens_per_step,
             train_time_s=state.train_seconds,
             tokens_per_s=state.tokens_seen / state.train_seconds if state.train_seconds else None,
-            final_train_loss=self.last_loss,
+            final_train_loss=self.interval.last_loss,
             validation=self.validation,
             test=test,
             checkpoint=str(checkpoint),
@@ -382,7 +403,7 @@ class Engine:
         )
         parallel = self.parallel.describe(self.model)
         record = RunRecord(
-            **where,
+            **facts,
             end_time=provenance.now(),
             wall_time_s=self.clock.wall(),
             host_load=self.instruments.host_loads(),

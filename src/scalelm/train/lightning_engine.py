@@ -47,7 +47,7 @@ def require_lightning():
     return lightning
 
 
-class LightningTrainer(Engine):
+class LightningEngine(Engine):
     """The engine whose steps lightning.Trainer runs; built on every rank."""
 
     wraps_replicas = True
@@ -62,7 +62,7 @@ class LightningTrainer(Engine):
     def train_steps(self) -> None:
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-        self.lightning_trainer().fit(Module(self), train_dataloaders=self.micro_batches())
+        self.lightning_trainer().fit(lightning_module(self), train_dataloaders=self.micro_batches())
         # Lightning's teardown moves the model and the optimizer's state to the CPU (Strategy.teardown); the base's
         # evaluations and last checkpoint run on this rank's device, the state moved back as Lightning's setup moves it
         self.model.to(self.env.device)
@@ -104,7 +104,7 @@ class LightningTrainer(Engine):
             max_steps=self.total_steps - self.state.step,
             accumulate_grad_batches=self.batches.accumulation,
             plugins=[environment],
-            callbacks=[Bookkeeping(self)],
+            callbacks=[bookkeeping_callback(self)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -146,7 +146,7 @@ def ddp_strategy(device: torch.device):
     return DDPStrategy(process_group_backend=backend_for(device), **DDP_OPTIONS)
 
 
-def Module(engine: LightningTrainer):
+def lightning_module(engine: LightningEngine):
     """The LightningModule over the engine's model, optimizer and schedule (a class made once lightning is here)."""
     L = engine.L
 
@@ -180,7 +180,8 @@ def Module(engine: LightningTrainer):
     return ScaleLMModule()
 
 
-def Bookkeeping(engine: LightningTrainer):
+def bookkeeping_callback(engine: LightningEngine):
+    """The Lightning callback that hands each step to the engine's base (a class made once lightning is here)."""
     L = engine.L
 
     class ScaleLMCallback(L.Callback):

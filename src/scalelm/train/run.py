@@ -26,12 +26,12 @@ from scalelm.data.prepared import load_prepared
 from scalelm.data.stage import Staged, staged
 from scalelm.errors import friendly_errors
 from scalelm.files import disk_errors
+from scalelm.hang.flight_recorder import flight_recorder_env
 from scalelm.measure.monitor import Monitor
 from scalelm.parallel.env import DistEnv, all_gather_object, barrier, setup, teardown
 from scalelm.parallel.runtime import Parallel
 from scalelm.train.checkpoint import Origin, check_origin, complete_checkpoints, read_trainer, verify
 from scalelm.train.engine import Engine, origin, train_batches
-from scalelm.train.flight_recorder import flight_recorder_env
 from scalelm.train.record import RunRecord, read_finished, restore_record, unreflected_settings
 from scalelm.train.rundir import RunDir, identity
 from scalelm.train.trainer import Trainer
@@ -57,10 +57,10 @@ def run(config: Config) -> RunRecord:
 def engine_for(config: Config) -> type[Engine]:
     """What runs the loop (train.engine): scalelm's Trainer, or Lightning's, refused now if it is not installed."""
     if config.train.engine == "lightning":
-        from scalelm.train.lightning_engine import LightningTrainer, require_lightning
+        from scalelm.train.lightning_engine import LightningEngine, require_lightning
 
         require_lightning()
-        return LightningTrainer
+        return LightningEngine
     return Trainer
 
 

@@ -17,6 +17,14 @@
 
 scalelm writes nothing through a symbolic link inside a run directory: `start` refuses one (the run directory
 itself, or the results directory above it, may be a link).
+
+Three words for what a run is:
+- identity: everything that determines the trained model (settings, data checksums, layout): another identity is
+  another run, and its attempt is set aside (`identity`, identity.json);
+- lineage: a digest of the identity less its layout: a checkpoint of the same lineage may resume in any layout
+  (`lineage`);
+- origin: what a checkpoint records of its run (seed, lineage, steps) and what a run accepts of those it resumes
+  (scalelm.train.checkpoint.Origin).
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ class RunDir:
     tensorboard = _entry("tensorboard")
     wandb = _entry("wandb")
     monitor = _entry("monitor")
-    autopsy = _entry("autopsy")  # what each rank was doing when its watchdog stopped the job (scalelm.train.watchdog)
+    autopsy = _entry("autopsy")  # what each rank was doing when its watchdog stopped the job (scalelm.hang.watchdog)
     checkpoints = _entry("checkpoints")
     # run.json as the training wrote it at its end, kept with the checkpoint it names: a rerun with nothing left to
     # train restores it (Snakemake removes run.json before it reruns a job whose settings changed)

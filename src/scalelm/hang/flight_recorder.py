@@ -1,4 +1,4 @@
-"""PyTorch's Flight Recorder as the hang autopsy (scalelm.train.watchdog) uses it. Every rank records its last
+"""PyTorch's Flight Recorder as the hang autopsy (scalelm.hang.watchdog) uses it. Every rank records its last
 operations from the start (`flight_recorder_env`, read when a process group starts; NCCL then dumps its own on a
 timeout too). On a hang each rank writes its dumps into <run_dir>/autopsy: NCCL's recorder where NCCL is a backend
 (fr_trace_rank_<r>, where NCCL's own dump goes and torch's analyser reads), and the generic one, where gloo records,

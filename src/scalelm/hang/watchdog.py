@@ -14,7 +14,7 @@ thread cannot read (a backend without sequence numbers, such as the fake one) it
 thread then
 
 - writes this rank's Python stacks (faulthandler) to <run_dir>/autopsy/rank<r>.txt, and its Flight Recorder dumps
-  (its last operations, per backend: scalelm.train.flight_recorder) beside them;
+  (its last operations, per backend: scalelm.hang.flight_recorder) beside them;
 - reads every rank's last progress and names the ranks behind: in a group, those that issued fewer operations
   than the others (who wait for them in the next one), and those whose progress stopped coming (a stopped process,
   a dead node); failing that, from every rank's Flight Recorder dumps, a rank waiting in a point-to-point operation
@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from scalelm.errors import EXIT_HUNG
 from scalelm.files import append_text, atomic_path
-from scalelm.train.flight_recorder import (
+from scalelm.hang.flight_recorder import (
     FR_PREFIX,
     dump_flight_recorder,
     dumped_ranks,
