@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def project(tmp_path, cluster) -> Path:
 
 def snakemake_on_slurm(project: Path, *args: str, run: bool = True):
     command = [
-        "timeout", "-k", "10", "900", "snakemake", "--profile", "profiles/slurm",
+        # snakemake, its Slurm executor's status checks at most a few seconds apart (tests/slurm_snakemake.py)
+        "timeout", "-k", "10", "900", sys.executable, str(REPO / "tests/slurm_snakemake.py"),
+        "--profile", "profiles/slurm",
         # test overlay: the tiny matrix (config/local.yaml) on the test cluster's site settings
         "--configfile", "config/local.yaml", "--config", "site=test-site.yaml",
         "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "5", *args,

@@ -205,6 +205,9 @@ InactiveLimit=0
 SlurmdTimeout=120
 MessageTimeout=10
 SchedulerType=sched/backfill
+# a job that waits behind a larger pending one is started by the backfill scheduler, which runs every 30 s by default;
+# every second here, where a cycle over a handful of jobs costs nothing
+SchedulerParameters=bf_interval=1
 JobCompType=jobcomp/none
 EOF
     if [[ $ACCOUNTING -eq 1 ]]; then
