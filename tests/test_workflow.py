@@ -46,6 +46,23 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
 
 
+def dry_run_jobs(result: subprocess.CompletedProcess) -> list[dict]:
+    """Each job a dry run prints: its rule, wildcards and shell command."""
+    jobs = []
+    for block in re.split(r"^\[[^\]\n]+\]$", result.stdout, flags=re.M)[1:]:
+        rule = re.search(r"^(?:local)?rule (\w+):$", block, re.M)
+        wildcards = re.search(r"^\s+wildcards: (.*)$", block, re.M)
+        shell = re.search(r"^Shell command: (.*)$", block, re.M)
+        jobs.append(
+            {
+                "rule": rule[1],
+                "wildcards": dict(pair.split("=", 1) for pair in wildcards[1].split(", ")) if wildcards else {},
+                "shell": shell[1] if shell else "",
+            }
+        )
+    return jobs
+
+
 def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     """What a user runs on a login node: the real matrix, jobs sized from each experiment and the site file."""
     site = dict(account="proj1", partition="dc-gpu", reservation="course", host_suffix="i", network_interface="ib0")
@@ -97,31 +114,122 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert "--host-suffix i" in result.stdout
 
 
+# config/local.yaml's matrix: nodes x processes per node of each experiment (their layouts, as the study resolves them:
+# tests/test_study.py::test_the_local_default_resolves_to_the_course_matrix_scaled_down)
+LOCAL_MATRIX = {
+    "single_gpu": (1, 1),
+    "ddp": (1, 2),
+    "ddp_multinode": (2, 1),
+    "fsdp": (2, 1),
+    "hsdp": (2, 2),
+    "tp": (1, 2),
+    "fsdp_tp": (2, 2),
+    "pp": (1, 2),
+    "pp_gpipe": (1, 2),
+    "ddp_spawn": (1, 2),
+    "cp": (1, 2),
+    "ddp_lightning": (1, 2),
+    "moe": (1, 1),
+    "moe_ep": (1, 2),
+}
+
+
+def test_dry_run_of_the_local_default_plans_every_experiment_and_the_wiring_check_of_every_layout(project):
+    """The whole embedded local matrix, unmodified, with the wiring check (`snakemake -n all preflight`): every
+    experiment trained, consolidated and evaluated after its memory plan, each launched on its geometry; every one of
+    several processes checked on one node against a one-process reference per model (the dense one, Lightning's engine,
+    the mixture). The local workflow test below trains only a few of them."""
+    result = snakemake(project, "-n", "all", "preflight")
+    assert result.returncode == 0, result.stderr[-3000:]
+    several = {name for name, (nodes, procs) in LOCAL_MATRIX.items() if nodes * procs > 1}  # one process: no wiring
+    per_run = {rule: len(LOCAL_MATRIX) for rule in ("train_config", "plan", "train", "consolidate", "evaluate")}
+    preflight = {"preflight_data": 1, "preflight_config": len(several) + 3, "preflight_run": len(several) + 3}
+    assert planned_jobs(result) == {
+        "prefetch": 1,
+        "prepare": 1,
+        **per_run,
+        "machine_baseline": 2,
+        **preflight,
+        "preflight": 1,
+        "aggregate": 1,
+        "all": 1,
+    }, result.stdout
+    jobs = dry_run_jobs(result)
+    for rule in per_run:
+        assert {(j["wildcards"]["experiment"], j["wildcards"]["seed"]) for j in jobs if j["rule"] == rule} == {
+            (name, "1") for name in LOCAL_MATRIX
+        }, rule
+    geometry = lambda shell: tuple(int(n) for n in re.search(r"--nodes (\d+) --procs-per-node (\d+)", shell).groups())
+    launched = {j["wildcards"]["experiment"]: geometry(j["shell"]) for j in jobs if j["rule"] == "train"}
+    assert launched == LOCAL_MATRIX
+    # the machine's baseline once per node count, on the geometry of the widest experiment there (2 x 2 on two "nodes")
+    baselines = {j["wildcards"]["nodes"]: j["shell"] for j in jobs if j["rule"] == "machine_baseline"}
+    assert set(baselines) == {"1", "2"} and geometry(baselines["1"]) == (1, 2) and geometry(baselines["2"]) == (2, 2)
+    assert "--config results/local/runs/hsdp/seed1/train.yaml" in baselines["2"]  # the first 2 x 2 of the matrix
+    # the wiring check: each experiment of several processes on one node, each one-process reference alone
+    checked = {j["wildcards"]["run"]: geometry(j["shell"]) for j in jobs if j["rule"] == "preflight_run"}
+    references = {f"reference.{i}": (1, 1) for i in range(3)}
+    assert checked == {name: (1, math.prod(LOCAL_MATRIX[name])) for name in several} | references
+    (compare,) = [j["shell"] for j in jobs if j["rule"] == "preflight"]
+    pairs = dict(re.findall(r"--run (\w+)=results/local/preflight/runs/\1:results/local/preflight/runs/(\S+)", compare))
+    # another engine and a mixture of experts: a reference each (which settings get one: tests/test_plan.py)
+    assert pairs == {name: "reference.0" for name in several - {"ddp_lightning", "moe_ep"}} | {
+        "ddp_lightning": "reference.1",
+        "moe_ep": "reference.2",
+    }
+
+
+# What the local workflow test trains (parity of every layout with one process: tests/test_training.py; the whole
+# matrix's jobs: the dry run above), each for the rules and summary columns the others leave out: the baseline
+# (speedups, the expectation), two "nodes" that stage their data (nodes, staging, the 2-node machine baseline, a
+# data-parallel group across nodes), a pipeline (its bubble) and an ep mixture (the experts; also the one rerun after
+# a change: no machine baseline stands on its geometry, so nothing else reruns)
+TRAINED = ("single_gpu", "ddp_multinode", "pp", "moe_ep")
+# the wiring check on two of them: a dense model on two "nodes" (checked on one) and a mixture, a reference each;
+# the study's preflight checks every experiment of several processes of its matrix, so it runs on a study of these
+# two (and single_gpu, config/config.yaml's baseline) before pp is added
+PREFLIGHT = ("ddp_multinode", "moe_ep")
+
+
 @pytest.mark.slow
 def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(project):
-    def faster(config):
-        config["local"]["experiments"]["ddp_spawn"] = None  # ddp started otherwise: tested in test_training.py
-        config["local"]["experiments"]["ddp_lightning"] = None  # ddp trained by Lightning: tested in test_lightning.py
-        # a mixture in one process: tested in test_training.py; moe_ep takes mixtures through the workflow
-        config["local"]["experiments"]["moe"] = None
-        training = config["local"]["training"]
-        training["train"].update(max_steps=12, log_every=3, eval_every=6)
-        training["checkpoint"]["every"] = 6
+    original = (project / "config/local.yaml").read_text()
+    every = yaml.safe_load((project / "config/config.yaml").read_text())["experiments"]
 
-    edit_yaml(project / "config/local.yaml", faster)
-    # the matrix, and the wiring check of every layout: 5-10 minutes on 2 cores, the limit a guard against a hang
-    first = snakemake(project, "all", "preflight", timeout=1500)
-    assert first.returncode == 0, first.stderr[-5000:]
+    def study_of(names):  # config/local.yaml with only these experiments (null drops one), each trained faster
+        def faster(config):
+            config.update(yaml.safe_load(original))
+            config["local"]["experiments"].update({name: None for name in every if name not in names})
+            training = config["local"]["training"]
+            training["train"].update(max_steps=12, log_every=3, eval_every=6)
+            training["checkpoint"]["every"] = 6
+
+        edit_yaml(project / "config/local.yaml", faster)
 
     results = project / "results/local"
+
+    def stamps() -> dict[str, float]:
+        return {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
+
+    # the wiring check and the trainings of its study in one Snakemake, sharing the one training slot; then the study
+    # grown by an experiment, which alone is trained. The limits: guards against a hang
+    study_of(("single_gpu", *PREFLIGHT))
+    runs = [f"results/local/runs/{name}/seed1/test.json" for name in ("single_gpu", *PREFLIGHT)]
+    first = snakemake(project, "preflight", *runs, timeout=900)
+    assert first.returncode == 0, first.stderr[-5000:]
+    before = stamps()
+    study_of(TRAINED)
+    grown = snakemake(project, timeout=900)
+    assert grown.returncode == 0, grown.stderr[-5000:]
+    grown_stamps = stamps()
+    assert sorted(before) == sorted(("single_gpu", *PREFLIGHT)) and sorted(grown_stamps) == sorted(TRAINED)
+    assert [n for n in before if grown_stamps[n] != before[n]] == []  # pp alone trained
+
     with (results / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     layouts = {r["experiment"]: r["layout"] for r in rows}  # dp_replicate x dp_shard x tp x pp (x cp where > 1)
-    assert layouts == {
-        "single_gpu": "1x1x1x1", "ddp": "2x1x1x1", "ddp_multinode": "2x1x1x1", "fsdp": "1x2x1x1",
-        "hsdp": "2x2x1x1", "tp": "1x1x2x1", "fsdp_tp": "1x2x2x1", "pp": "1x1x1x2", "pp_gpipe": "1x1x1x2",
-        "cp": "1x1x1x1x2", "moe_ep": "1x2[ep2]x1x1",
-    }  # fmt: skip
+    # every other layout's string: the study's (tests/test_study.py) and its training's (tests/test_training.py)
+    assert layouts == {"single_gpu": "1x1x1x1", "ddp_multinode": "2x1x1x1", "pp": "1x1x1x2", "moe_ep": "1x2[ep2]x1x1"}
     for row in rows:
         for key in ("final_train_loss", "validation_loss", "test_loss", "test_perplexity", "tokens_per_s"):
             assert math.isfinite(float(row[key])), (row["experiment"], key)
@@ -145,12 +253,15 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         assert plan["device"] == "cpu" and plan["total_bytes"] > 0, run
         # every process on this machine: planned against its memory (plan_check.host_plan)
         assert plan["fits"] and 0 < plan["host_needed_bytes"] <= plan["host_usable_bytes"], run
-    # the wiring check: every layout's first steps on a data slice, without dropout, against one process
+    # the wiring check: each layout's first steps on a data slice, without dropout, against one process
     with (results / "preflight/preflight.csv").open() as handle:
         checked = {r["experiment"]: r for r in csv.DictReader(handle)}
-    several = set(layouts) - {"single_gpu"}  # a single process has no wiring to check
-    assert set(checked) == several and all(r["matches"] == "True" and r["steps"] == "3" for r in checked.values())
-    assert {r["layout"] for r in checked.values()} == set(layouts.values()) - {"1x1x1x1"}
+    assert set(checked) == set(PREFLIGHT) and all(
+        r["matches"] == "True" and r["steps"] == "3" for r in checked.values()
+    )
+    assert {r["layout"] for r in checked.values()} == {layouts[name] for name in PREFLIGHT}
+    # the dense model and the mixture: a one-process reference each (every layout's: the dry run above)
+    assert checked["ddp_multinode"]["reference"] != checked["moe_ep"]["reference"]
     # one training at a time on this machine (profiles/default: training_run=1): no two trained side by side
     spans = sorted(
         (datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"]))
@@ -159,8 +270,8 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             for p in [*results.glob("runs/*/seed1/run.json"), *results.glob("preflight/runs/*/run.json")]
         )
     )
-    # 11 runs; the preflight's 10 layouts and its one-process references of the dense model and of the mixture
-    assert len(spans) == 11 + 12 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    # 4 runs; the preflight's 2 layouts and their one-process references of the dense model and of the mixture
+    assert len(spans) == 4 + 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     # TensorBoard event files per run, with every logged step's loss (`tensorboard --logdir results/local/runs`)
     for run in results.glob("runs/*/seed1"):
         logged = [(r["step"], r["loss"]) for r in read_metrics(run) if r["kind"] == "train"]
@@ -171,46 +282,47 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert (by_name["ddp_multinode"]["nodes"], by_name["ddp_multinode"]["world_size"]) == ("2", "2")
     assert by_name["single_gpu"]["speedup"] == "1.0"
     # ddp_multinode staged its data in /dev/shm on each "node" (config/local.yaml), kept apart from training time
-    assert float(by_name["ddp_multinode"]["staging_s"]) > 0 and by_name["ddp"]["staging_s"] == ""
+    assert float(by_name["ddp_multinode"]["staging_s"]) > 0 and by_name["pp"]["staging_s"] == ""
     staging = json.loads((results / "runs/ddp_multinode/seed1/run.json").read_text())["results"]["staging"]
     assert staging["mode"] == "shm" and not Path(staging["dir"]).exists()
     # energy where the machine lets it be read (RAPL here), else none, with the reason
     for run in results.glob("runs/*/seed1"):
         energy = json.loads((run / "run.json").read_text())["results"]["energy"]
         assert energy["joules"] > 0 if energy["joules"] is not None else energy["unknown"], (run, energy)
-    # the pipelines: the bubble their schedule predicts ((pp - 1) / (m + pp - 1), m = 4) beside the measured one
-    for name, schedule in (("pp", "1f1b"), ("pp_gpipe", "gpipe")):
-        row = by_name[name]
-        assert (row["pp_schedule"], row["pp_microbatches"], row["bubble_predicted"]) == (schedule, "4", "0.2"), row
-        assert 0 < float(row["bubble_measured"]) < 1 and len(row["peak_mem_mb_per_pp_rank"].split(" / ")) == 2, row
-    assert by_name["ddp"]["pp_schedule"] == by_name["ddp"]["bubble_measured"] == ""
-    # the machine's baseline, once per node count, on the widest experiment's geometry there (2 x 2 on two "nodes")
+    # the pipeline: the bubble its schedule predicts ((pp - 1) / (m + pp - 1), m = 4) beside the measured one (GPipe's
+    # too: tests/test_training.py::test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_others)
+    row = by_name["pp"]
+    assert (row["pp_schedule"], row["pp_microbatches"], row["bubble_predicted"]) == ("1f1b", "4", "0.2"), row
+    assert 0 < float(row["bubble_measured"]) < 1 and len(row["peak_mem_mb_per_pp_rank"].split(" / ")) == 2, row
+    assert by_name["moe_ep"]["pp_schedule"] == by_name["moe_ep"]["bubble_measured"] == ""
+    # the machine's baseline, once per node count, on the widest experiment's geometry there: 1 x 2 here, and 2 x 1,
+    # whose one process per node has no collective within a node (2 x 2, within and across: tests/test_measurements.py::
+    # test_the_baseline_times_products_and_collectives_within_and_across_nodes; the choice: tests/test_study.py)
     with (results / "machine.csv").open() as handle:
         machine = list(csv.DictReader(handle))
-    assert {(r["nodes"], r["procs_per_node"]) for r in machine} == {("1", "2"), ("2", "2")}
+    assert {(r["nodes"], r["procs_per_node"]) for r in machine} == {("1", "2"), ("2", "1")}
     assert {(r["scope"], r["op"]) for r in machine if r["nodes"] == "2"} == {
-        (scope, op) for scope in ("job", "node") for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        ("job", op) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
     }
+    assert {r["scope"] for r in machine if r["nodes"] == "1"} == {"job"}  # one node: the job is the node
     assert all(float(r["busbw_gbps"]) > 0 for r in machine)
     summary = (results / "summary.md").read_text()
     assert "## The machine" in summary and "## Step time: measured and planned" in summary
     # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)
     assert all(float(r["planned_step_time_s"]) > 0 and float(r["planned_compute_s"]) > 0 for r in rows), rows
-    assert float(by_name["pp"]["planned_bubble_s"]) > 0 and float(by_name["fsdp"]["planned_comm_s"]) > 0
+    assert float(by_name["pp"]["planned_bubble_s"]) > 0 and float(by_name["ddp_multinode"]["planned_comm_s"]) > 0
     for plot in ("loss_vs_tokens", "loss_vs_time", "scaling", "utilisation", "pipeline", "experts", "trend"):
         assert (results / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
-    provenance = yaml.safe_load((results / "runs/ddp/seed1/run.json").read_text())
+    provenance = yaml.safe_load((results / "runs/pp/seed1/run.json").read_text())
     assert provenance["world_size"] == 2 and provenance["versions"]["torch"] and provenance["start_time"]
     # the software: each package scalelm needs at its installed version, and the lock this environment holds
     versions = provenance["versions"]
     assert versions["packages"]["torch"] == versions["torch"] and "numpy" in versions["packages"]
     assert versions["lock"]["file"].endswith("requirements/dev.txt") and versions["lock"]["differs"] == {}
-    # two local "nodes" of two: each TP group inside one node, each data-parallel group across both
-    fsdp_tp = json.loads((results / "runs/fsdp_tp/seed1/run.json").read_text())["parallel"]
-    nodes = fsdp_tp["node_of_rank"]
-    assert sorted(nodes) == [0, 0, 1, 1]
-    assert all(len({nodes[r] for r in group}) == 1 for group in fsdp_tp["groups"]["tp"])
-    assert all({nodes[r] for r in group} == {0, 1} for group in fsdp_tp["groups"]["dp"])
+    # two local "nodes" of one: the data-parallel group across both (each TP group inside one node, two of two:
+    # tests/test_slurm.py on two hosts; a TP group across nodes refused: tests/test_parallel.py)
+    multinode = json.loads((results / "runs/ddp_multinode/seed1/run.json").read_text())["parallel"]
+    assert multinode["node_of_rank"] == [0, 1] and multinode["groups"]["dp"] == [[0, 1]], multinode
     # the final losses of every layout agree: the same model on the same data (dropout differs per layout)
     losses = [float(r["validation_loss"]) for r in rows]
     assert max(losses) - min(losses) < 0.1 * min(losses), losses
@@ -218,12 +330,10 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     again = snakemake(project, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
 
-    stamps = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
+    trained = stamps()
     edit_yaml(
         project / "config/local.yaml",
-        lambda c: (
-            c["local"].setdefault("experiments", {}).setdefault("fsdp", {}).update(training={"optim": {"lr": 1e-3}})
-        ),
+        lambda c: c["local"]["experiments"]["moe_ep"]["training"].update(optim={"lr": 1e-3}),
     )
     plan = snakemake(project, "-n")
     assert planned_jobs(plan) == {
@@ -236,12 +346,12 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         "all": 1,
     }, plan.stdout
     planned = set(re.findall(r"wildcards: experiment=(\w+)", plan.stdout))
-    assert planned == {"fsdp"}, plan.stdout
+    assert planned == {"moe_ep"}, plan.stdout
     rerun = snakemake(project)
     assert rerun.returncode == 0, rerun.stderr[-5000:]
-    after = {p.parent.parent.name: p.stat().st_mtime for p in results.glob("runs/*/seed1/run.json")}
-    assert [n for n in stamps if after[n] != stamps[n]] == ["fsdp"]
-    assert (results / "runs/fsdp/seed1/previous/checkpoints").is_dir()  # the old attempt is kept, not mixed in
+    after = stamps()
+    assert [n for n in trained if after[n] != trained[n]] == ["moe_ep"]
+    assert (results / "runs/moe_ep/seed1/previous/checkpoints").is_dir()  # the old attempt is kept, not mixed in
 
     report = snakemake(project, "--report", "report.html")
     assert report.returncode == 0, report.stderr[-3000:]
