@@ -67,8 +67,11 @@ def project(tmp_path, cluster) -> Path:
         # valid at parse time, fails at run time: the batch is larger than the sample's train split
         local["experiments"]["pp"] = {"nodes": 2, "procs_per_node": 1}  # a stage on each node
         local["experiments"]["broken"] = {
-            "strategy": "single", "nodes": 1, "procs_per_node": 1, "training": {"batch": {"size": 100000}}
-        }  # fmt: skip
+            "strategy": "single",
+            "nodes": 1,
+            "procs_per_node": 1,
+            "training": {"batch": {"size": 100000}},
+        }
 
     # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp and the mixtures one node's
     # (tests/test_training.py), ddp_lightning Lightning's DDP (tests/test_lightning.py)
@@ -85,12 +88,25 @@ def project(tmp_path, cluster) -> Path:
 def snakemake_on_slurm(project: Path, *args: str, run: bool = True):
     command = [
         # snakemake, its Slurm executor's status checks at most a few seconds apart (tests/slurm_snakemake.py)
-        "timeout", "-k", "10", "900", sys.executable, str(REPO / "tests/slurm_snakemake.py"),
-        "--profile", "profiles/slurm",
+        "timeout",
+        "-k",
+        "10",
+        "900",
+        sys.executable,
+        str(REPO / "tests/slurm_snakemake.py"),
+        "--profile",
+        "profiles/slurm",
         # test overlay: the tiny matrix (config/local.yaml) on the test cluster's site settings
-        "--configfile", "config/local.yaml", "--config", "site=test-site.yaml",
-        "--slurm-init-seconds-before-status-checks", "1", "--latency-wait", "5", *args,
-    ]  # fmt: skip
+        "--configfile",
+        "config/local.yaml",
+        "--config",
+        "site=test-site.yaml",
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        "--latency-wait",
+        "5",
+        *args,
+    ]
     if not run:
         return command
     return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=960)
@@ -147,7 +163,8 @@ def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project
     with (project / "results/local/machine.csv").open() as handle:
         machine = list(csv.DictReader(handle))
     assert {(r["nodes"], r["hosts"]) for r in machine} == {("1", "n1"), ("2", "n1 n2")} or {
-        (r["nodes"], r["hosts"]) for r in machine} == {("1", "n2"), ("2", "n1 n2")}, machine  # fmt: skip
+        (r["nodes"], r["hosts"]) for r in machine
+    } == {("1", "n2"), ("2", "n1 n2")}, machine
     assert {(r["scope"], r["ranks"]) for r in machine if r["nodes"] == "2"} == {("job", "4"), ("node", "2")}
     accounting = subprocess.run(["sacct", "-X", "-n", "-o", "JobName%40,State"], capture_output=True, text=True)
     assert "COMPLETED" in accounting.stdout and "FAILED" in accounting.stdout

@@ -89,11 +89,25 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         for c in commands
     }
     assert launched == {
-        "single_gpu": ("1", "1"), "ddp": ("1", "4"), "ddp_multinode": ("2", "4"), "fsdp": ("2", "4"),
-        "hsdp": ("2", "4"), "tp": ("1", "4"), "fsdp_tp": ("2", "4"), "pp": ("1", "4"), "pp_gpipe": ("1", "4"),
-        "3d": ("4", "4"), "gpt2_small": ("1", "1"), "gpt2_small_accum": ("1", "1"), "ddp_spawn": ("1", "4"),
-        "cp": ("1", "4"), "cp_long": ("1", "4"), "ddp_lightning": ("1", "4"), "moe": ("1", "1"), "moe_ep": ("1", "4"),
-    }  # fmt: skip
+        "single_gpu": ("1", "1"),
+        "ddp": ("1", "4"),
+        "ddp_multinode": ("2", "4"),
+        "fsdp": ("2", "4"),
+        "hsdp": ("2", "4"),
+        "tp": ("1", "4"),
+        "fsdp_tp": ("2", "4"),
+        "pp": ("1", "4"),
+        "pp_gpipe": ("1", "4"),
+        "3d": ("4", "4"),
+        "gpt2_small": ("1", "1"),
+        "gpt2_small_accum": ("1", "1"),
+        "ddp_spawn": ("1", "4"),
+        "cp": ("1", "4"),
+        "cp_long": ("1", "4"),
+        "ddp_lightning": ("1", "4"),
+        "moe": ("1", "1"),
+        "moe_ep": ("1", "4"),
+    }
     # the lecture's launcher for ddp_spawn (its run against torchrun's: tests/test_training.py), torchrun elsewhere
     assert [c for c in commands if "--launcher spawn" in c] == [c for c in commands if "runs/ddp_spawn/" in c]
     assert "--dataset Salesforce/wikitext --name wikitext-2-raw-v1" in result.stdout
@@ -235,8 +249,17 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert row["steps"] == "12" and len(row["sha256"]) == 64
         # steady-state speed, MFU against this host's measured peak, state and host load for every run
-        for key in ("step_time_s", "mfu", "state_mb_per_rank", "peak_mem_mb_per_rank", "other_cpu_cores",
-                    "util_mean_percent", "util_min_percent", "monitor_cpu_percent", "comm_share"):  # fmt: skip
+        for key in (
+            "step_time_s",
+            "mfu",
+            "state_mb_per_rank",
+            "peak_mem_mb_per_rank",
+            "other_cpu_cores",
+            "util_mean_percent",
+            "util_min_percent",
+            "monitor_cpu_percent",
+            "comm_share",
+        ):
             assert math.isfinite(float(row[key])), (row["experiment"], key)
         assert float(row["step_time_s_min"]) <= float(row["step_time_s"]) <= float(row["step_time_s_max"])
         # steps 7-9 and 10-12; under several processes step 12 ran under the profiler for the communication share
@@ -360,8 +383,13 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     # the local default's one expectation was met; one that cannot be met fails a strict study, and keeps the summary
     (check,) = csv.DictReader((results / "expectations.csv").open())
     assert (check["experiment"], check["expectation"], check["status"]) == ("single_gpu", "max_test_perplexity", "met")
-    edit_yaml(project / "config/local.yaml", lambda c: c["local"].update(expect_strict=True, experiments={
-        **c["local"]["experiments"], "single_gpu": {"expect": {"max_test_perplexity": 1.0}}}))  # fmt: skip
+    edit_yaml(
+        project / "config/local.yaml",
+        lambda c: c["local"].update(
+            expect_strict=True,
+            experiments={**c["local"]["experiments"], "single_gpu": {"expect": {"max_test_perplexity": 1.0}}},
+        ),
+    )
     strict = snakemake(project)
     assert strict.returncode != 0
     assert (
@@ -436,8 +464,9 @@ SLURM_TOOLS = ("sbatch", "srun", "squeue", "sacct", "sinfo", "scontrol", "scance
         ("profiles/slurm/site.yaml", lambda c, marker: c.update(account=f"proj;touch {marker}"), "site file: account"),
     ],
 )
-def test_a_value_that_would_reach_the_login_nodes_shell_is_refused_before_any_submission(project, tmp_path, monkeypatch,
-                                                                                           where, change, key):  # fmt: skip
+def test_a_value_that_would_reach_the_login_nodes_shell_is_refused_before_any_submission(
+    project, tmp_path, monkeypatch, where, change, key
+):
     """The Slurm executor submits `sbatch ... --wrap="<job>"` through a shell on the login node: a `$(...)` in a path
     would run there. Stand-ins for Slurm's commands record every call: no job may be submitted, nothing may run."""
     stand_ins, calls, marker = tmp_path / "bin", tmp_path / "slurm-calls.log", tmp_path / "code-ran"

@@ -104,8 +104,11 @@ def list_runs(db: str | Path, experiment: str | None, since: datetime | None) ->
     if since:  # by time, not as text: an imported history's times may have other UTC offsets
         rows = [r for r in rows if datetime.fromisoformat(r["recorded"]) >= since]
     if not rows and (experiment or since):
-        print(f"no run in {db} was recorded{f' of {experiment}' if experiment else ''}"
-              f"{f' since {since.isoformat()}' if since else ''}", file=sys.stderr)  # fmt: skip
+        print(
+            f"no run in {db} was recorded{f' of {experiment}' if experiment else ''}"
+            f"{f' since {since.isoformat()}' if since else ''}",
+            file=sys.stderr,
+        )
     for study in sorted({r["study"] for r in rows}):
         print(study)
         for r in (r for r in rows if r["study"] == study):
