@@ -3,8 +3,9 @@ preload): a rank starts at once instead of paying an interpreter and scalelm's i
 
 A test launcher only, for runs where nothing process-level is under test: each rank gets the variables torchrun
 would give a single-node job (rank, world, rendezvous address), its own stdout and stderr, and the job fails as
-torchrun's does when one rank fails. torchrun itself stays where it is under test (tests/test_launch.py, the faults,
-one layout of the parity test). The server forks before any rank computed anything, so no thread is copied.
+torchrun's does when one rank fails. torchrun itself stays where the launcher is part of what is tested
+(tests/test_launch.py, the faults and stop signals, one layout of the parity test, Lightning, the per-node monitor,
+the no-warning test). The server forks before any rank computed anything, so no thread is copied.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing import forkserver
 from pathlib import Path
 
 PRELOAD = ["forked", "scalelm.train.run", "scalelm.train.trainer", "scalelm.parallel.env"]
@@ -26,13 +28,21 @@ _context = None
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """The session's fork server, started at the first launch with one thread per rank (OMP_NUM_THREADS=1 is read
-    when torch's OpenMP loads, in the server)."""
+    """The session's fork server, started at the first launch with one thread per rank: OMP_NUM_THREADS=1 is read
+    when torch's OpenMP loads, in the server, so the server alone starts with it (this process keeps its own)."""
     global _context
     if _context is None:
-        os.environ["OMP_NUM_THREADS"] = "1"
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
+        before = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = before
     return _context
 
 
