@@ -800,6 +800,7 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
     from scalelm.parallel.dims import MESH_DIMS
     from scalelm.parallel.env import DistEnv
     from scalelm.parallel.layout import resolve_layout
+    from scalelm.parallel.numerics import Numerics
     from scalelm.parallel.runtime import Meshes, ModelOptions, Parallel
     from scalelm.plan.memory import Workload, plan_memory
 
@@ -835,7 +836,8 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
         ctx.device.type, tuple(getattr(layout.dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
     )
     meshes = Meshes.of(mesh, layout.dims)
-    parallel = Parallel(env, layout, meshes, [(env.hostname, 0)] * 8, config.parallel, config.train)
+    numerics = Numerics.of(config.train, ctx.device)
+    parallel = Parallel(env, layout, meshes, [(env.hostname, 0)] * 8, config.parallel, config.train, numerics)
     model = parallel.build(lambda: TransformerLM(config.model, VOCAB), 1, ModelOptions.of(config.train))
     optimizer = build_optimizer(model, config.optim, 1e-4)
     rows, seq = config.batch.size, config.data.seq_len

@@ -139,11 +139,11 @@ class Parallel:
         hosts: list[tuple[str, int]],
         options: ParallelConfig,
         train: TrainConfig,
-        numerics: Numerics | None = None,
+        numerics: Numerics,
     ):
         self.env, self.layout, self.meshes, self.hosts, self.options = env, layout, meshes, hosts, options
         dims = self.dims = layout.dims
-        self.numerics = numerics or Numerics.of(train, env.device)
+        self.numerics = numerics  # Numerics.of(train, env.device): made once, in `start`
         self.uses_fsdp = dims.sharded or fsdp_of_one(train.precision, env.world_size)
         self.uses_ddp = dims.dp_replicate > 1 and not dims.sharded
         self.loss_parallel = dims.tp > 1 and options.loss_parallel
