@@ -3,6 +3,7 @@
 # need a real Slurm cluster and a real Apptainer (scripts/slurm, scripts/apptainer); elsewhere they skip, saying why.
 # Extra arguments go to pytest (e.g. -k parity, -m "not slurm"). `--fast` first: a developer's inner loop, every test
 # but the slow ones (marked `slow`: about 30 s or more) and the Slurm and Apptainer tiers; CI runs everything.
+# The test files run on as many pytest-xdist workers as the machine has cores, each file whole on one worker.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 selection=()
@@ -16,4 +17,4 @@ cd "$repo"
 if [ ${#selection[@]} = 0 ] && [ "$(id -u)" = 0 ] && [ -d scripts/slurm ]; then
     bash scripts/slurm/install.sh
 fi
-exec python -m pytest -ra "${selection[@]}" "$@"
+exec python -m pytest -ra --numprocesses logical --dist loadfile --no-loadscope-reorder "${selection[@]}" "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,14 @@ def board_scalars(run_dir: Path, tag: str, board: str = "tensorboard") -> list[t
     events = EventAccumulator(str(Path(run_dir) / board))
     events.Reload()
     return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+LONG = ("slow", "slurm", "apptainer")  # the marks of a test that takes about 30 s or more
+
+
+def pytest_collection_modifyitems(items):
+    """The files with the most long tests first, each file's tests in their order: scripts/test.sh runs every file
+    whole on one of two pytest-xdist workers (`--dist loadfile`: a file's module fixtures, such as the Slurm tier's
+    cluster, start once), and a long file started last would leave the other worker idle at the end."""
+    weight = Counter(item.path for item in items if any(item.get_closest_marker(mark) for mark in LONG))
+    items.sort(key=lambda item: -weight[item.path])

@@ -95,13 +95,12 @@ class Run:
 def run_recorded(monkeypatch, config) -> Run:
     """Train `config` in this process, keeping the engine and what reached the functions that apply settings."""
     from scalelm.parallel import numerics, runtime
-    from scalelm.train import engine as base
+    from scalelm.train import evaluation, trainer
     from scalelm.train import run as entry
-    from scalelm.train import trainer
 
     applied = {"evaluate": [], "monitor": [], "compile": [], "optimizer_step": [], "attention_kernels": []}
     built = []
-    make_engine, evaluate, monitor = entry.engine_for, base.evaluate, entry.Monitor
+    make_engine, evaluate, monitor = entry.engine_for, evaluation.evaluate, entry.Monitor
     attention_backends = numerics.attention_backends
 
     def engine_for(config):
@@ -129,7 +128,7 @@ def run_recorded(monkeypatch, config) -> Run:
         return attention_backends(setting, device)
 
     monkeypatch.setattr(entry, "engine_for", engine_for)
-    monkeypatch.setattr(base, "evaluate", recorded_evaluate)
+    monkeypatch.setattr(evaluation, "evaluate", recorded_evaluate)  # as the Validator calls it
     monkeypatch.setattr(entry, "Monitor", recorded_monitor)
     monkeypatch.setattr(trainer, "optimizer_step", recorded_optimizer_step)
     monkeypatch.setattr(numerics, "attention_backends", recorded_attention_backends)

@@ -186,16 +186,23 @@ def ranks_where(flag: torch.Tensor, env: DistEnv) -> list[int]:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, env: DistEnv, keep: int, origin: Origin):
+    """A run's checkpoints: saved when due (every `every` steps, and at each epoch's end), `keep` of them kept,
+    resumed from the newest that is complete, of this run's lineage and within its steps."""
+
+    def __init__(self, directory: str | Path, env: DistEnv, keep: int, origin: Origin, every: int | None = None):
         self.directory = Path(directory)
         self.env = env
         self.keep = keep
         self.origin = origin
+        self.every = every
         self.latest_path: Path | None = None  # the newest checkpoint of this run, saved or resumed from
         self.latest_step = -1
         self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
 
     # ----------------------------------------------------------------------------------------- save
+    def due(self, step: int, epoch_ended: bool) -> bool:
+        return epoch_ended or bool(self.every) and step % self.every == 0
+
     def save(self, model: nn.Module, optimizer, scheduler, state: TrainerState, pending_loss=None) -> Path:
         """A checkpoint of `state.step` (a collective), refused if the weights or `pending_loss` (a loss not yet
         logged, hence not yet checked) are not finite on some rank."""

@@ -4,9 +4,10 @@ Lightning's (scalelm.train.lightning_engine) differ only in how they run a step.
 The base builds the run (the model with the seed's initial weights on the layout, each rank's dropout streams, AdamW
 and its schedule, the checkpoints and the state resumed from them, the metrics, the measurements, the hang watchdog,
 the stop flag) and owns what happens around the steps: `fit` runs the engine's `train_steps`, which call
-`after_step` once per optimizer step; the `Cadence` says when a step is logged (the log line, with its finite check),
-validated and checkpointed (`save`, which refuses non-finite weights); a stop signal ends the steps at the next one
-with a checkpoint; the exact evaluation and run.json (`finish`) close the run.
+`after_step` once per optimizer step, where each component says when it is due: the loss interval its log line (with
+its finite check), the validator its evaluation, the checkpointer its checkpoint (`save`, which refuses non-finite
+weights); a stop signal ends the steps at the next one with a checkpoint; the exact evaluation and run.json
+(`finish`) close the run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import contextlib
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from scalelm.parallel.runtime import ModelOptions, Parallel, pipeline_of
 from scalelm.plan.memory import Workload
 from scalelm.train import provenance
 from scalelm.train.checkpoint import Checkpointer, Origin, TrainerState, ranks_where
-from scalelm.train.evaluation import evaluate
+from scalelm.train.evaluation import Validator
 from scalelm.train.metrics import MetricsLogger
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
 from scalelm.train.record import Results, RunRecord, write_record
@@ -93,44 +93,20 @@ def train_batches(config: Config, parallel: Parallel, data: PreparedData) -> Tra
     )
 
 
-@dataclass(frozen=True)
-class Cadence:
-    """When the loop logs, validates and checkpoints (train.log_every, train.eval_every, checkpoint.every): the last
-    step is always logged and validated, and every epoch's end validated and checkpointed."""
-
-    total_steps: int
-    log_every: int
-    eval_every: int | None
-    checkpoint_every: int | None
-
-    @classmethod
-    def of(cls, config: Config, total: int) -> Cadence:
-        return cls(total, config.train.log_every, config.train.eval_every, config.checkpoint.every)
-
-    def logs(self, step: int) -> bool:
-        return step == self.total_steps or due(step, self.log_every)
-
-    def validates(self, step: int, epoch_ended: bool) -> bool:
-        return step == self.total_steps or epoch_ended or due(step, self.eval_every)
-
-    def checkpoints(self, step: int, epoch_ended: bool) -> bool:
-        return epoch_ended or due(step, self.checkpoint_every)
-
-
-def due(step: int, every: int | None) -> bool:
-    return bool(every) and step % every == 0
-
-
 class LossInterval:
     """The steps since the last logged line, kept on the device so that no step waits on the host: their summed loss,
-    their count, and how many had a non-finite gradient norm (a loss that overflows only in its gradients); and the
-    mean loss of the last line logged."""
+    their count, and how many had a non-finite gradient norm (a loss that overflows only in its gradients); the mean
+    loss of the last line logged; and when a line is due (every `log_every` steps, and at the last)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, log_every: int, total_steps: int):
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.nonfinite_norms = torch.zeros((), device=device)
         self.last_loss = math.nan
+        self.log_every, self.total_steps = log_every, total_steps
+
+    def due(self, step: int) -> bool:
+        return step == self.total_steps or step % self.log_every == 0
 
     def add(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.loss_sum += step_loss
@@ -171,7 +147,6 @@ class Engine:
         self.run_dir = RunDir(Path(config.run_dir))
         self.tokens_per_step = batches.global_batch * config.data.seq_len
         self.total_steps = total_steps(config, batches)
-        self.cadence = Cadence.of(config, self.total_steps)
 
         if config.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -187,7 +162,8 @@ class Engine:
 
         run_identity = identity(config, data.checksums(), env.world_size, env.here)
         run_origin = origin(config, run_identity, batches, self.run_dir, env.here)
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, config.checkpoint.keep, run_origin)
+        checkpoints = config.checkpoint
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, checkpoints.keep, run_origin, checkpoints.every)
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
@@ -207,6 +183,16 @@ class Engine:
         if resumed and env.is_main:
             print(f"resumed from step {resumed.step} (epoch {resumed.epoch}) in {self.checkpointer.latest_path}")
         self.stop = StopFlag()
+        self.validator = Validator(
+            self.model,
+            data,
+            config.train,
+            config.data.seq_len,
+            env.device,
+            parallel,
+            self.stop.raised,
+            self.total_steps,
+        )
         workload = Workload(config, data.vocab_size, env.device.type)
         self.instruments = Instruments(
             config, env, parallel, pipeline_of(self.model), workload, self.total_steps, self.state.step
@@ -216,7 +202,7 @@ class Engine:
         self.experts = ExpertLoad.of(self.model, config.model, parallel.dims.tp, self.state.experts)  # None: dense
         train = config.train
         self.watchdog = Watchdog.for_job(env.rank, self.run_dir.autopsy, train.hang_factor, train.hang_floor_s)
-        self.interval = LossInterval(env.device)
+        self.interval = LossInterval(env.device, config.train.log_every, self.total_steps)
         self.validation: dict[str, Any] | None = None  # the last step's
         self.stop_requested = False
 
@@ -277,19 +263,19 @@ class Engine:
 
     def after_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """After each optimizer step, on every rank: the step counted, then logged, validated and checkpointed as
-        the cadence says; True if the ranks agreed to stop (a signal, now or during the validation)."""
-        state, cadence = self.state, self.cadence
+        each of them says it is due; True if the ranks agreed to stop (a signal, now or during the validation)."""
+        state = self.state
         self.interval.add(step_loss, grad_norm)
         if self.experts is not None:
             self.experts.end_step(self.env.device)
         epoch_ended = state.advance(self.tokens_per_step, self.batches.steps_per_epoch)
-        if cadence.logs(state.step):
+        if self.interval.due(state.step):
             self.log_train(grad_norm, self.clock.lap())
         try:
             with self.clock.paused(), self.instruments.paused():
-                if cadence.validates(state.step, epoch_ended):
+                if self.validator.due(state.step, epoch_ended):
                     self.validation = self.evaluate_split("validation")
-                if cadence.checkpoints(state.step, epoch_ended):
+                if self.checkpointer.due(state.step, epoch_ended):
                     self.save()
             self.stop_requested = self.stop.raised()
         except StopRequested:
@@ -357,16 +343,7 @@ class Engine:
         )
 
     def evaluate_split(self, split: str) -> dict[str, Any]:
-        result = evaluate(
-            self.model,
-            self.data.splits[split],
-            self.config.data.seq_len,
-            self.config.train.eval_batch_size,
-            self.env.device,
-            self.parallel,
-            should_stop=self.stop.raised,
-            max_tokens=self.config.train.eval_batch_tokens,
-        )
+        result = self.validator.evaluate(split)
         self.metrics.log({"kind": "eval", "split": split, "step": self.state.step, "epoch": self.state.epoch, **result})
         return result
 

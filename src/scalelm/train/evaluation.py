@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from scalelm.data.prepared import load_prepared
+from scalelm.data.prepared import PreparedData, load_prepared
 from scalelm.data.windows import EvalBatches
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text, check_apart, check_file_output
@@ -29,6 +29,7 @@ from scalelm.train.metrics import perplexity
 from scalelm.train.preemption import StopRequested
 
 if TYPE_CHECKING:
+    from scalelm.config import TrainConfig
     from scalelm.parallel.runtime import Parallel
 
 
@@ -83,6 +84,41 @@ def evaluate(
         parallel.reduce_eval(totals)
     loss = (totals[0] / totals[1]).item()
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": int(totals[1].item())}
+
+
+class Validator:
+    """A training's exact evaluation of its splits (`evaluate`, on every rank) and when validation is due: every
+    `train.eval_every` steps, at each epoch's end and at the last step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: PreparedData,
+        train: TrainConfig,
+        seq_len: int,
+        device: torch.device,
+        parallel: Parallel,
+        should_stop: Callable[[], bool],
+        total_steps: int,
+    ):
+        self.model, self.data, self.train, self.seq_len = model, data, train, seq_len
+        self.device, self.parallel, self.should_stop, self.total_steps = device, parallel, should_stop, total_steps
+
+    def due(self, step: int, epoch_ended: bool) -> bool:
+        every = self.train.eval_every
+        return step == self.total_steps or epoch_ended or bool(every) and step % every == 0
+
+    def evaluate(self, split: str) -> dict[str, float]:
+        return evaluate(
+            self.model,
+            self.data.splits[split],
+            self.seq_len,
+            self.train.eval_batch_size,
+            self.device,
+            self.parallel,
+            should_stop=self.should_stop,
+            max_tokens=self.train.eval_batch_tokens,
+        )
 
 
 @friendly_errors
