@@ -810,6 +810,8 @@ def fake_baseline(path, nodes, procs, job_all_reduce, node_all_reduce=None, tflo
                         "time_s": 0.01,
                         "algbw_gbps": busbw * share / 1.5,
                         "busbw_gbps": busbw * share,
+                        "busbw_gbps_min": busbw * share * 0.5,  # the repetitions' spread
+                        "busbw_gbps_max": busbw * share * 1.5,
                     }
                 )
     path.write_text(
@@ -839,7 +841,7 @@ def test_the_machine_baseline_sits_beside_the_runs_on_its_nodes(tmp_path, two_se
     out = tmp_path / "summary"
     aggregate(two_seeds, out, machine_files=[one], references=references)
     summary = (out / "summary.md").read_text()
-    assert "## The machine" in summary and "| 1 | 2 | n0 | 0.05 | 2.2 |" in summary
+    assert "## The machine" in summary and "| 1 | 2 | n0 | 0.05 |  | 2.2 (1.1-3.3) |" in summary  # no model step
     assert "| 1 | job_all_reduce_busbw_gbps | 2.2 | 10 | 22% | 9 | **missed** |" in summary
     assert "| 1 | matmul_tflops | 0.05 | 0.04 | 125% | 0.036 | **met** |" in summary
     flagged = [
@@ -1041,6 +1043,30 @@ def test_a_machine_baseline_beside_other_work_flags_the_step_times_planned_from_
     assert error_cell(planned | {"machine_disturbed": "x", "disturbed": "y"}) == (
         "+200% (machine baseline and run disturbed)"
     )
+
+
+def test_a_step_beyond_its_goal_and_its_baselines_spread_blames_the_part_furthest_from_its_profile():
+    from scalelm.report.steptime import blame, within
+
+    planned = {
+        "planned_step_time_s": 0.100,
+        "planned_compute_s": 0.080,
+        "planned_comm_s": 0.020,
+        "planned_bubble_s": 0.0,
+        "planned_all_to_all_s": 0.0,
+        "planned_step_time_s_min": 0.090,
+        "planned_step_time_s_max": 0.140,
+    }
+    assert within(planned | {"step_time_s": 0.124}) and within(planned | {"step_time_s": 0.139})  # goal; spread
+    # 0.2 s: 0.1 s with a collective running (0.08 more than planned), 0.1 s of compute (0.02 more)
+    slow_comm = planned | {"step_time_s": 0.2, "comm_share": 0.5}
+    assert not within(slow_comm) and blame(slow_comm) == "communication +80.0 ms"
+    assert blame(slow_comm | {"all_to_all_share": 0.45, "planned_all_to_all_s": 0.01}) == "all-to-all +80.0 ms"
+    assert blame(planned | {"step_time_s": 0.2, "comm_share": 0.1}) == "compute +100.0 ms"
+    assert blame(planned | {"step_time_s": 0.2, "comm_share": 0.1, "bubble_measured": 0.5}) == "bubble +100.0 ms"
+    assert blame(planned | {"step_time_s": 0.05, "comm_share": 0.1}) == "compute -35.0 ms"  # faster than planned
+    assert blame(planned | {"step_time_s": 0.2}) == ""  # unprofiled: its collectives' time unknown
+    assert blame(planned | {"step_time_s": 0.12, "comm_share": 0.9}) == ""  # within its goal
 
 
 def test_mfu_is_reported_under_both_conventions_beside_the_peak(tmp_path):

@@ -433,6 +433,8 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     # the model's own step alone and with all four ranks at once, on what is one machine (its boot id)
     assert len({r["machine"] for r in result["per_rank"]}) == 1 and result["model_step"]["ranks_per_host"] == 4
     assert result["model_step"]["tokens"] == 16 * 16 and result["model_step"]["host_speedup"] > 0
+    low, high = result["model_step"]["host_speedup_spread"]  # the ranks' slowest and fastest runs together
+    assert low <= result["model_step"]["host_speedup"] <= high
     assert all((r["threads"], r["cpus"]) == (1, len(os.sched_getaffinity(0))) for r in result["per_rank"])
     rows = {(r["scope"], r["op"], r["bytes"]): r for r in result["collectives"]}
     assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in baseline.OPS}
@@ -444,7 +446,32 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
         )
         assert row["algbw_gbps"] == pytest.approx(size / row["time_s"] / 1e9)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+        # the repetitions' spread: the median within it, the bandwidths the times' inverse
+        assert row["time_s_min"] <= row["time_s"] <= row["time_s_max"]
+        assert row["busbw_gbps_min"] == pytest.approx(size / row["time_s_max"] / 1e9 * factor)
+        assert row["busbw_gbps_min"] <= row["busbw_gbps"] <= row["busbw_gbps_max"]
+    step = result["model_step"]
+    assert step["seconds_spread"][0] <= step["seconds_max"] <= step["seconds_spread"][1]
+    # the same step with TP's DTensor weights on each rank's mesh of itself: DTensor's dispatch, never negative
+    assert all(r["model_step_tp_s"] > 0 for r in result["per_rank"]) and step["tp_dispatch_s"] >= 0
+    assert step["small_seconds_spread"][0] <= step["small_seconds_max"] <= step["small_seconds_spread"][1]
     assert "all_reduce      job  4 ranks" in "".join(outputs) and f"written to {out}" in "".join(outputs)
+
+
+def test_the_baselines_all_to_all_sends_uneven_splits_that_every_rank_agrees_on():
+    """As a mixture's dispatch sends them: each rank's busiest destination gets 1 + LOAD_SKEW times the mean, its
+    quietest 1 - LOAD_SKEW, every rank sends and receives its whole buffer, and what a rank sends to another is what
+    that one expects from it."""
+    from scalelm.measure.baseline import LOAD_SKEW, uneven_splits
+
+    for ranks in (2, 3, 4, 8):
+        splits = [uneven_splits(1000 * ranks, ranks, me) for me in range(ranks)]
+        for me, (sent, received) in enumerate(splits):
+            assert sum(sent) == sum(received) == 1000 * ranks
+            assert max(sent) == pytest.approx(1000 * (1 + LOAD_SKEW), abs=ranks)
+            assert min(sent) == pytest.approx(1000 * (1 - LOAD_SKEW), abs=1)
+            assert all(received[other] == splits[other][0][me] for other in range(ranks))
+    assert uneven_splits(7, 1, 0) == ([7], [7])
 
 
 def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypatch):

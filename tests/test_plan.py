@@ -467,6 +467,30 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     with pytest.raises(ConfigError, match="nodes2.json lacks the step-time model's figures .* rerun the workflow's"):
         Speeds.from_baseline(older, "nodes2.json")
     assert from_file["tp"]["step_time"]["efficiency"] == pytest.approx(0.5)
+    # the ends of the baseline's spread: its fastest and slowest repetitions give the plan's spread
+    baseline["model_step"]["seconds_spread"] = [1.5 * explained, 3 * explained]
+    baseline["collectives"] = [
+        row | {"busbw_gbps_min": row["busbw_gbps"] / 2, "busbw_gbps_max": row["busbw_gbps"] * 2}
+        for row in baseline["collectives"]
+    ]
+    dims, work = ParallelDims(dp_shard=4, tp=2), Workload(load_config(None, ["model.n_layers=4"]), 28785, "cuda")
+    steps = {at: predict(work, dims, 4, Speeds.from_baseline(baseline, at=at)) for at in ("fast", "median", "slow")}
+    assert steps["fast"].compute_s < steps["median"].compute_s < steps["slow"].compute_s
+    assert steps["fast"].total_s < steps["median"].total_s < steps["slow"].total_s
+    comm = {at: sum(step.communication_s.values()) for at, step in steps.items()}
+    assert comm["fast"] < comm["median"] < comm["slow"]
+    # on a CPU the machine's throughput with every rank at work moves most: its spread is the plan's too
+    step = baseline["model_step"] | {"host_speedup": 1.5, "host_speedup_spread": [1.2, 1.8]}
+    cpu = baseline | {"device": "cpu", "per_rank": [{"rank": 0, "threads": 1, "cpus": 2}], "model_step": step}
+    assert [Speeds.from_baseline(cpu, at=at).host_speedup for at in ("fast", "median", "slow")] == [1.8, 1.5, 1.2]
+    # DTensor's dispatch, per pass: a tensor-parallel layout's compute pays it, the others not
+    baseline["model_step"]["tp_dispatch_s"] = 0.01
+    dispatching = Speeds.from_baseline(baseline)
+    tp_step = predict(work, dims, 4, dispatching)
+    passes = tp_step.tp_dispatch_s / 0.01  # forward and backward passes of a step (a GPU: no CPU sharing)
+    assert passes >= 1 and passes == pytest.approx(round(passes))
+    assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + tp_step.tp_dispatch_s)
+    assert predict(work, ParallelDims(dp_shard=8), 4, dispatching).tp_dispatch_s == 0
     assert from_file["tp"]["step_time"]["compute_s"] == pytest.approx(2 * layouts["tp"]["step_time"]["compute_s"])
     (tp_comm,) = from_file["tp"]["step_time"]["communication_s"].values()  # smaller messages than the baseline's
     assert tp_comm > sum(layouts["tp"]["step_time"]["communication_s"].values())  # 64 MiB: each takes its time

@@ -13,7 +13,7 @@ from scalelm.settings_yaml import from_mapping, read_settings, shown
 
 # the collectives the machine's baseline times (scalelm.measure.baseline), and where: over the whole job (across its
 # nodes), within one node; a reference's key is `<scope>_<op>`
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 SCOPES = ("job", "node")
 
 

@@ -11,15 +11,20 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   product and over all of them (their FLOPs over their time), per rank;
 - the model's own training step, alone on one device for one micro-batch (forward with the loss, backward, AdamW),
   compiled where the settings compile (`train.compile`) and eager otherwise, as training runs it (the record says
-  which), against which the step-time model measures how much of a step its FLOPs and bytes explain;
+  which), against which the step-time model measures how much of a step its FLOPs and bytes explain; eager, again
+  with tensor parallelism's DTensor weights on a mesh of one rank: the excess is DTensor's dispatch per step
+  (`tp_dispatch_s`), which the model adds to a tensor-parallel layout's step;
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
-- collectives: all_reduce, all_gather, reduce_scatter and send/recv (each rank to the next, from the previous) over
-  message sizes, in the whole job (across nodes when there are several) and within each node; per size the slowest
-  rank's median time and the bus bandwidth in nccl-tests' convention (algorithm bandwidth, the message over the
-  time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter, x 1 for send/recv; the message is
-  the whole buffer: all_gather's output, reduce_scatter's input), so its figures compare with nccl-tests';
+- collectives: all_reduce, all_gather, reduce_scatter, send/recv (each rank to the next and from the previous at
+  once: a pipeline's and the context-parallel ring's pattern) and all_to_all (uneven splits, as a mixture's dispatch
+  sends them: `uneven_splits`) over message sizes, in the whole job (across nodes when there are several) and within
+  each node; per size the time of each repetition's slowest rank (a collective ends when its last rank does), as the
+  median and the spread (min, max) over the repetitions, and the bus bandwidth in nccl-tests' convention (algorithm
+  bandwidth, the message over the time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
+  all_to_all, x 1 for send/recv; the message is the whole buffer: all_gather's output, reduce_scatter's input), so
+  its figures compare with nccl-tests';
 - on GPUs: each GPU's health from NVML, sampled on a thread while its products and steps run (an idle GPU is not
   throttled): the worst seen of uncorrected ECC errors, SM clock against its maximum, temperature, and the reasons
   the clock is held back; and the network NCCL chose (NCCL_DEBUG=INFO's "Using network ..."; the baseline forces
@@ -58,6 +63,7 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "send_recv": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 THROTTLE_REASONS = {  # NVML's clocks-event reasons (nvmlClocksEventReason*), as nvidia-smi names them
     0x1: "gpu idle",
@@ -77,6 +83,21 @@ def bus_bandwidth(op: str, size_bytes: int, seconds: float, ranks: int) -> tuple
     """(algorithm, bus) bandwidth in GB/s (10^9 bytes per second, as nccl-tests reports)."""
     algorithm = size_bytes / seconds / 1e9
     return algorithm, algorithm * BUS_FACTOR[op](ranks)
+
+
+LOAD_SKEW = 0.3  # an all_to_all's busiest destination gets 1.3 x the mean: the local default's routers at most
+
+
+def uneven_splits(elements: int, ranks: int, me: int) -> tuple[list[int], list[int]]:
+    """The elements rank `me` sends to each rank and receives from each in an all_to_all of `elements` per rank,
+    uneven as a mixture's dispatch is: a rank's share for the rank k places after it ramps from 1 - LOAD_SKEW to
+    1 + LOAD_SKEW times the mean over k, so every rank sends and receives `elements` in all."""
+    weights = [1 - LOAD_SKEW + 2 * LOAD_SKEW * k / max(ranks - 1, 1) for k in range(ranks)]
+    by_offset = [int(elements * w / sum(weights)) for w in weights]
+    by_offset[-1] += elements - sum(by_offset)
+    sent = [by_offset[(rank - me) % ranks] for rank in range(ranks)]
+    received = [by_offset[(me - rank) % ranks] for rank in range(ranks)]
+    return sent, received
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
@@ -157,11 +178,16 @@ def elementwise_gbps(elements: int, device: torch.device) -> float:
     return 3 * elements * 4 / median_seconds(lambda: torch.add(a, b, out=out), device) / 1e9
 
 
-def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, compiled: bool = False) -> float:
-    """Seconds of one training step of the model alone on this device (forward with the loss, backward, AdamW) for
-    `tokens` tokens, its blocks (and on CUDA its head) compiled as training compiles them (train.compile_mode)
-    where `compiled`: what the step-time model's matrix products and elementwise bytes leave out (dispatch, cold
-    caches, the softmax's transcendental work) shows as its efficiency (scalelm.plan.steptime)."""
+def model_step_seconds(
+    config, vocab: int, tokens: int, device: torch.device, compiled: bool = False, tp_mesh=None
+) -> tuple[float, float, float]:
+    """Seconds (min, median, max over its timed runs) of one training step of the model alone on this device
+    (forward with the loss, backward, AdamW) for `tokens` tokens, its blocks (and on CUDA its head) compiled as
+    training compiles them (train.compile_mode) where `compiled`: what the step-time model's matrix products and
+    elementwise bytes leave out (dispatch, cold caches, the softmax's transcendental work) shows as its efficiency
+    (scalelm.plan.steptime). With `tp_mesh` (a mesh of this rank alone) the blocks' weights are DTensors as tensor
+    parallelism makes them (scalelm.parallel.tensor.apply_tp): the step's excess over the plain one is DTensor's
+    dispatch, which a tensor-parallel step pays whatever its degree."""
     import torch
 
     from scalelm.model.transformer import TransformerLM
@@ -170,6 +196,10 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, co
 
     torch.manual_seed(0)
     model = TransformerLM(config.model, vocab).to(device)
+    if tp_mesh is not None:
+        from scalelm.parallel.tensor import apply_tp
+
+        apply_tp(model, tp_mesh, loss_parallel=False, sequence_parallel=False)
     if compiled:
         torch._dynamo.reset()  # a training compiles one shape: a second one here would be compiled shape-generic
         compiling.apply_compile(model, device, config.train.compile_mode)
@@ -185,45 +215,67 @@ def model_step_seconds(config, vocab: int, tokens: int, device: torch.device, co
         optimizer.zero_grad(set_to_none=True)
 
     # compiling happens in the first calls (forward and backward, then the optimizer's first step): untimed
-    return median_seconds(step, device, sample_s=0.05, warmup=COMPILED_WARMUP if compiled else 0)
+    return seconds_spread(step, device, sample_s=MODEL_STEP_SAMPLE_S, warmup=COMPILED_WARMUP if compiled else 0)
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens (a step's
-    fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with
-    every core at work: as threads of one process (`thread_speedup`, rank 0's), and as every rank of the job at once
-    (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they are real, less where
-    they share caches or a physical core)."""
-    alone = max(r["model_step_s"] for r in per_rank)
+    """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens on the same
+    rank (a step's fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a
+    machine does with every core at work: as threads of one process (`thread_speedup`, rank 0's), and as every rank
+    of the job at once (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they
+    are real, less where they share caches or a physical core)."""
+    slowest = max(per_rank, key=lambda r: r["model_step_s"])
+    alone = slowest["model_step_s"]
     figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone}
+    if "model_step_s_spread" in slowest:  # its runs' fastest and slowest: the model's own spread
+        figures["seconds_spread"] = slowest["model_step_s_spread"]
     first = per_rank[0]
-    if first.get("model_step_small_s") and first["model_step_small_tokens"] < tokens:
+    if slowest.get("model_step_small_s") and slowest["model_step_small_tokens"] < tokens:
+        # the same rank's: a line through two ranks' steps would take their difference for a fixed cost
         figures |= {
-            "small_tokens": first["model_step_small_tokens"],
-            "small_seconds_max": max(r["model_step_small_s"] for r in per_rank),
+            "small_tokens": slowest["model_step_small_tokens"],
+            "small_seconds_max": slowest["model_step_small_s"],
         }
+        if "model_step_small_s_spread" in slowest:
+            figures["small_seconds_spread"] = slowest["model_step_small_s_spread"]
+    if first.get("model_step_tp_s"):  # DTensor's dispatch: what the same step costs more with TP's weights
+        excess = statistics.median(r["model_step_tp_s"] - r["model_step_s"] for r in per_rank)  # a rank's: noisy
+        figures["tp_dispatch_s"] = max(excess, 0.0)
     if first.get("model_step_all_cores_s"):
         figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
-    together = [r["model_step_together_s"] for r in per_rank if r.get("model_step_together_s")]
+    together = [r for r in per_rank if r.get("model_step_together_s")]
     if together:
         ranks_per_host = max(Counter(r["machine"] for r in per_rank).values())  # several "nodes" may be one
+        slowest_together = max(r["model_step_together_s"] for r in together)
         figures |= {
-            "together_seconds_max": max(together),
+            "together_seconds_max": slowest_together,
             "ranks_per_host": ranks_per_host,
-            "host_speedup": ranks_per_host * alone / max(together),
+            "host_speedup": ranks_per_host * alone / slowest_together,
         }
+        if all("model_step_together_s_spread" in r for r in together):
+            # with every rank at work a machine's throughput moves most: the ranks' slowest and fastest runs
+            longest = max(r["model_step_together_s_spread"][1] for r in together)
+            shortest = max(r["model_step_together_s_spread"][0] for r in together)  # all ranks: the slowest's best
+            figures["host_speedup_spread"] = [ranks_per_host * alone / longest, ranks_per_host * alone / shortest]
     return figures
 
 
 COMPILED_WARMUP = 3  # untimed calls of a compiled step before its timing
+MODEL_STEP_SAMPLE_S = 0.2  # each of a model step's timed runs: several steps, one would be at the mercy of a hiccup
 
 
 def median_seconds(
     call: Callable[[], Any], device: torch.device, sample_s: float = 0.01, samples: int = 5, warmup: int = 0
 ) -> float:
-    """Seconds per call: the median of `samples` runs of enough calls to last about `sample_s` each, after
-    `warmup` untimed calls and a timed one that sizes the runs (a single sub-millisecond kernel is at the mercy of
-    one preemption)."""
+    return seconds_spread(call, device, sample_s, samples, warmup)[1]
+
+
+def seconds_spread(
+    call: Callable[[], Any], device: torch.device, sample_s: float = 0.01, samples: int = 5, warmup: int = 0
+) -> tuple[float, float, float]:
+    """Seconds per call, (min, median, max) over `samples` runs of enough calls to last about `sample_s` each,
+    after `warmup` untimed calls and a timed one that sizes the runs (a single sub-millisecond kernel is at the
+    mercy of one preemption)."""
     from scalelm.measure.device import synchronize  # imports torch: not at the module's import
 
     for _ in range(warmup):
@@ -238,7 +290,7 @@ def median_seconds(
         return (time.perf_counter() - start) / calls
 
     calls = max(1, min(1000, int(sample_s / max(run(1), 1e-7))))
-    return statistics.median(run(calls) for _ in range(samples))
+    return spread([run(calls) for _ in range(samples)])
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -260,6 +312,10 @@ def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.dev
         return lambda: gather(buffer, piece, group=group)
     if op == "reduce_scatter":
         return lambda: scatter(piece, buffer, group=group)
+    if op == "all_to_all":
+        sent, received = uneven_splits(elements, ranks, me)
+        arrived = torch.empty(sum(received), device=device)
+        return lambda: dist.all_to_all_single(arrived, buffer, received, sent, group=group)
     received = torch.empty_like(buffer)
     after = dist.get_global_rank(group, (me + 1) % ranks)
     before = dist.get_global_rank(group, (me - 1) % ranks)
@@ -275,7 +331,8 @@ def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.dev
 def time_collectives(
     scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device, iterations: int
 ) -> list[dict[str, Any]]:
-    """Every op at every size on `group`: the slowest rank's median time and the bandwidths."""
+    """Every op at every size on `group`: each repetition's slowest rank, the median and the spread over the
+    repetitions of its time and bandwidths."""
     import torch
     import torch.distributed as dist
 
@@ -296,9 +353,9 @@ def time_collectives(
                 call()
                 synchronize(device)
                 times.append(time.perf_counter() - start)
-            slowest = torch.tensor([statistics.median(times[1:])], device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            seconds = float(slowest.item())
+            slowest = torch.tensor(times[1:], device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
+            fastest, seconds, longest = spread(slowest.tolist())
             algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
             rows.append(
                 {
@@ -307,11 +364,20 @@ def time_collectives(
                     "ranks": ranks,
                     "bytes": size,
                     "time_s": seconds,
+                    "time_s_min": fastest,
+                    "time_s_max": longest,
                     "algbw_gbps": algorithm,
                     "busbw_gbps": bus,
+                    "busbw_gbps_min": bus_bandwidth(op, size, longest, ranks)[1],
+                    "busbw_gbps_max": bus_bandwidth(op, size, fastest, ranks)[1],
                 }
             )
     return rows
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(min, median, max)."""
+    return min(values), statistics.median(values), max(values)
 
 
 def node_group(procs_per_node: int, world_size: int) -> dist.ProcessGroup | None:
@@ -497,10 +563,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def measure_alone(
-    config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device, all_cores: bool
+    config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device, all_cores: bool, tp_mesh=None
 ) -> dict[str, Any]:
     """This rank's products, elementwise bandwidth and model steps, alone on its device, with its GPU's health
-    sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread."""
+    sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread; with
+    `tp_mesh` (this rank alone; eager steps only: compiled, DTensor's dispatch is traced away) also the step with
+    tensor parallelism's weights."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -512,14 +580,22 @@ def measure_alone(
         figures |= {
             "matmul": matmul_rates(shapes, device, dtype),
             "elementwise_gbps": elementwise_gbps(m * vocab, device),
-            "model_step_s": model_step_seconds(config, vocab, m, device, compiled),
-            "model_step_small_s": model_step_seconds(config, vocab, small, device, compiled),
+        }
+        full = model_step_seconds(config, vocab, m, device, compiled)
+        few = model_step_seconds(config, vocab, small, device, compiled)
+        figures |= {
+            "model_step_s": full[1],
+            "model_step_s_spread": [full[0], full[2]],
+            "model_step_small_s": few[1],
+            "model_step_small_s_spread": [few[0], few[2]],
             "model_step_small_tokens": small,
         }
+        if tp_mesh is not None and not compiled:
+            figures["model_step_tp_s"] = model_step_seconds(config, vocab, m, device, tp_mesh=tp_mesh)[1]
         if all_cores:
             threads = torch.get_num_threads()
             torch.set_num_threads(len(os.sched_getaffinity(0)))
-            figures["model_step_all_cores_s"] = model_step_seconds(config, vocab, m, device, compiled)
+            figures["model_step_all_cores_s"] = model_step_seconds(config, vocab, m, device, compiled)[1]
             torch.set_num_threads(threads)
     return figures | {"model_step_compiled": compiled, "gpu": health.result()}
 
@@ -540,11 +616,16 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         shapes = gemm_shapes(config, device.type)
         m, _, vocab = output_shape(config)
         alone: dict[str, Any] = {}
+        tp_mesh = None
+        if dist.is_initialized():  # each rank's mesh of itself alone, for the step with TP's DTensors
+            from torch.distributed.device_mesh import DeviceMesh
+
+            tp_mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
             if rank == env.rank:  # on CPU rank 0 also runs one process with every core as a thread
-                alone = measure_alone(config, shapes, vocab, device, device.type == "cpu" and rank == 0)
+                alone = measure_alone(config, shapes, vocab, device, device.type == "cpu" and rank == 0, tp_mesh)
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
             dist.barrier()
@@ -562,7 +643,8 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
                 "host": socket.gethostname(),
                 "machine": machine_id(),
                 **alone,
-                "model_step_together_s": crowded,
+                "model_step_together_s": crowded[1] if crowded else None,
+                "model_step_together_s_spread": [crowded[0], crowded[2]] if crowded else None,
                 "threads": torch.get_num_threads(),
                 "cpus": len(os.sched_getaffinity(0)),
                 "load": load.reading(),

@@ -12,7 +12,9 @@
   loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
   operation at the size of the logits;
 - fixed cost: what a pass of the model costs whatever its tokens (dispatching its operations), from the baseline's
-  model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline);
+  model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline); with tensor
+  parallelism also DTensor's dispatch of every operation of a pass, which the baseline times as the same step with
+  TP's DTensor weights on a mesh of one rank (`tp_dispatch_s`);
 - efficiency: the share of the rest of the model's own training step, timed alone on one device by the baseline,
   that the products and bytes explain (cold caches, the softmax's transcendental work), for every layout alike;
 - communication: each collective of the plan (scalelm.plan.comm) at its message size, over the bus bandwidth the
@@ -54,6 +56,9 @@ ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
+# a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
+ENDS = ("median", "fast", "slow")
+BUS_AT = {"median": "busbw_gbps", "fast": "busbw_gbps_max", "slow": "busbw_gbps_min"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Speeds:
     small_step: tuple[int, float] | None = None  # the same for fewer tokens: the step's fixed cost
     host_speedup: float | None = None  # CPU: a machine's throughput with every rank at work over one rank's alone
     thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
+    tp_dispatch_s: float = 0.0  # what a pass of the model costs more with tensor parallelism's DTensors (eager)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -77,9 +83,11 @@ class Speeds:
                 raise ConfigError(f"the machine's {name} must be positive, got {getattr(self, name)}")
 
     @classmethod
-    def from_baseline(cls, result: dict[str, Any], source: str = "") -> Speeds:
+    def from_baseline(cls, result: dict[str, Any], source: str = "", at: str = "median") -> Speeds:
         """A baseline's slowest rank's rates and its collectives: those over the whole job carry inter-node
-        traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node."""
+        traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node. `at`: the
+        median of its repetitions, or the fast or slow end of their spread (the model's step and the collectives;
+        a baseline of an older scalelm has no spread: its medians)."""
         if "elementwise_gbps_min" not in result or "model_step" not in result:
             named = f" {source}" if source else ""
             raise ConfigError(
@@ -90,21 +98,31 @@ class Speeds:
         curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
         for row in result["collectives"]:
             link = INTRA if row["scope"] == "node" or nodes == 1 else INTER
-            curves[link][row["op"]].append((row["bytes"], row["busbw_gbps"]))
+            curves[link][row["op"]].append((row["bytes"], row.get(BUS_AT[at], row["busbw_gbps"])))
         cpu = result["device"] == "cpu"
         first = result["per_rank"][0]
+        step = result["model_step"]
+        end = {"fast": 0, "slow": 1}.get(at)  # in a spread of seconds: (min, max)
+
+        def seconds(name: str) -> float:
+            spread = step.get(name.replace("_max", "_spread"))
+            return spread[end] if end is not None and spread else step[name]
+
+        def speedup() -> float | None:  # (low, high): the fast end is the high one
+            spread = step.get("host_speedup_spread")
+            return spread[1 - end] if end is not None and spread else step.get("host_speedup")
+
         return cls(
             matmul_tflops=result["matmul_tflops_min"],
             elementwise_gbps=result["elementwise_gbps_min"],
             busbw_gbps={link: {op: sorted(points) for op, points in ops.items()} for link, ops in curves.items()},
             threads=first.get("threads") if cpu else None,
             cpus=first.get("cpus") if cpu else None,
-            model_step=(result["model_step"]["tokens"], result["model_step"]["seconds_max"]),
-            small_step=(result["model_step"]["small_tokens"], result["model_step"]["small_seconds_max"])
-            if "small_tokens" in result["model_step"]
-            else None,
-            host_speedup=result["model_step"].get("host_speedup") if cpu else None,
-            thread_speedup=result["model_step"].get("thread_speedup") if cpu else None,
+            model_step=(step["tokens"], seconds("seconds_max")),
+            small_step=(step["small_tokens"], seconds("small_seconds_max")) if "small_tokens" in step else None,
+            host_speedup=speedup() if cpu else None,
+            thread_speedup=step.get("thread_speedup") if cpu else None,
+            tp_dispatch_s=step.get("tp_dispatch_s", 0.0),
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -182,13 +200,14 @@ class StepTime:
     elementwise_s: float
     efficiency: float = 1.0  # the share of the model's own step that its products and bytes explain (divided in)
     fixed_s: float = 0.0  # what its passes cost whatever their tokens (dispatch)
+    tp_dispatch_s: float = 0.0  # tensor parallelism's: DTensor's dispatch of its passes' operations
     communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
     bubble_s: float = 0.0
     all_to_all_s: float = 0.0  # expert parallelism's all-to-alls among communication_s
 
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.elementwise_s + self.fixed_s
+        return self.matmul_s + self.elementwise_s + self.fixed_s + self.tp_dispatch_s
 
     @property
     def total_s(self) -> float:
@@ -299,7 +318,8 @@ def predict(
         for flops, moved in stage_work(work, dims)
     ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
-    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed)
+    dispatch = speeds.tp_dispatch_s * passes / share / dims.pp if dims.tp > 1 else 0.0  # per op, as the fixed cost
+    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed, tp_dispatch_s=dispatch)
     flows = traffic(work, dims, gpus_per_node)
     step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)

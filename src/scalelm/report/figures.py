@@ -55,6 +55,10 @@ FIGURES = (
     Figure("planned_compute_s", "shared"),
     Figure("planned_comm_s", "shared"),
     Figure("planned_bubble_s", "shared"),
+    Figure("planned_all_to_all_s", "shared"),  # expert parallelism's all-to-alls among planned_comm_s
+    Figure("planned_step_time_s_min", "shared"),  # planned at the fast end of the baseline's spread
+    Figure("planned_step_time_s_max", "shared"),  # ... at its slow end
+    Figure("steptime_blame"),  # a step beyond the model's goal: the plan's part furthest from the profiled steps
     Figure("machine_disturbed"),  # why the machine's baseline the plan used was disturbed (report.disturbance)
     Figure("baseline", "shared"),
     Figure("speedup", "spread", timed=True),

@@ -27,8 +27,12 @@ COLUMNS = [
     "ranks",
     "bytes",
     "time_s",
+    "time_s_min",
+    "time_s_max",
     "algbw_gbps",
     "busbw_gbps",
+    "busbw_gbps_min",
+    "busbw_gbps_max",
 ]
 CHECK_COLUMNS = ["nodes", "figure", "value", "reference", "share", "threshold", "status"]
 
@@ -102,6 +106,20 @@ def disturbed(baselines: list[dict[str, Any]], nodes: int) -> str:
     return next((b.get("disturbed") or "" for b in baselines if b["nodes"] == nodes), "")
 
 
+def model_step_cell(baseline: dict[str, Any]) -> str:
+    step = baseline.get("model_step")  # not in a baseline of an older scalelm
+    return with_spread(step["seconds_max"], step.get("seconds_spread")) if step else ""
+
+
+def spread_of(row: dict[str, Any]) -> list[float] | None:
+    return [row["busbw_gbps_min"], row["busbw_gbps_max"]] if "busbw_gbps_min" in row else None
+
+
+def with_spread(value: float, spread: list[float] | None) -> str:
+    """A median with its spread (min-max), where the baseline measured one (not before scalelm timed repetitions)."""
+    return fmt(value) + (f" ({fmt(spread[0])}-{fmt(spread[1])})" if spread else "")
+
+
 def check_cell(check: dict[str, Any], column: str) -> str:
     """A reference check's cell in summary.md: the status in bold, the share as a percentage."""
     if column == "status":
@@ -122,7 +140,8 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
             str(b["procs_per_node"]),
             ", ".join(b["hosts"]),
             fmt(b["matmul_tflops_min"]),
-            *(fmt(found[key]["busbw_gbps"]) if key in found else "" for key in keys),
+            model_step_cell(b),
+            *(with_spread(found[key]["busbw_gbps"], spread_of(found[key])) if key in found else "" for key in keys),
         ]
         for b, found in zip(baselines, at_largest)
     ]
@@ -132,12 +151,14 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
         "## The machine",
         "",
         "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
-        "(the slowest rank's TFLOP/s) and each collective's bus bandwidth (nccl-tests' convention) at the largest "
-        f"message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), over the job (`job_`) and within a node "
-        "(`node_`).",
+        "(the slowest rank's TFLOP/s), the model's own step alone (the slowest rank's) and each collective's bus "
+        f"bandwidth (nccl-tests' convention) at the largest message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), "
+        "over the job (`job_`) and within a node (`node_`); the median of the repetitions, their spread (min-max) in "
+        "brackets.",
         "",
     ]
-    lines += markdown_table(["nodes", "processes", "hosts", "matmul TFLOP/s", *(f"{key} GB/s" for key in keys)], table)
+    headers = ["nodes", "processes", "hosts", "matmul TFLOP/s", "model step s", *(f"{key} GB/s" for key in keys)]
+    lines += markdown_table(headers, table)
     troubled = [f"on {b['nodes']} node(s) {b['disturbed']}" for b in baselines if b.get("disturbed")]
     if troubled:
         lines += [
