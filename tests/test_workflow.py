@@ -329,10 +329,10 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         machine = list(csv.DictReader(handle))
     assert {(r["nodes"], r["procs_per_node"]) for r in machine} == {("1", "2"), ("2", "1")}
     assert {(r["scope"], r["op"]) for r in machine if r["nodes"] == "2"} == {
-        ("job", op) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        ("job", op) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
     }
     assert {r["scope"] for r in machine if r["nodes"] == "1"} == {"job"}  # one node: the job is the node
-    assert all(float(r["busbw_gbps"]) > 0 for r in machine)
+    assert all(0 < float(r["busbw_gbps_min"]) <= float(r["busbw_gbps"]) <= float(r["busbw_gbps_max"]) for r in machine)
     summary = (results / "summary.md").read_text()
     assert "## The machine" in summary and "## Step time: measured and planned" in summary
     # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)
