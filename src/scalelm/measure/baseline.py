@@ -226,18 +226,16 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
     are real, less where they share caches or a physical core)."""
     slowest = max(per_rank, key=lambda r: r["model_step_s"])
     alone = slowest["model_step_s"]
-    figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone}
-    if "model_step_s_spread" in slowest:  # its runs' fastest and slowest: the model's own spread
-        figures["seconds_spread"] = slowest["model_step_s_spread"]
+    # the slowest rank's runs' fastest and slowest: the model's own spread
+    figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone, "seconds_spread": slowest["model_step_s_spread"]}
     first = per_rank[0]
     if slowest.get("model_step_small_s") and slowest["model_step_small_tokens"] < tokens:
         # the same rank's: a line through two ranks' steps would take their difference for a fixed cost
         figures |= {
             "small_tokens": slowest["model_step_small_tokens"],
             "small_seconds_max": slowest["model_step_small_s"],
+            "small_seconds_spread": slowest["model_step_small_s_spread"],
         }
-        if "model_step_small_s_spread" in slowest:
-            figures["small_seconds_spread"] = slowest["model_step_small_s_spread"]
     if first.get("model_step_tp_s"):  # DTensor's dispatch: what the same step costs more with TP's weights
         excess = statistics.median(r["model_step_tp_s"] - r["model_step_s"] for r in per_rank)  # a rank's: noisy
         figures["tp_dispatch_s"] = max(excess, 0.0)
@@ -252,11 +250,11 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
             "ranks_per_host": ranks_per_host,
             "host_speedup": ranks_per_host * alone / slowest_together,
         }
-        if all("model_step_together_s_spread" in r for r in together):
-            # with every rank at work a machine's throughput moves most: the ranks' slowest and fastest runs
-            longest = max(r["model_step_together_s_spread"][1] for r in together)
-            shortest = max(r["model_step_together_s_spread"][0] for r in together)  # all ranks: the slowest's best
-            figures["host_speedup_spread"] = [ranks_per_host * alone / longest, ranks_per_host * alone / shortest]
+        # with every rank at work a machine's throughput moves most: the ranks' slowest run, and the best run of
+        # the rank whose best was slowest (all ranks are needed for the machine's throughput)
+        longest = max(r["model_step_together_s_spread"][1] for r in together)
+        shortest = max(r["model_step_together_s_spread"][0] for r in together)
+        figures["host_speedup_spread"] = [ranks_per_host * alone / longest, ranks_per_host * alone / shortest]
     return figures
 
 
@@ -378,6 +376,12 @@ def time_collectives(
 def spread(values: list[float]) -> tuple[float, float, float]:
     """(min, median, max)."""
     return min(values), statistics.median(values), max(values)
+
+
+def timed(name: str, seconds: tuple[float, float, float]) -> dict[str, Any]:
+    """A timing's median as `name` and its (min, max) as `<name>_spread`, as the per-rank figures hold them."""
+    fastest, median, longest = seconds
+    return {name: median, f"{name}_spread": [fastest, longest]}
 
 
 def node_group(procs_per_node: int, world_size: int) -> dist.ProcessGroup | None:
@@ -581,15 +585,9 @@ def measure_alone(
             "matmul": matmul_rates(shapes, device, dtype),
             "elementwise_gbps": elementwise_gbps(m * vocab, device),
         }
-        full = model_step_seconds(config, vocab, m, device, compiled)
-        few = model_step_seconds(config, vocab, small, device, compiled)
-        figures |= {
-            "model_step_s": full[1],
-            "model_step_s_spread": [full[0], full[2]],
-            "model_step_small_s": few[1],
-            "model_step_small_s_spread": [few[0], few[2]],
-            "model_step_small_tokens": small,
-        }
+        figures |= timed("model_step_s", model_step_seconds(config, vocab, m, device, compiled))
+        figures |= timed("model_step_small_s", model_step_seconds(config, vocab, small, device, compiled))
+        figures["model_step_small_tokens"] = small
         if tp_mesh is not None and not compiled:
             figures["model_step_tp_s"] = model_step_seconds(config, vocab, m, device, tp_mesh=tp_mesh)[1]
         if all_cores:
@@ -629,7 +627,9 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
             dist.barrier()
-            crowded = model_step_seconds(config, vocab, m, device, alone["model_step_compiled"])
+            crowded = timed(
+                "model_step_together_s", model_step_seconds(config, vocab, m, device, alone["model_step_compiled"])
+            )
         collectives = []
         if env.world_size > 1:
             sizes = message_sizes(args.min_bytes, args.max_bytes)
@@ -643,8 +643,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
                 "host": socket.gethostname(),
                 "machine": machine_id(),
                 **alone,
-                "model_step_together_s": crowded[1] if crowded else None,
-                "model_step_together_s_spread": [crowded[0], crowded[2]] if crowded else None,
+                **(crowded or {"model_step_together_s": None}),
                 "threads": torch.get_num_threads(),
                 "cpus": len(os.sched_getaffinity(0)),
                 "load": load.reading(),

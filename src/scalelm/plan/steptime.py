@@ -104,9 +104,8 @@ class Speeds:
         step = result["model_step"]
         end = {"fast": 0, "slow": 1}.get(at)  # in a spread of seconds: (min, max)
 
-        def seconds(name: str) -> float:
-            spread = step.get(name.replace("_max", "_spread"))
-            return spread[end] if end is not None and spread else step[name]
+        def seconds(median: str, spread: str) -> float:
+            return step[spread][end] if end is not None and spread in step else step[median]
 
         def speedup() -> float | None:  # (low, high): the fast end is the high one
             spread = step.get("host_speedup_spread")
@@ -118,8 +117,10 @@ class Speeds:
             busbw_gbps={link: {op: sorted(points) for op, points in ops.items()} for link, ops in curves.items()},
             threads=first.get("threads") if cpu else None,
             cpus=first.get("cpus") if cpu else None,
-            model_step=(step["tokens"], seconds("seconds_max")),
-            small_step=(step["small_tokens"], seconds("small_seconds_max")) if "small_tokens" in step else None,
+            model_step=(step["tokens"], seconds("seconds_max", "seconds_spread")),
+            small_step=(step["small_tokens"], seconds("small_seconds_max", "small_seconds_spread"))
+            if "small_tokens" in step
+            else None,
             host_speedup=speedup() if cpu else None,
             thread_speedup=step.get("thread_speedup") if cpu else None,
             tp_dispatch_s=step.get("tp_dispatch_s", 0.0),
