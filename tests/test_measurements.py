@@ -413,7 +413,9 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
 
     config, out, port = tiny_config("baseline"), tmp_path / "baseline.json", free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}"]
-    options = [f"--out={out}", f"--config={config}", "--min-bytes=4096", f"--max-bytes={2**18}", "--iterations=3"]
+    experts = tiny_config("experts", model__moe={"experts": 4, "top_k": 2})  # an expert-parallel experiment's
+    options = [f"--out={out}", f"--config={config}", f"--expert-config={experts}", "--min-bytes=4096"]
+    options += [f"--max-bytes={2**18}", "--iterations=3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", *rendezvous]
     command = [*torchrun, "-m", "scalelm.measure.baseline", *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -452,8 +454,11 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
         assert row["busbw_gbps_min"] <= row["busbw_gbps"] <= row["busbw_gbps_max"]
     step = result["model_step"]
     assert step["seconds_spread"][0] <= step["seconds_max"] <= step["seconds_spread"][1]
-    # the same step with TP's DTensor weights on each rank's mesh of itself: DTensor's dispatch, never negative
-    assert all(r["model_step_tp_s"] > 0 for r in result["per_rank"]) and step["tp_dispatch_s"] >= 0
+    # the first rank's step again with each layout's machinery in its one process: what each costs more, never less
+    overheads, spreads = step["layout_overhead_s"], step["layout_overhead_s_spread"]
+    assert set(overheads) == set(spreads) == {"tp", "cp", "ep"}  # (runs paired with the plain step's: noisy)
+    assert all(0 <= spreads[name][0] <= seconds <= spreads[name][1] for name, seconds in overheads.items())
+    assert [bool(r.get("layout_overhead_s")) for r in result["per_rank"]] == [True, False, False, False]
     assert step["small_seconds_spread"][0] <= step["small_seconds_max"] <= step["small_seconds_spread"][1]
     assert "all_reduce      job  4 ranks" in "".join(outputs) and f"written to {out}" in "".join(outputs)
 

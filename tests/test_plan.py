@@ -483,14 +483,22 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     step = baseline["model_step"] | {"host_speedup": 1.5, "host_speedup_spread": [1.2, 1.8]}
     cpu = baseline | {"device": "cpu", "per_rank": [{"rank": 0, "threads": 1, "cpus": 2}], "model_step": step}
     assert [Speeds.from_baseline(cpu, at=at).host_speedup for at in ("fast", "median", "slow")] == [1.8, 1.5, 1.2]
-    # DTensor's dispatch, per pass: a tensor-parallel layout's compute pays it, the others not
-    baseline["model_step"]["tp_dispatch_s"] = 0.01
-    dispatching = Speeds.from_baseline(baseline)
-    tp_step = predict(work, dims, 4, dispatching)
-    passes = tp_step.tp_dispatch_s / 0.01  # forward and backward passes of a step (a GPU: no CPU sharing)
+    # a layout's overheads, per pass: DTensor's dispatch for tp, the ring for cp (its steps grow with cp: the
+    # baseline's ring has 2 ranks), the mixture's dispatch for ep; each layout's compute pays its own, none other's
+    baseline["model_step"]["layout_overhead_s"] = {"tp": 0.01, "cp": 0.02, "ep": 0.03}
+    baseline["model_step"]["layout_overhead_s_spread"] = {"tp": [0.0, 0.02], "cp": [0.01, 0.03], "ep": [0.02, 0.05]}
+    overheads = Speeds.from_baseline(baseline)
+    assert Speeds.from_baseline(baseline, at="slow").layout_overhead_s == {"tp": 0.02, "cp": 0.03, "ep": 0.05}
+    tp_step = predict(work, dims, 4, overheads)
+    (passes,) = (tp_step.overhead_s["tp"] / 0.01,)  # forward and backward passes of a step (a GPU: no CPU sharing)
     assert passes >= 1 and passes == pytest.approx(round(passes))
-    assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + tp_step.tp_dispatch_s)
-    assert predict(work, ParallelDims(dp_shard=8), 4, dispatching).tp_dispatch_s == 0
+    assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + tp_step.overhead_s["tp"])
+    assert predict(work, ParallelDims(dp_shard=8), 4, overheads).overhead_s == {}
+    assert predict(work, ParallelDims(dp_shard=2, cp=4), 4, overheads).overhead_s == {
+        "cp": pytest.approx(0.04 * passes)
+    }
+    moe = Workload(load_config(None, ["model.n_layers=4", "model.moe.experts=8"]), 28785, "cuda")
+    assert predict(moe, ParallelDims(dp_shard=8, ep=4), 4, overheads).overhead_s == {"ep": pytest.approx(0.03 * passes)}
     assert from_file["tp"]["step_time"]["compute_s"] == pytest.approx(2 * layouts["tp"]["step_time"]["compute_s"])
     (tp_comm,) = from_file["tp"]["step_time"]["communication_s"].values()  # smaller messages than the baseline's
     assert tp_comm > sum(layouts["tp"]["step_time"]["communication_s"].values())  # 64 MiB: each takes its time

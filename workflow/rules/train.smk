@@ -81,6 +81,7 @@ rule evaluate:
 rule machine_baseline:
     input:
         config=STUDY.baseline_config,
+        experts=STUDY.baseline_expert_config,
         image=image_input,
     output:
         STUDY.baseline_file("{nodes}"),

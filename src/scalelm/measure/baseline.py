@@ -11,9 +11,11 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   product and over all of them (their FLOPs over their time), per rank;
 - the model's own training step, alone on one device for one micro-batch (forward with the loss, backward, AdamW),
   compiled where the settings compile (`train.compile`) and eager otherwise, as training runs it (the record says
-  which), against which the step-time model measures how much of a step its FLOPs and bytes explain; eager, again
-  with tensor parallelism's DTensor weights on a mesh of one rank: the excess is DTensor's dispatch per step
-  (`tp_dispatch_s`), which the model adds to a tensor-parallel layout's step;
+  which), against which the step-time model measures how much of a step its FLOPs and bytes explain; on the first
+  rank, eager, again with each layout's machinery that one process can run (`layout_overheads`: tensor parallelism's
+  DTensor weights on a mesh of one rank, a context-parallel ring simulated in the process, an expert-parallel
+  experiment's mixture sent to its experts over a mesh of one rank): the excess, per step, is what the step-time model
+  adds to those layouts' steps (`layout_overhead_s`);
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
@@ -179,15 +181,28 @@ def elementwise_gbps(elements: int, device: torch.device) -> float:
 
 
 def model_step_seconds(
-    config, vocab: int, tokens: int, device: torch.device, compiled: bool = False, tp_mesh=None
+    config, vocab: int, tokens: int, device: torch.device, compiled: bool = False
 ) -> tuple[float, float, float]:
     """Seconds (min, median, max over its timed runs) of one training step of the model alone on this device
-    (forward with the loss, backward, AdamW) for `tokens` tokens, its blocks (and on CUDA its head) compiled as
-    training compiles them (train.compile_mode) where `compiled`: what the step-time model's matrix products and
+    (`model_step`), compiled as training compiles it where `compiled`: what the step-time model's matrix products and
     elementwise bytes leave out (dispatch, cold caches, the softmax's transcendental work) shows as its efficiency
-    (scalelm.plan.steptime). With `tp_mesh` (a mesh of this rank alone) the blocks' weights are DTensors as tensor
-    parallelism makes them (scalelm.parallel.tensor.apply_tp): the step's excess over the plain one is DTensor's
-    dispatch, which a tensor-parallel step pays whatever its degree."""
+    (scalelm.plan.steptime)."""
+    step = model_step(config, vocab, tokens, device, compiled)
+    # compiling happens in the first calls (forward and backward, then the optimizer's first step): untimed
+    return seconds_spread(step, device, sample_s=MODEL_STEP_SAMPLE_S, warmup=COMPILED_WARMUP if compiled else 0)
+
+
+def model_step(
+    config,
+    vocab: int,
+    tokens: int,
+    device: torch.device,
+    compiled: bool = False,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> Callable[[], None]:
+    """One training step of the model (forward with the loss, backward, AdamW) for `tokens` tokens, ready to call:
+    its blocks (and on CUDA its head) compiled as training compiles them (train.compile_mode) where `compiled`;
+    `prepare` changes the model before its optimizer is made (`layout_overheads`)."""
     import torch
 
     from scalelm.model.transformer import TransformerLM
@@ -196,10 +211,8 @@ def model_step_seconds(
 
     torch.manual_seed(0)
     model = TransformerLM(config.model, vocab).to(device)
-    if tp_mesh is not None:
-        from scalelm.parallel.tensor import apply_tp
-
-        apply_tp(model, tp_mesh, loss_parallel=False, sequence_parallel=False)
+    if prepare is not None:
+        prepare(model)
     if compiled:
         torch._dynamo.reset()  # a training compiles one shape: a second one here would be compiled shape-generic
         compiling.apply_compile(model, device, config.train.compile_mode)
@@ -214,8 +227,57 @@ def model_step_seconds(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # compiling happens in the first calls (forward and backward, then the optimizer's first step): untimed
-    return seconds_spread(step, device, sample_s=MODEL_STEP_SAMPLE_S, warmup=COMPILED_WARMUP if compiled else 0)
+    return step
+
+
+RING_RANKS = 2  # the context-parallel ring the baseline simulates in one process (`layout_overheads`)
+
+
+def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh, compiled: bool, moe=None) -> dict:
+    """What a step of one micro-batch of `tokens` costs more with a layout's machinery, run in this one process, than
+    the plain model's (eager), in seconds (0 where it costs less): the median of `excess_seconds` by name in
+    `layout_overhead_s`, its (min, max) in `layout_overhead_s_spread`. `tp`, the blocks' weights DTensors on
+    `mesh` (this rank alone) as tensor parallelism makes them: DTensor's dispatch, which a tensor-parallel step pays
+    whatever its degree (not where training compiles: traced away); `cp`, every attention a RING_RANKS-way ring
+    simulated here (scalelm.parallel.context.simulated_ring_attention: a real ring's blocks, kernels and merges,
+    every rank's), a rank's share; `ep`, with the mixture `moe` (an expert-parallel experiment's, where the study
+    has one) in the blocks, its experts split over `mesh` and their rows sent there (the dispatch's counts, host
+    read, permutations and all-to-alls, the experts as DTensors), against the same mixture without."""
+    from dataclasses import replace
+
+    from scalelm.parallel.expert import apply_ep
+    from scalelm.parallel.tensor import apply_tp
+
+    def excess(prepare, settings=config, share: float = 1.0) -> tuple[float, float, float]:
+        plain, machinery = (model_step(settings, vocab, tokens, device, prepare=p) for p in (None, prepare))
+        return tuple(max(seconds * share, 0.0) for seconds in excess_seconds(plain, machinery, device))
+
+    overheads = {"cp": excess(simulate_ring(config.parallel.cp_load_balance), share=1 / RING_RANKS)}
+    if not compiled:
+        overheads["tp"] = excess(lambda m: apply_tp(m, mesh, loss_parallel=False, sequence_parallel=False))
+    if moe is not None:
+        overheads["ep"] = excess(lambda m: apply_ep(m, mesh), replace(config, model=replace(config.model, moe=moe)))
+    return {
+        "layout_overhead_s": {name: median for name, (_, median, _) in sorted(overheads.items())},
+        "layout_overhead_s_spread": {name: [low, high] for name, (low, _, high) in sorted(overheads.items())},
+    }
+
+
+def simulate_ring(load_balance: bool) -> Callable[[torch.nn.Module], None]:
+    """Makes every attention of a model a RING_RANKS-way ring run in this process."""
+    import torch
+
+    from scalelm.parallel.context import simulated_ring_attention
+
+    def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        seed = torch.randint(2**62, (), dtype=torch.int64) if dropout_p else None  # as RingCore draws it
+        return simulated_ring_attention(q, k, v, RING_RANKS, load_balance, dropout_p, seed)
+
+    def prepare(model: torch.nn.Module) -> None:
+        for block in model.blocks.values():
+            block.attn.core = ring
+
+    return prepare
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -236,9 +298,8 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
             "small_seconds_max": slowest["model_step_small_s"],
             "small_seconds_spread": slowest["model_step_small_s_spread"],
         }
-    if first.get("model_step_tp_s"):  # DTensor's dispatch: what the same step costs more with TP's weights
-        excess = statistics.median(r["model_step_tp_s"] - r["model_step_s"] for r in per_rank)  # a rank's: noisy
-        figures["tp_dispatch_s"] = max(excess, 0.0)
+    if first.get("layout_overhead_s"):
+        figures |= {key: first[key] for key in ("layout_overhead_s", "layout_overhead_s_spread")}
     if first.get("model_step_all_cores_s"):
         figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
     together = [r for r in per_rank if r.get("model_step_together_s")]
@@ -274,21 +335,37 @@ def seconds_spread(
     """Seconds per call, (min, median, max) over `samples` runs of enough calls to last about `sample_s` each,
     after `warmup` untimed calls and a timed one that sizes the runs (a single sub-millisecond kernel is at the
     mercy of one preemption)."""
-    from scalelm.measure.device import synchronize  # imports torch: not at the module's import
-
     for _ in range(warmup):
         call()
+    calls = calls_lasting(call, device, sample_s)
+    return spread([per_call(call, device, calls) for _ in range(samples)])
 
-    def run(calls: int) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        synchronize(device)
-        return (time.perf_counter() - start) / calls
 
-    calls = max(1, min(1000, int(sample_s / max(run(1), 1e-7))))
-    return spread([run(calls) for _ in range(samples)])
+def excess_seconds(
+    call: Callable[[], Any], other: Callable[[], Any], device: torch.device, pairs: int = 7
+) -> tuple[float, float, float]:
+    """What `other` takes more than `call` per call, (min, median, max) over `pairs` runs of each timed back to back
+    (the machine's drift between runs, which moves either alone by more than the difference, cancels in a pair)."""
+    calls = calls_lasting(call, device, MODEL_STEP_SAMPLE_S)
+    per_call(other, device, 1)  # its first call: what the runs of `call` sized above paid for it
+    return spread([per_call(other, device, calls) - per_call(call, device, calls) for _ in range(pairs)])
+
+
+def calls_lasting(call: Callable[[], Any], device: torch.device, seconds: float) -> int:
+    """How many calls last about `seconds`, from one timed call."""
+    return max(1, min(1000, int(seconds / max(per_call(call, device, 1), 1e-7))))
+
+
+def per_call(call: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """Seconds per call over `calls` calls, the device synchronised before and after."""
+    from scalelm.measure.device import synchronize  # imports torch: not at the module's import
+
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -567,12 +644,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def measure_alone(
-    config, shapes: dict[str, tuple[int, int, int]], vocab: int, device: torch.device, all_cores: bool, tp_mesh=None
+    config,
+    shapes: dict[str, tuple[int, int, int]],
+    vocab: int,
+    device: torch.device,
+    all_cores: bool,
+    mesh=None,
+    moe=None,
 ) -> dict[str, Any]:
     """This rank's products, elementwise bandwidth and model steps, alone on its device, with its GPU's health
     sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread; with
-    `tp_mesh` (this rank alone; eager steps only: compiled, DTensor's dispatch is traced away) also the step with
-    tensor parallelism's weights."""
+    `mesh` (this rank alone: the first rank's) also the layouts' overheads (`layout_overheads`, with `moe`)."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -588,8 +670,8 @@ def measure_alone(
         figures |= timed("model_step_s", model_step_seconds(config, vocab, m, device, compiled))
         figures |= timed("model_step_small_s", model_step_seconds(config, vocab, small, device, compiled))
         figures["model_step_small_tokens"] = small
-        if tp_mesh is not None and not compiled:
-            figures["model_step_tp_s"] = model_step_seconds(config, vocab, m, device, tp_mesh=tp_mesh)[1]
+        if mesh is not None:
+            figures |= layout_overheads(config, vocab, m, device, mesh, compiled, moe)
         if all_cores:
             threads = torch.get_num_threads()
             torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -614,16 +696,20 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         shapes = gemm_shapes(config, device.type)
         m, _, vocab = output_shape(config)
         alone: dict[str, Any] = {}
-        tp_mesh = None
-        if dist.is_initialized():  # each rank's mesh of itself alone, for the step with TP's DTensors
+        mesh = None
+        if dist.is_initialized():  # each rank's mesh of itself alone, for the layouts' overheads (every rank makes it)
             from torch.distributed.device_mesh import DeviceMesh
 
-            tp_mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
+            mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
+        moe = load_config(args.expert_config).model.moe if args.expert_config else None
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
             if rank == env.rank:  # on CPU rank 0 also runs one process with every core as a thread
-                alone = measure_alone(config, shapes, vocab, device, device.type == "cpu" and rank == 0, tp_mesh)
+                first = rank == 0
+                alone = measure_alone(
+                    config, shapes, vocab, device, device.type == "cpu" and first, mesh if first else None, moe
+                )
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
             dist.barrier()
@@ -722,6 +808,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the baseline's JSON file")
     parser.add_argument(
         "--config", type=Path, help="training settings whose matrix products to time (default: the course's)"
+    )
+    parser.add_argument(
+        "--expert-config",
+        type=Path,
+        help="an expert-parallel experiment's training settings: its mixture's dispatch is timed (layout_overheads)",
     )
     parser.add_argument("--min-bytes", type=int, default=2**12)
     parser.add_argument("--max-bytes", type=int, default=2**26, help="largest message (default 64 MiB)")

@@ -12,9 +12,11 @@
   loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
   operation at the size of the logits;
 - fixed cost: what a pass of the model costs whatever its tokens (dispatching its operations), from the baseline's
-  model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline); with tensor
-  parallelism also DTensor's dispatch of every operation of a pass, which the baseline times as the same step with
-  TP's DTensor weights on a mesh of one rank (`tp_dispatch_s`);
+  model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline);
+- a layout's overheads, per micro-batch pass as the fixed cost: what the baseline's model step cost more with the
+  layout's machinery run in one process (scalelm.measure.baseline.layout_overheads): tensor parallelism's DTensor
+  dispatch, a context-parallel rank's ring of blocks in place of one attention kernel (its steps, and so its
+  overhead, grow with cp: the baseline's ring has RING_RANKS), expert parallelism's dispatch of a mixture's rows;
 - efficiency: the share of the rest of the model's own training step, timed alone on one device by the baseline,
   that the products and bytes explain (cold caches, the softmax's transcendental work), for every layout alike;
 - communication: each collective of the plan (scalelm.plan.comm) at its message size, over the bus bandwidth the
@@ -46,6 +48,7 @@ from typing import Any
 
 from scalelm.errors import ConfigError
 from scalelm.launch.launcher import threads_per_process
+from scalelm.measure.baseline import RING_RANKS
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
 from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
@@ -74,7 +77,8 @@ class Speeds:
     small_step: tuple[int, float] | None = None  # the same for fewer tokens: the step's fixed cost
     host_speedup: float | None = None  # CPU: a machine's throughput with every rank at work over one rank's alone
     thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
-    tp_dispatch_s: float = 0.0  # what a pass of the model costs more with tensor parallelism's DTensors (eager)
+    # what a pass of the model costs more with a layout's machinery: tp, cp (a RING_RANKS-way ring), ep
+    layout_overhead_s: dict[str, float] = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -123,7 +127,10 @@ class Speeds:
             else None,
             host_speedup=speedup() if cpu else None,
             thread_speedup=step.get("thread_speedup") if cpu else None,
-            tp_dispatch_s=step.get("tp_dispatch_s", 0.0),
+            layout_overhead_s={
+                name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
+                for name, seconds in step.get("layout_overhead_s", {}).items()
+            },
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -201,14 +208,14 @@ class StepTime:
     elementwise_s: float
     efficiency: float = 1.0  # the share of the model's own step that its products and bytes explain (divided in)
     fixed_s: float = 0.0  # what its passes cost whatever their tokens (dispatch)
-    tp_dispatch_s: float = 0.0  # tensor parallelism's: DTensor's dispatch of its passes' operations
+    overhead_s: dict[str, float] = field(default_factory=dict)  # the layout's machinery's, by degree (tp, cp, ep)
     communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
     bubble_s: float = 0.0
     all_to_all_s: float = 0.0  # expert parallelism's all-to-alls among communication_s
 
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.elementwise_s + self.fixed_s + self.tp_dispatch_s
+        return self.matmul_s + self.elementwise_s + self.fixed_s + sum(self.overhead_s.values())
 
     @property
     def total_s(self) -> float:
@@ -319,8 +326,13 @@ def predict(
         for flops, moved in stage_work(work, dims)
     ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
-    dispatch = speeds.tp_dispatch_s * passes / share / dims.pp if dims.tp > 1 else 0.0  # per op, as the fixed cost
-    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed, tp_dispatch_s=dispatch)
+    used = {"tp": dims.tp > 1, "cp": dims.cp / RING_RANKS if dims.cp > 1 else 0, "ep": dims.ep > 1}
+    overhead = {  # per operation, as the fixed cost
+        name: seconds * used[name] * passes / share / dims.pp
+        for name, seconds in speeds.layout_overhead_s.items()
+        if used.get(name)
+    }
+    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed, overhead_s=overhead)
     flows = traffic(work, dims, gpus_per_node)
     step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)

@@ -173,12 +173,21 @@ class Study:
         machine = self.settings.machine
         config, max_bytes = self.baseline_config(wildcards), int(machine.max_mb * 2**20)
         args = ["--config", config, "--max-bytes", str(max_bytes), "--iterations", str(machine.iterations)]
+        args += [arg for experts in self.baseline_expert_config(wildcards) for arg in ("--expert-config", experts)]
         return shlex.join([*args, *(["--interconnect", self.site.interconnect] if self.site.interconnect else [])])
 
     def baseline_config(self, wildcards) -> str:
         """The training settings of the experiment a baseline stands in for (the matrix products it times)."""
         e = self.baselines[int(wildcards.nodes)]
         return str(RunDir.of(self.results, e.name, e.seed).train_config)
+
+    def baseline_expert_config(self, wildcards) -> list[str]:
+        """The training settings of the study's first expert-parallel experiment, whose mixture's dispatch the
+        baseline times (layout_overheads); none without one."""
+        for e in self.matrix.values():
+            if e.dims.ep > 1:
+                return [str(RunDir.of(self.results, e.name, e.seed).train_config)]
+        return []
 
     def aggregate_args(self) -> str:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
