@@ -45,6 +45,7 @@ def fake_run(
     threads="2",
     other_cores=None,
     moe=False,
+    study=None,
 ):
     """A finished run as training, consolidation and evaluation leave it: 20 steps logged every 2, all steps
     `step_time` long, validation at steps 10 and 20; with `other_cores`, its host's load: 2 CPUs, the run's ranks
@@ -130,6 +131,8 @@ def fake_run(
             },
             "comm": {"share": 0.5, "all_to_all_share": 0.2},
         }
+    if study:
+        record["config"]["study"] = study
     if other_cores is not None:
         record["host_load"] = {
             f"{experiment}-{seed}": {
@@ -464,6 +467,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
             hour=12,
             numpy="2.5.0",
             threads="1",
+            study="week2",  # trained again for a study of that name (the workflow's `study`)
         )
         for seed in (1, 2)
     ]
@@ -474,6 +478,7 @@ def test_the_history_records_each_run_once_and_parallel_writers_lose_nothing(tmp
     )
     summary = (tmp_path / "week2/summary.md").read_text()
     assert "## Since the previous study" in summary and "first" in summary
+    assert history_store.studies(db)[-1].endswith(f"{tmp_path / 'week2'} (week2)")  # the history names it
     flagged = "| missed min_tokens_per_s_per_device, regression tokens_per_s_per_device, regression step_time_s |"
     assert flagged in summary  # the lead table's flags
     # beside each regression, what changed: the package version and the thread count

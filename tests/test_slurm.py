@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -112,9 +113,26 @@ def snakemake_on_slurm(project: Path, *args: str, run: bool = True):
     return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=960)
 
 
+def submitted_rules(since: dict[str, str]) -> Counter:
+    """The Slurm jobs accounted after those of `since` (`submissions()`), counted by the rule the Snakemake plugin
+    names in each job's comment (rule_<rule>_wildcards_...; stored with AccountingStoreFlags=job_comment)."""
+    return Counter(re.match(r"rule_(\w+?)(?:_wildcards_|$)", c)[1] for j, c in submissions().items() if j not in since)
+
+
+def submissions() -> dict[str, str]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,Comment"], capture_output=True, text=True).stdout
+    return dict(line.split("|", 1) for line in out.splitlines() if line)
+
+
 def test_matrix_runs_on_slurm_across_two_nodes_and_failures_are_reported(project):
+    before = submissions()
     result = snakemake_on_slurm(project)
     output = result.stdout + result.stderr
+    # a job per training (the broken one's resubmissions too), one per model to consolidate and evaluate, one per
+    # node count's machine baseline; the settings files and memory plans are written by Snakemake itself
+    jobs = submitted_rules(before)
+    assert set(jobs) == {"train", "evaluate", "machine_baseline"} and jobs["train"] >= 7, jobs
+    assert jobs["evaluate"] == 6 and jobs["machine_baseline"] == 2, jobs
     # the broken experiment fails (keep-going lets the others finish); everything else completes
     assert result.returncode != 0
     assert "Error in rule train" in output and "experiment=broken" in output

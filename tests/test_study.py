@@ -174,10 +174,14 @@ def test_the_machine_baseline_runs_once_per_node_count_on_its_widest_experiment(
     assert study.launch_args(wildcards).startswith("--nodes 2 --procs-per-node 2")
     options = study.baseline_args(wildcards).split()
     assert options[:2] == ["--config", f"results/local/runs/{study.baselines[2].name}/seed1/train.yaml"]
-    assert options[2:] == ["--max-bytes", str(4 * 2**20), "--iterations", "3"]  # config/local.yaml's machine:
+    assert options[2:6] == ["--max-bytes", str(4 * 2**20), "--iterations", "3"]  # config/local.yaml's machine:
+    # the mixture whose dispatch it times: the first expert-parallel experiment's (none in a study without one)
+    assert options[6:] == ["--expert-config", "results/local/runs/moe_ep/seed1/train.yaml"]
     assert "--machine results/local/machine/nodes1.json --machine results/local/machine/nodes2.json" in (
         study.aggregate_args()
     )
+    dense = resolve(local_config(lambda local: local["experiments"].update(moe_ep=None)))
+    assert "--expert-config" not in dense.baseline_args(wildcards)
     skipped = resolve(local_config(lambda local: local.update(machine={"enabled": False})))
     assert skipped.baselines == {} and "--machine" not in skipped.aggregate_args()
 
@@ -368,6 +372,7 @@ def test_seeds_not_given_as_a_list_are_refused_saying_how_to_give_them():
             "seeds: 18446744073709551616 is not an integer from 0 to 4294967295",
         ),
         (lambda config: config.update(results=" "), "results is empty"),
+        (lambda config: config.update(study="../x"), r"study '../x' is not a study name: letters, digits, '.', '_'"),
         (lambda config: config["experiments"].update({"-ddp": {}}), "the name '-ddp' must be 1 to 64 letters"),
         (lambda config: config["experiments"].update({"x" * 65: {}}), "must be 1 to 64 letters, digits"),
         (

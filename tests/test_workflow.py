@@ -81,9 +81,8 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert (
-        jobs["plan"] == jobs["train"] == jobs["consolidate"] == jobs["evaluate"] == 18
-    )  # plan: memory, before the queue
+    assert jobs["plan"] == jobs["train"] == jobs["evaluate"] == 18  # plan: memory, before the queue
+    assert "consolidate" not in jobs  # evaluate consolidates the model first: one job, one process
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
     assert "--history results/history.sqlite" in result.stdout  # every aggregation appends to the results history
@@ -160,7 +159,7 @@ def test_dry_run_of_the_local_default_plans_every_experiment_and_the_wiring_chec
     result = snakemake(project, "-n", "all", "preflight")
     assert result.returncode == 0, result.stderr[-3000:]
     several = {name for name, (nodes, procs) in LOCAL_MATRIX.items() if nodes * procs > 1}  # one process: no wiring
-    per_run = {rule: len(LOCAL_MATRIX) for rule in ("train_config", "plan", "train", "consolidate", "evaluate")}
+    per_run = {rule: len(LOCAL_MATRIX) for rule in ("train_config", "plan", "train", "evaluate")}
     preflight = {"preflight_data": 1, "preflight_config": len(several) + 3, "preflight_run": len(several) + 3}
     assert planned_jobs(result) == {
         "prefetch": 1,
@@ -184,6 +183,8 @@ def test_dry_run_of_the_local_default_plans_every_experiment_and_the_wiring_chec
     baselines = {j["wildcards"]["nodes"]: j["shell"] for j in jobs if j["rule"] == "machine_baseline"}
     assert set(baselines) == {"1", "2"} and geometry(baselines["1"]) == (1, 2) and geometry(baselines["2"]) == (2, 2)
     assert "--config results/local/runs/hsdp/seed1/train.yaml" in baselines["2"]  # the first 2 x 2 of the matrix
+    # and the mixture of the first expert-parallel experiment, whose dispatch it times
+    assert all("--expert-config results/local/runs/moe_ep/seed1/train.yaml" in shell for shell in baselines.values())
     # the wiring check: each experiment of several processes on one node, each one-process reference alone
     checked = {j["wildcards"]["run"]: geometry(j["shell"]) for j in jobs if j["rule"] == "preflight_run"}
     references = {f"reference.{i}": (1, 1) for i in range(3)}
@@ -367,7 +368,6 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
         "train_config": 1,
         "plan": 1,
         "train": 1,
-        "consolidate": 1,
         "evaluate": 1,
         "aggregate": 1,
         "all": 1,
@@ -403,6 +403,21 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     assert "above the maximum 1 (1.05 with the 5% tolerance): missed" in strict.stdout + strict.stderr
     assert "**missed**" in (results / "summary.md").read_text() and (results / "scaling.png").is_file()
     assert not (results / "expectations.met").exists()
+
+    # a deleted model is made again, with its test result, from the run's last checkpoint: nothing is trained
+    trained, pp_test = stamps(), "results/local/runs/pp/seed1/test.json"
+    (results / "runs/pp/seed1/model.pt").unlink()
+    assert planned_jobs(snakemake(project, "-n", pp_test)) == {"evaluate": 1}
+    assert snakemake(project, pp_test).returncode == 0 and stamps() == trained
+    assert (results / "runs/pp/seed1/model.pt").is_file() and (project / pp_test).is_file()
+    # forcing the trainings says how to measure again; a new study trains afresh, the earlier attempt set aside
+    forced = snakemake(project, "-n", "--forcerun", "train")
+    assert "to measure the matrix again, name a new study: snakemake --config study=NAME" in forced.stderr
+    single = "results/local/runs/single_gpu/seed1"
+    again = snakemake(project, "--config", "study=again", f"{single}/test.json")
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert json.loads((project / single / "identity.json").read_text())["settings"]["study"] == "again"
+    assert stamps()["single_gpu"] != trained["single_gpu"] and (project / single / "previous/run.json").is_file()
 
 
 @pytest.mark.slow

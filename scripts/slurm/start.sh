@@ -217,6 +217,7 @@ AccountingStorageHost=$SLM_HEAD_IP
 AccountingStoragePort=$SLM_DBD_PORT
 AccountingStorageEnforce=associations
 AccountingStorageTRES=gres/gpu
+AccountingStoreFlags=job_comment
 EOF
     else
         echo "AccountingStorageType=accounting_storage/none"

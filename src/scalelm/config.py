@@ -253,6 +253,9 @@ class ParallelConfig:
 @dataclass
 class Config:
     run_dir: str = setting("runs/default", identity=False)
+    # the study the run measures for (the workflow's `study`): a run trained for another is trained afresh, its
+    # earlier attempt set aside in previous/, never restored or resumed (scalelm.train.rundir): a measurement again
+    study: str | None = setting(None, identity=True, added=True)
     seed: int = setting(1, identity=True)
     device: Literal["auto", "cpu", "cuda"] = setting("auto", identity=True)
     data: DataConfig = field(default_factory=DataConfig)

@@ -18,6 +18,7 @@ rule plan:
         str(RUN.plan),
     log:
         f"{RESULTS}/logs/plan/{{experiment}}/seed{{seed}}.log",
+    threads: 0  # torch-free arithmetic: it waits for no core a training holds
     params:  # what the plan depends on: a change plans again
         training=lambda wildcards: experiment(wildcards).settings,
         geometry=lambda wildcards: experiment(wildcards).geometry,

@@ -1,5 +1,6 @@
-# One training job per experiment x seed, then its consolidated model and the common test evaluation; and the
-# machine's baseline, one job per node count of the matrix, on the geometry of its widest experiment.
+# One training job per experiment x seed, then one job that consolidates its model and scores it on the test split
+# (one process: a second job would wait in the queue again for a few seconds' work); and the machine's baseline, one
+# job per node count of the matrix, on the geometry of its widest experiment.
 
 
 localrules:
@@ -11,6 +12,7 @@ rule train_config:
         str(RUN.train_config),
     log:
         f"{RESULTS}/logs/train_config/{{experiment}}/seed{{seed}}.log",
+    threads: 0  # a file of settings: it waits for no core a training holds
     params:
         settings=lambda wildcards: experiment(wildcards).settings,
     run:
@@ -41,14 +43,16 @@ rule train:
         "{params.prelude}python -m scalelm.launch {params.launch} -- --config {input.config:q} 2>&1 | tee {log:q}"
 
 
-rule consolidate:
+rule evaluate:
     input:
-        rules.train.output,
+        run=rules.train.output,
+        data=rules.prepare.output,
     output:
         model=str(RUN.model),
         meta=str(RUN.model_meta),
+        test=str(RUN.test_result),
     log:
-        f"{RESULTS}/logs/consolidate/{{experiment}}/seed{{seed}}.log",
+        f"{RESULTS}/logs/evaluate/{{experiment}}/seed{{seed}}.log",
     conda:
         "../envs/scalelm.yaml"
     resources:
@@ -57,25 +61,8 @@ rule consolidate:
         run_dir=lambda wildcards: STUDY.run(wildcards).path,
         run=STUDY.in_container(),
     shell:
-        "{params.run}python -m scalelm.train.consolidate --run-dir {params.run_dir:q} --out {output.model:q} > {log:q} 2>&1"
-
-
-rule evaluate:
-    input:
-        model=rules.consolidate.output.model,
-        data=rules.prepare.output,
-    output:
-        str(RUN.test_result),
-    log:
-        f"{RESULTS}/logs/evaluate/{{experiment}}/seed{{seed}}.log",
-    conda:
-        "../envs/scalelm.yaml"
-    resources:
-        **STUDY.job_resources(),
-    params:
-        run=STUDY.in_container(),
-    shell:
-        "{params.run}python -m scalelm.train.evaluation --model {input.model:q} --data {input.data:q} --split test --out {output:q} > {log:q} 2>&1"
+        "{params.run}python -m scalelm.train.evaluation --consolidate {params.run_dir:q} --model {output.model:q} "
+        "--data {input.data:q} --split test --out {output.test:q} > {log:q} 2>&1"
 
 
 rule machine_baseline:

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from scalelm.errors import friendly_errors
 from scalelm.files import atomic_write_text, check_file_output
+from scalelm.plan.steptime import RING_RANKS
 from scalelm.site import OPS, SCOPES
 
 if TYPE_CHECKING:  # torch is imported where the measuring starts: the report reads this module
@@ -228,9 +229,6 @@ def model_step(
         optimizer.zero_grad(set_to_none=True)
 
     return step
-
-
-RING_RANKS = 2  # the context-parallel ring the baseline simulates in one process (`layout_overheads`)
 
 
 def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh, compiled: bool, moe=None) -> dict:

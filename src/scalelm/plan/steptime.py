@@ -48,7 +48,6 @@ from typing import Any
 
 from scalelm.errors import ConfigError
 from scalelm.launch.launcher import threads_per_process
-from scalelm.measure.baseline import RING_RANKS
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
 from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
@@ -59,6 +58,7 @@ ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
+RING_RANKS = 2  # the context-parallel ring whose overhead the baseline measures (measure.baseline.layout_overheads)
 # a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
 ENDS = ("median", "fast", "slow")
 BUS_AT = {"median": "busbw_gbps", "fast": "busbw_gbps_max", "slow": "busbw_gbps_min"}

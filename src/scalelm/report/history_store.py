@@ -310,9 +310,11 @@ def run_key(run: RunSummary) -> str:
 
 
 def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path) -> tuple[str, int]:
-    """Append an aggregation's runs as one study; returns the study's id and how many runs were new."""
+    """Append an aggregation's runs as one study; returns the study's id and how many runs were new. The id names
+    the runs' study where they were trained for one (the workflow's `study`)."""
     now = datetime.now(timezone.utc).isoformat(timespec="microseconds")  # ids sort as the studies were recorded
-    study = f"{now} {Path(results_dir).resolve()}"
+    labels = sorted({str(run.record.config.get("study")) for run in runs if run.record.config.get("study")})
+    study = " ".join([now, str(Path(results_dir).resolve()), *(f"({label})" for label in labels)])
     rows = []
     for run in runs:
         figures, record = run.figures, run.record

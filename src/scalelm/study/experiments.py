@@ -122,6 +122,7 @@ def training_config(study: StudySettings, name: str, seed: int, run_dir: str) ->
         settings,
         {
             "run_dir": run_dir,
+            "study": study.study,
             "seed": seed,
             "data": {"prepared_dir": study.data.prepared_dir},
             "parallel": {"strategy": spec.strategy},

@@ -99,11 +99,15 @@ class StudySettings:
     # the results history (SQLite); None: <results>/history.sqlite. Never among the study's outputs nor in a directory
     # the workflow replaces (scalelm.study.workflow.Study.check_history_location)
     history: str | None = None
+    # a name for this measurement of the matrix: a new one trains every run afresh and adds a study to the history
+    # (docs/usage.md, "Measuring again"); None: the runs of the results directory as they are
+    study: str | None = None
     machine: MachineSettings = field(default_factory=MachineSettings)
     local: dict[str, Any] | None = None  # the embedded default's overlay, applied before (or switched off)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # workflow/schemas/config.schema.yaml says the same
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # Snakemake refuses a wildcard value ending in a part repeated 20 or more times (PeriodicWildcardError)
 PERIODIC = re.compile(r"(.+)\1{19,}$")
 
@@ -126,6 +130,11 @@ def load_study(config: dict[str, Any]) -> StudySettings:
     for name in config.get("experiments") or {}:
         check_name(name)
     settings = from_mapping(StudySettings, config)
+    if settings.study is not None and not STUDY_NAME.fullmatch(str(settings.study)):
+        raise ConfigError(
+            f"study {settings.study!r} is not a study name: letters, digits, '.', '_' and '-', at most 64 "
+            "(--config study=2027-01-rerun)"
+        )
     if not settings.results.strip():
         raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
     if not settings.experiments:

@@ -172,8 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, help="model file to write (default: model.pt in the run directory)")
     args = parser.parse_args(argv)
-    meta = consolidate(RunDir(args.run_dir), args.out)
-    print(
+    print(consolidated(consolidate(RunDir(args.run_dir), args.out)))
+
+
+def consolidated(meta: dict[str, Any]) -> str:
+    """What `consolidate` made, in a line."""
+    return (
         f"consolidated step {meta['step']} of {meta['checkpoint']} into {meta['model']} (sha256 {meta['sha256'][:12]})"
     )
 

@@ -1,9 +1,10 @@
 """Exact evaluation: every token of a split is predicted and counted once, whatever the layout. The trainer calls
 `evaluate` on its validation and test splits; the workflow scores every consolidated model the same way, in one
-process, on the test split:
+process, on the test split, consolidating the run's final checkpoint into that model first (`--consolidate`: one
+job and one process per run, scalelm.train.consolidate):
 
-    python -m scalelm.train.evaluation --model results/runs/ddp/seed1/model.pt --data data/prepared --split test \
-        --out results/runs/ddp/seed1/test.json
+    python -m scalelm.train.evaluation --consolidate results/runs/ddp/seed1 --model results/runs/ddp/seed1/model.pt \
+        --data data/prepared --split test --out results/runs/ddp/seed1/test.json
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text, check_apart, check_file_output
 from scalelm.model.dtensors import local_shard
 from scalelm.model.loss import IGNORE_INDEX, lm_loss
-from scalelm.train.consolidate import load_consolidated
+from scalelm.train.consolidate import consolidate, consolidated, load_consolidated
 from scalelm.train.metrics import perplexity
 from scalelm.train.preemption import StopRequested
+from scalelm.train.rundir import RunDir
 
 if TYPE_CHECKING:
     from scalelm.config import TrainConfig
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         description="Score a consolidated model on a split with the exact evaluation, in one process.",
     )
     parser.add_argument("--model", type=Path, required=True, help="consolidated model file (scalelm.train.consolidate)")
+    parser.add_argument(
+        "--consolidate", type=Path, metavar="RUN_DIR", help="make --model from this run's checkpoint first"
+    )
     parser.add_argument("--data", type=Path, required=True, help="prepared data directory")
     parser.add_argument("--split", default="test", choices=["validation", "test"])
     parser.add_argument("--batch-size", type=int, default=256, help="sequences per batch (default: %(default)s)")
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     check_apart(
         args.out, {"--model": args.model, "the model's record": Path(f"{args.model}.json"), "--data": args.data}
     )
+    if args.consolidate is not None:
+        print(consolidated(consolidate(RunDir(args.consolidate), args.model)))
     model, meta = load_consolidated(args.model)
     data = load_prepared(args.data)
     if data.vocab_size != model.vocab_size:
