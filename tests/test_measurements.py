@@ -413,8 +413,8 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
 
     config, out, port = tiny_config("baseline"), tmp_path / "baseline.json", free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}"]
-    experts = tiny_config("experts", model__moe={"experts": 4, "top_k": 2})  # an expert-parallel experiment's
-    options = [f"--out={out}", f"--config={config}", f"--expert-config={experts}", "--min-bytes=4096"]
+    experts = json.dumps({"experts": 4, "top_k": 2})  # an expert-parallel experiment's mixture
+    options = [f"--out={out}", f"--config={config}", f"--moe={experts}", "--min-bytes=4096"]
     options += [f"--max-bytes={2**18}", "--iterations=3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", *rendezvous]
     command = [*torchrun, "-m", "scalelm.measure.baseline", *options]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -172,16 +173,16 @@ def test_the_machine_baseline_runs_once_per_node_count_on_its_widest_experiment(
     wildcards = SimpleNamespace(nodes="2")
     assert study.geometry(wildcards) is study.baselines[2]
     assert study.launch_args(wildcards).startswith("--nodes 2 --procs-per-node 2")
-    options = study.baseline_args(wildcards).split()
+    options = shlex.split(study.baseline_args(wildcards))
     assert options[:2] == ["--config", f"results/local/runs/{study.baselines[2].name}/seed1/train.yaml"]
     assert options[2:6] == ["--max-bytes", str(4 * 2**20), "--iterations", "3"]  # config/local.yaml's machine:
     # the mixture whose dispatch it times: the first expert-parallel experiment's (none in a study without one)
-    assert options[6:] == ["--expert-config", "results/local/runs/moe_ep/seed1/train.yaml"]
+    assert options[6] == "--moe" and json.loads(options[7])["experts"] == 4 and len(options) == 8
     assert "--machine results/local/machine/nodes1.json --machine results/local/machine/nodes2.json" in (
         study.aggregate_args()
     )
     dense = resolve(local_config(lambda local: local["experiments"].update(moe_ep=None)))
-    assert "--expert-config" not in dense.baseline_args(wildcards)
+    assert "--moe" not in dense.baseline_args(wildcards)
     skipped = resolve(local_config(lambda local: local.update(machine={"enabled": False})))
     assert skipped.baselines == {} and "--machine" not in skipped.aggregate_args()
 

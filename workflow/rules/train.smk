@@ -68,7 +68,6 @@ rule evaluate:
 rule machine_baseline:
     input:
         config=STUDY.baseline_config,
-        experts=STUDY.baseline_expert_config,
         image=image_input,
     output:
         STUDY.baseline_file("{nodes}"),

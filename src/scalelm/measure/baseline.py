@@ -682,9 +682,10 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from scalelm.config import load_config
+    from scalelm.config import MoEConfig, load_config
     from scalelm.measure.hostload import HostLoad, machine_id
     from scalelm.parallel.env import all_gather_object, barrier, setup, teardown
+    from scalelm.settings_yaml import from_mapping
 
     env = setup("auto", 600)
     load = HostLoad()  # other work beside the baseline lowers its rates: the report marks it (report.disturbance)
@@ -699,7 +700,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
-        moe = load_config(args.expert_config).model.moe if args.expert_config else None
+        moe = from_mapping(MoEConfig, json.loads(args.moe), "--moe.") if args.moe else None
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
@@ -808,9 +809,9 @@ def main(argv: list[str] | None = None) -> None:
         "--config", type=Path, help="training settings whose matrix products to time (default: the course's)"
     )
     parser.add_argument(
-        "--expert-config",
-        type=Path,
-        help="an expert-parallel experiment's training settings: its mixture's dispatch is timed (layout_overheads)",
+        "--moe",
+        metavar="JSON",
+        help="an expert-parallel experiment's model.moe, whose dispatch is timed (layout_overheads)",
     )
     parser.add_argument("--min-bytes", type=int, default=2**12)
     parser.add_argument("--max-bytes", type=int, default=2**26, help="largest message (default 64 MiB)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import shlex
 from typing import Any
@@ -173,7 +174,8 @@ class Study:
         machine = self.settings.machine
         config, max_bytes = self.baseline_config(wildcards), int(machine.max_mb * 2**20)
         args = ["--config", config, "--max-bytes", str(max_bytes), "--iterations", str(machine.iterations)]
-        args += [arg for experts in self.baseline_expert_config(wildcards) for arg in ("--expert-config", experts)]
+        mixture = self.expert_mixture()
+        args += ["--moe", json.dumps(mixture, sort_keys=True)] if mixture else []
         return shlex.join([*args, *(["--interconnect", self.site.interconnect] if self.site.interconnect else [])])
 
     def baseline_config(self, wildcards) -> str:
@@ -189,13 +191,14 @@ class Study:
             f"again{named}; to measure the matrix again, name a new study: snakemake --config study=NAME"
         )
 
-    def baseline_expert_config(self, wildcards) -> list[str]:
-        """The training settings of the study's first expert-parallel experiment, whose mixture's dispatch the
-        baseline times (layout_overheads); none without one."""
+    def expert_mixture(self) -> dict[str, Any] | None:
+        """model.moe of the study's first expert-parallel experiment, whose dispatch the machine baseline times
+        (layout_overheads); None without one. A value, not its train.yaml: another setting of that experiment (its
+        learning rate) leaves the baselines as they are."""
         for e in self.matrix.values():
             if e.dims.ep > 1:
-                return [str(RunDir.of(self.results, e.name, e.seed).train_config)]
-        return []
+                return e.settings["model"]["moe"]
+        return None
 
     def aggregate_args(self) -> str:
         args = [arg for run in self.runs for arg in ("--run", str(run.path))]
