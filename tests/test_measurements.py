@@ -382,7 +382,9 @@ def test_the_monitor_without_nvml_samples_cpu_and_memory_and_says_why(tmp_path):
     sampler = subprocess.Popen(
         [*command, "--proc", f"0:{os.getpid()}", "--gpu", "0"], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60  # its first samples, however long its start takes (a second on a busy host)
+    while not (out.exists() and len(out.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
     sampler.stdin.close()  # what the training does when it ends
     assert sampler.wait(timeout=10) == 0
     assert "no GPU readings" in sampler.stderr.read()  # this machine has no NVIDIA driver
