@@ -150,6 +150,12 @@ def test_the_machine_baseline_refuses_a_directory_before_measuring(tmp_path, mon
     err = refused(baseline.main, ["--out", str(mine)], capsys)
     assert f"{mine} is a directory: writing a file in its place would delete it; choose a file path" in err
     assert (mine / "thesis.tex").read_text() == "years of work"
+    # a mixture that is not one, named before anything is measured
+    err = refused(baseline.main, ["--out", str(tmp_path / "b.json"), "--moe", '{"expert": 4}'], capsys)
+    assert "unknown setting '--moe.expert'; did you mean '--moe.experts'?" in err
+    with pytest.raises(SystemExit):
+        baseline.main(["--out", str(tmp_path / "b.json"), "--moe", "{bad"])
+    assert "--moe must be a JSON mapping of model.moe's settings" in capsys.readouterr().err
 
 
 def test_slice_replaces_only_a_slice(tmp_path, prepared, capsys):

@@ -11,7 +11,7 @@ rule aggregate:
     input:
         runs=[str(run.record) for run in STUDY.runs],
         tests=[str(run.test_result) for run in STUDY.runs],
-        # the summary names each model and its checksum; a deleted model is made again (rule evaluate)
+        # the summary names each model and its checksum
         models=[str(path) for run in STUDY.runs for path in (run.model, run.model_meta)],
         machine=[STUDY.baseline_file(nodes) for nodes in STUDY.baselines],
     output:

@@ -1,7 +1,5 @@
 # Configuration: apply or drop the local overlay, validate, resolve the study (matrix, site, image) before any job.
 # Everything a rule needs comes from scalelm.study.workflow.Study; this file only binds it.
-import sys
-
 from snakemake.utils import validate
 
 from scalelm.config import write_settings
@@ -23,14 +21,6 @@ try:
 except ScaleLMError as err:
     raise WorkflowError(f"invalid config: {err}")
 RESULTS = STUDY.results
-# a forced rerun runs the jobs again, and a finished run restores what it measured: say how to measure again
-forcing = workflow.dag_settings
-if (
-    workflow.is_main_process
-    and forcing
-    and (forcing.forceall or "train" in forcing.forcerun)
-):
-    print(STUDY.forced_rerun_note(), file=sys.stderr)
 # paths of a run directory, with the {experiment} and {seed} wildcards
 RUN = STUDY.run_pattern
 

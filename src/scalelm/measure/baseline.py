@@ -682,10 +682,9 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from scalelm.config import MoEConfig, load_config
+    from scalelm.config import load_config
     from scalelm.measure.hostload import HostLoad, machine_id
     from scalelm.parallel.env import all_gather_object, barrier, setup, teardown
-    from scalelm.settings_yaml import from_mapping
 
     env = setup("auto", 600)
     load = HostLoad()  # other work beside the baseline lowers its rates: the report marks it (report.disturbance)
@@ -700,14 +699,13 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
-        moe = from_mapping(MoEConfig, json.loads(args.moe), "--moe.") if args.moe else None
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
             if rank == env.rank:  # on CPU rank 0 also runs one process with every core as a thread
                 first = rank == 0
                 alone = measure_alone(
-                    config, shapes, vocab, device, device.type == "cpu" and first, mesh if first else None, moe
+                    config, shapes, vocab, device, device.type == "cpu" and first, mesh if first else None, args.moe
                 )
         crowded = None
         if device.type == "cpu" and env.world_size > 1:  # every rank at once, as in training: the host's throughput
@@ -801,6 +799,17 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     return lines
 
 
+def mixture(text: str, parser: argparse.ArgumentParser):
+    """--moe's model.moe settings (a JSON mapping), typed as training types them."""
+    from scalelm.config import MoEConfig
+    from scalelm.settings_yaml import from_mapping
+
+    try:
+        return from_mapping(MoEConfig, json.loads(text), "--moe.")
+    except json.JSONDecodeError as err:
+        parser.error(f'--moe must be a JSON mapping of model.moe\'s settings ({{"experts": 4}}), got {text!r}: {err}')
+
+
 @friendly_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m scalelm.measure.baseline", description=__doc__.split("\n")[0])
@@ -820,6 +829,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.iterations < 1:
         parser.error("--min-bytes must be 4 or more, --max-bytes at least --min-bytes, --iterations 1 or more")
+    if args.moe is not None:
+        args.moe = mixture(args.moe, parser)
     check_file_output(args.out)  # before the measurements: they would be lost
     result = measure(args)
     if result is not None:

@@ -183,14 +183,6 @@ class Study:
         e = self.baselines[int(wildcards.nodes)]
         return str(RunDir.of(self.results, e.name, e.seed).train_config)
 
-    def forced_rerun_note(self) -> str:
-        """What a forced rerun of the trainings does, and how to measure again (docs/usage.md, "Measuring again")."""
-        named = f" (this is study {self.settings.study!r})" if self.settings.study else ""
-        return (
-            "scalelm: forced trainings restore each finished run as it finished, without training or measuring "
-            f"again{named}; to measure the matrix again, name a new study: snakemake --config study=NAME"
-        )
-
     def expert_mixture(self) -> dict[str, Any] | None:
         """model.moe of the study's first expert-parallel experiment, whose dispatch the machine baseline times
         (layout_overheads); None without one. A value, not its train.yaml: another setting of that experiment (its
