@@ -417,7 +417,7 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     again = snakemake(project, f"{single}/test.json", "--config", "study=again")  # (--config takes what follows)
     assert again.returncode == 0, again.stderr[-5000:]
     assert json.loads((project / single / "identity.json").read_text())["settings"]["study"] == "again"
-    assert stamps()["single_gpu"] != trained["single_gpu"] and (project / single / "previous/run.json").is_file()
+    assert stamps()["single_gpu"] != trained["single_gpu"] and (project / single / "previous/checkpoints").is_dir()
 
 
 @pytest.mark.slow
