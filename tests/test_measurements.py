@@ -353,7 +353,9 @@ def test_one_monitor_per_node_samples_every_training_process_and_ends_with_the_t
     assert max(p["cpu_percent"] for r in samples for p in r["procs"]) > 20  # training keeps its ranks busy
     assert end["kind"] == "end" and end["wall_s"] > 0 and end["cpu_s"] >= 0
     times = [r["time"] for r in samples]
-    assert all(0.05 < b - a < 1.0 for a, b in zip(times, times[1:]))
+    assert times == sorted(times)
+    # ticks at least an interval apart (a late one is not caught up with a burst): not more samples than fit
+    assert len(samples) <= end["wall_s"] / 0.1 + 1
     leftover = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not leftover  # the sampler ended with the training
     series, cost = device_series(run_dir / "monitor")
