@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -487,6 +488,7 @@ def test_run_json_names_the_cpu_and_the_gpu_driver(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # no such query: an old binding
     assert provenance.driver_version() is None
     assert provenance.device_facts()["cpu"] == provenance.cpu_model() and provenance.cpu_model()
+    assert provenance.device_facts()["architecture"] == platform.machine()
 
 
 def test_energy_comes_from_nvmls_counter_else_integrated_power_and_rapl_packages_wrap(monkeypatch, tmp_path):

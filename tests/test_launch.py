@@ -288,3 +288,35 @@ def test_the_image_labels_record_the_base_images_digest(tmp_path, capsys):
     assert "docker://pytorch/pytorch:latest is not pinned by digest (@sha256:...)" in capsys.readouterr().err
     default = (REPO / "config/config.yaml").read_text()
     assert "base_image: docker://pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime@sha256:" in default
+
+
+def test_another_architectures_image_runs_only_where_emulation_is_allowed_and_present(monkeypatch, tmp_path, capsys):
+    """Issue 55: an arm64 (GH200) image on an amd64 node is refused by name, unless emulation is allowed and this
+    machine has it (an enabled QEMU handler with the F flag, which a container can use)."""
+    from scalelm.launch import container
+
+    monkeypatch.setattr(container, "image_architecture", lambda runtime, image: "arm64")
+    binfmt = tmp_path / "binfmt_misc"
+    binfmt.mkdir()
+    refused = (
+        r"built for arm64 but this node \(.*\) is x86_64: build the image for amd64 .*--arch amd64.*--allow-emulation"
+    )
+    with pytest.raises(container.ContainerError, match=refused):
+        container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=binfmt)
+    missing = r"cannot run the arm64 image img.sif .*\(no enabled QEMU handler .*qemu-aarch64 with the F flag\)\. As root: `scripts/apptainer/emulation.sh on arm64`"
+    with pytest.raises(container.ContainerError, match=missing):
+        container.check_architecture("apptainer", "img.sif", "x86_64", allow_emulation=True, binfmt=binfmt)
+    handler, usable = (
+        binfmt / "qemu-aarch64",
+        "enabled\ninterpreter /usr/libexec/qemu-binfmt/aarch64-binfmt-P\nflags: POCF\n",
+    )
+    for text, runs in ((usable, True), (usable.replace("enabled", "disabled"), False), (usable[:-2] + "\n", False)):
+        handler.write_text(text)
+        assert container.emulates("arm64", binfmt) is runs, text
+    handler.write_text(usable)
+    container.check_architecture("apptainer", "img.sif", "x86_64", allow_emulation=True, binfmt=binfmt)
+    assert "under QEMU emulation (--allow-emulation): the results hold, its timings do not" in capsys.readouterr().err
+    for image_arch in ("amd64", None):  # this node's, or no SIF header to read: nothing to refuse, nothing said
+        monkeypatch.setattr(container, "image_architecture", lambda runtime, image, arch=image_arch: arch)
+        container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=tmp_path)
+    assert capsys.readouterr().err == ""

@@ -271,6 +271,16 @@ def test_container_problems_are_clear_errors(tmp_path, monkeypatch):
     assert study.in_container() == prefix  # the same prefix as the launcher's, for one process
     wildcards = type("Wildcards", (), {"experiment": "ddp", "seed": "1"})
     assert f"--container {tmp_path / 'scalelm.sif'} --container-runtime apptainer" in study.launch_args(wildcards)
+    assert "--allow-emulation" not in study.launch_args(wildcards)
+    # another architecture's image: built for it, and run under emulation only where a setting allows it
+    emulated = {"mode": "image", "image": str(tmp_path / "scalelm.sif"), "allow_emulation": True}
+    study = resolve(local_config(lambda local: local.update(container=emulated)))
+    assert "--allow-emulation" in study.launch_args(wildcards).split()
+    building = {"mode": "build", "base_image": "docker://base:1", "architecture": "arm64", "build_options": ["-v"]}
+    study = resolve(local_config(lambda local: local.update(container=building)))
+    assert study.build_image_args() == "--base-image docker://base:1 --build-option=-v --arch arm64"
+    with pytest.raises(Exception, match="'x86' is not one of"):  # the schema's (snakemake's WorkflowError)
+        resolve(local_config(lambda local: local.update(container={**building, "architecture": "x86"})))
 
 
 def rename(old: str, new: str):

@@ -13,6 +13,20 @@ WRAPPER_MARK="scalelm host-side Apptainer wrapper"
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
+# Architectures by Debian's and Go's (SIF headers') name: amd64, arm64, ppc64le, s390x, riscv64.
+host_arch() {
+    local a
+    a=$(dpkg --print-architecture 2>/dev/null) || a=$(uname -m | sed 's/^x86_64$/amd64/; s/^aarch64$/arm64/')
+    [[ "$a" == ppc64el ]] && a=ppc64le
+    echo "$a"
+}
+qemu_name() {  # qemu_name ARCH: QEMU's (and `uname -m`'s) name of it
+    case "$1" in
+        amd64) echo x86_64 ;; arm64) echo aarch64 ;; ppc64le|ppc64el) echo ppc64le ;; s390x|riscv64) echo "$1" ;;
+        *) return 1 ;;
+    esac
+}
+
 need_root() { [[ $(id -u) -eq 0 ]] || die "run as root (debootstrap, mount namespaces)"; }
 
 # The Debian mirror the host's apt uses (deb822 or one-line sources), unless SCALELM_DEBIAN_MIRROR is set.

@@ -2,7 +2,12 @@
 # Make a local base image (stand-in for the CUDA PyTorch image, which cannot be pulled here):
 # Debian bookworm minbase + python3 (3.11) + pip + venv + `python` + the local torch CPU wheel (+ numpy).
 #
-#   scripts/apptainer/make-base-image.sh [--rebuild] OUT.sif
+#   scripts/apptainer/make-base-image.sh [--rebuild] [--arch ARCH] OUT.sif
+#
+# --arch: the image's architecture (Debian's name: amd64, arm64), default this host's. Another one is built under
+# QEMU emulation (scripts/apptainer/emulation.sh on ARCH first) with that architecture's torch from PyPI
+# (SCALELM_TORCH_VERSION, default 2.10.0: the newest CPU build PyPI has for aarch64; 2.11 on bundle CUDA 13, GBs a
+# CPU stand-in does not use), its .debs and wheels cached apart (debs-bookworm-ARCH, wheelhouse-ARCH).
 #
 # Needs the wrappers from scripts/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
 # (.debs cached in $SCALELM_CACHE_DIR/debs-bookworm), torch's dependencies downloaded by the host's pip into
@@ -11,7 +16,8 @@
 # shifted into the wrapper's subuid range so the image keeps it), then `apptainer build OUT.sif DIR`.
 # The result is cached in $SCALELM_CACHE_DIR/base-images/ keyed by the inputs; a hit is a plain copy.
 #
-# Environment: SCALELM_TORCH_WHEEL (default: the torch 2.13.0 CPU wheel in /opt/wheels),
+# Environment: SCALELM_TORCH_WHEEL (default: the torch 2.13.0 CPU wheel in /opt/wheels; another architecture's
+#   is downloaded to $SCALELM_CACHE_DIR/wheels-ARCH),
 #   SCALELM_BASE_PIP_EXTRA (default "numpy"), SCALELM_EXTRA_CA_DIR (host CA certificates added to the image,
 #   default /usr/local/share/ca-certificates: this machine's TLS-intercepting proxy), SCALELM_MKSQUASHFS_ARGS (default "-comp zstd -Xcompression-level 3";
 #   set to "" for Apptainer's default gzip: same size, about 90 s slower on 2 cores), SCALELM_BUILD_IN_RAM
@@ -21,21 +27,53 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=common.sh
 source "$here/common.sh"
 
-rebuild=0 out=""
-for a in "$@"; do
-    case "$a" in
+rebuild=0 out="" ARCH=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
         --rebuild) rebuild=1 ;;
+        --arch) [[ $# -ge 2 ]] || die "--arch needs a value (amd64, arm64)"; ARCH=$2; shift ;;
+        --arch=*) ARCH=${1#--arch=} ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        -*) die "unknown option: $a" ;;
-        *) [[ -z "$out" ]] || die "one output only"; out="$a" ;;
+        -*) die "unknown option: $1" ;;
+        *) [[ -z "$out" ]] || die "one output only"; out="$1" ;;
     esac
+    shift
 done
-[[ -n "$out" ]] || die "usage: $0 [--rebuild] OUT.sif"
+[[ -n "$out" ]] || die "usage: $0 [--rebuild] [--arch ARCH] OUT.sif"
+HOST_ARCH=$(host_arch)
+ARCH=${ARCH:-$HOST_ARCH}
+QEMU_ARCH=$(qemu_name "$ARCH") || die "unknown architecture $ARCH: amd64, arm64, ppc64le, s390x or riscv64"
 need_root
 APPTAINER="$SCALELM_APPTAINER_BINDIR/apptainer"
 [[ -x "$APPTAINER" ]] || die "no $APPTAINER: run scripts/apptainer/setup.sh first"
+suffix=""   # this host's architecture keeps the caches' plain names
+if [[ "$ARCH" != "$HOST_ARCH" ]]; then
+    suffix="-$ARCH"
+    bash "$here/emulation.sh" status "$ARCH" \
+        || die "this $HOST_ARCH host cannot run $ARCH binaries: run scripts/apptainer/emulation.sh on $ARCH first"
+fi
+# pip's options for wheels of the image's platform (none: the host's own)
+platform_opts=()
+[[ -n "$suffix" ]] && platform_opts=(--platform "manylinux_2_28_$QEMU_ARCH" --python-version 3.11
+                                     --implementation cp --abi cp311)
 
-WHEEL="${SCALELM_TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
+if [[ -n "${SCALELM_TORCH_WHEEL:-}" ]]; then
+    WHEEL=$SCALELM_TORCH_WHEEL
+elif [[ -z "$suffix" ]]; then
+    WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+else
+    torch_dir="$SCALELM_CACHE_DIR/wheels$suffix"
+    mkdir -p "$torch_dir"
+    torch_version=${SCALELM_TORCH_VERSION:-2.10.0}
+    WHEEL=$(compgen -G "$torch_dir/torch-$torch_version-cp311-cp311-*_$QEMU_ARCH.whl" | head -n1 || true)
+    if [[ -z "$WHEEL" ]]; then
+        log "downloading torch $torch_version for $ARCH (manylinux_2_28_$QEMU_ARCH, cp311) into $torch_dir"
+        python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+            "${platform_opts[@]}" --dest "$torch_dir" "torch==$torch_version" \
+            || die "pip could not download torch $torch_version for $ARCH: set SCALELM_TORCH_VERSION or SCALELM_TORCH_WHEEL"
+        WHEEL=$(compgen -G "$torch_dir/torch-$torch_version-cp311-cp311-*_$QEMU_ARCH.whl" | head -n1)
+    fi
+fi
 PIP_EXTRA="${SCALELM_BASE_PIP_EXTRA-numpy}"
 CA_DIR="${SCALELM_EXTRA_CA_DIR:-/usr/local/share/ca-certificates}"
 SQUASH_ARGS="${SCALELM_MKSQUASHFS_ARGS-"-comp zstd -Xcompression-level 3"}"
@@ -45,7 +83,7 @@ SUITE=bookworm
 torch_req="$(basename "$WHEEL" | cut -d- -f1)==$(basename "$WHEEL" | cut -d- -f2)"   # torch==2.13.0+cpu
 
 out_abs="$(readlink -f "$(dirname "$out")")/$(basename "$out")"
-key_src="v1 $SUITE $PACKAGES $(cat "$CA_DIR"/*.crt 2>/dev/null | sha256sum | cut -c1-16) $(stat -c '%n %s %Y' "$WHEEL") $PIP_EXTRA $SQUASH_ARGS $(sha256sum "$0" | cut -c1-16)"
+key_src="v1 $ARCH $SUITE $PACKAGES $(cat "$CA_DIR"/*.crt 2>/dev/null | sha256sum | cut -c1-16) $(stat -c '%n %s %Y' "$WHEEL") $PIP_EXTRA $SQUASH_ARGS $(sha256sum "$0" | cut -c1-16)"
 key="$(echo "$key_src" | sha256sum | cut -c1-16)"
 cached="$SCALELM_CACHE_DIR/base-images/base-$key.sif"
 t0=$SECONDS
@@ -57,6 +95,7 @@ if [[ $rebuild -eq 0 && -f "$cached" ]]; then
 fi
 
 ensure_host_pkg mmdebstrap mmdebstrap
+[[ -z "$suffix" ]] || ensure_host_pkg arch-test arch-test   # mmdebstrap's check that the host runs $ARCH
 stage="$(mktemp -d "$SCALELM_CACHE_DIR/base-build.XXXXXX")"
 trap 'umount -l "$stage" 2>/dev/null || true; rm -rf "$stage"' EXIT
 trap 'exit 130' INT TERM
@@ -70,28 +109,33 @@ fi
 rootfs="$stage/rootfs"
 
 # 1. Debian bookworm minbase with Python.
-mapfile -t opts < <(mmdebstrap_opts "$SCALELM_CACHE_DIR/debs-$SUITE")
-log "bootstrapping Debian $SUITE + $PACKAGES"
-mmdebstrap --quiet "${opts[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$(debian_mirror)"
+mapfile -t opts < <(mmdebstrap_opts "$SCALELM_CACHE_DIR/debs-$SUITE$suffix")
+log "bootstrapping Debian $SUITE ($ARCH) + $PACKAGES"
+mmdebstrap --quiet --architectures="$ARCH" "${opts[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$(debian_mirror)"
 t1=$SECONDS
 
 # 2. torch's dependencies, fetched by the host's pip (it knows the host's indexes) into a reusable wheelhouse.
-wh="$SCALELM_CACHE_DIR/wheelhouse"
+wh="$SCALELM_CACHE_DIR/wheelhouse$suffix"
 mkdir -p "$wh"
-mapfile -t deps < <(python3 - "$WHEEL" <<'EOF'
+# torch's requirements for the image's machine: pip would judge their markers (platform_machine) by the host's
+mapfile -t deps < <(python3 - "$WHEEL" "$QEMU_ARCH" <<'EOF'
 import sys, zipfile
 from email.parser import Parser
+from pip._vendor.packaging.requirements import Requirement
+target = {"platform_machine": sys.argv[2], "platform_system": "Linux", "sys_platform": "linux", "extra": ""}
 with zipfile.ZipFile(sys.argv[1]) as z:
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    for req in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
-        if "extra ==" not in req:
+    for line in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(target):
+            req.marker = None
             print(req)
 EOF
 )
 index_opt=--no-index
 # shellcheck disable=SC2086
-if ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --find-links "$wh" \
-        --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$stage/pip-download.log" 2>&1; then
+if ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${platform_opts[@]}" \
+        --find-links "$wh" --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$stage/pip-download.log" 2>&1; then
     grep -v 'is ignored: it is neither' "$stage/pip-download.log" >&2 || true
     log "warning: the host's pip download failed; the chroot's pip will use PyPI"
     index_opt=""
@@ -145,5 +189,7 @@ SCALELM_APPTAINER_BINDS="$stage:$SCALELM_CACHE_DIR/base-images${SCALELM_APPTAINE
     "$APPTAINER" --quiet build --force "${sqargs[@]}" "$stage/base.sif" "$rootfs"
 mv -f "$stage/base.sif" "$cached"
 cp --reflink=auto "$cached" "$out_abs"
+built_for=$("$APPTAINER" sif header "$out_abs" | sed -n 's/^Primary Architecture:[[:space:]]*//p')
+[[ "$built_for" == "$ARCH" ]] || die "the SIF header of $out_abs says $built_for, not $ARCH"
 t3=$SECONDS
-log "base image $out_abs ($(du -h "$out_abs" | cut -f1)): mmdebstrap $((t1 - t0)) s, pip $((t2 - t1)) s, sif $((t3 - t2)) s, total $((t3 - t0)) s"
+log "base image $out_abs ($ARCH, $(du -h "$out_abs" | cut -f1)): mmdebstrap $((t1 - t0)) s, pip $((t2 - t1)) s, sif $((t3 - t2)) s, total $((t3 - t0)) s"

@@ -3,7 +3,8 @@
 #
 #   scripts/apptainer/teardown.sh           remove the `apptainer`/`singularity` wrappers (only ours)
 #   scripts/apptainer/teardown.sh --purge   also delete the rootfs and every cache under $SCALELM_CACHE_DIR
-#                                           that these scripts made (.deb caches, base-image cache, wheelhouse)
+#                                           that these scripts made (.deb caches, base-image cache, wheelhouse);
+#                                           emulation (emulation.sh) is undone by `emulation.sh off ARCH`
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=common.sh
@@ -31,7 +32,8 @@ if [[ $purge -eq 1 ]]; then
         if findmnt -rn -o TARGET | grep -q "^$d\(/\|$\)"; then die "something is mounted under $d"; fi
         rm -rf "$d"; log "removed $d"
     done
-    for d in debs-sid debs-bookworm wheelhouse base-images; do
+    # (-ARCH: another architecture's, make-base-image.sh --arch)
+    for d in debs-sid debs-bookworm wheelhouse base-images debs-bookworm-* wheelhouse-* wheels-*; do
         [[ -e "$SCALELM_CACHE_DIR/$d" ]] && { rm -rf "${SCALELM_CACHE_DIR:?}/$d"; log "removed $SCALELM_CACHE_DIR/$d"; }
     done
     rmdir "$SCALELM_CACHE_DIR" 2>/dev/null || true

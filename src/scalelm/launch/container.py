@@ -178,12 +178,29 @@ def base_digest(agent: str, base: str) -> str:
     return "unpinned"
 
 
-def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: list[str] = ()) -> Path:
+def build(
+    definition: Path, out: Path, base_image: str, fakeroot: bool, extra: list[str] = (), arch: str | None = None
+) -> Path:
+    """Build the image; `arch` (amd64, arm64): the architecture to build for, default this machine's. Another one is
+    built under emulation (`check_emulation`): a docker://, oras:// or library:// base is fetched for it, a local
+    base image must be one (scripts/apptainer/make-base-image.sh --arch)."""
     from spython.main import Client
 
     if not definition.is_file():
         raise ContainerError(f"definition file {definition} does not exist")
     agent, base = split_base(base_image)
+    runtime = find_runtime()
+    node = node_architecture()
+    arch = SIF_ARCHITECTURES.get(arch, arch) if arch else node
+    if agent == "localimage":
+        base_arch = image_architecture(runtime, base)
+        if base_arch not in (None, arch):
+            raise ContainerError(
+                f"base image {base} is built for {base_arch}, not {arch}: give a base image for {arch} "
+                f"(scripts/apptainer/make-base-image.sh --arch {arch}, or a multi-architecture docker:// image)"
+            )
+    if arch != node:  # the definition's %post runs the base image's programs
+        check_emulation(arch, f"build an image for {arch} on this {platform.machine()} machine")
     build_args = {
         "bootstrap": agent,
         "base_image": base,
@@ -195,6 +212,8 @@ def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: l
     options = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
     if fakeroot:
         options.append("--fakeroot")
+    if agent != "localimage":  # which of a multi-architecture image's variants to fetch
+        options += ["--arch", arch]
     options += extra
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as partial, singularity_on_path():
@@ -205,6 +224,12 @@ def build(definition: Path, out: Path, base_image: str, fakeroot: bool, extra: l
                 f"building {out} from {definition} (base {base_image}) failed; the build output above says why. "
                 "If the base image cannot be reached from here, build on a machine that can and copy the .sif "
                 "(container.mode: image), or run without a container (container.mode: none)"
+            )
+        built_for = image_architecture(runtime, str(partial))
+        if built_for not in (None, arch):
+            raise ContainerError(
+                f"building {out} for {arch} made an image for {built_for}: the base image {base_image} "
+                f"has no {arch} variant"
             )
     return out
 
@@ -243,18 +268,63 @@ def image_architecture(runtime: str, image: str) -> str | None:
     return found.group(1) if found else None
 
 
-def check_architecture(runtime: str, image: str, machine: str | None = None) -> None:
-    """Refuse an image built for another architecture than this node's (an amd64 image on a GH200 node would
-    fail in every process with `exec format error`)."""
+def node_architecture(machine: str | None = None) -> str:
     machine = machine or platform.machine()
-    node = SIF_ARCHITECTURES.get(machine, machine)
+    return SIF_ARCHITECTURES.get(machine, machine)
+
+
+# where the kernel finds the interpreter of another architecture's binaries (QEMU user-mode emulation)
+BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
+QEMU_NAMES = {arch: machine for machine, arch in SIF_ARCHITECTURES.items() if machine != "arm64"}
+
+
+def emulates(arch: str, binfmt: Path = BINFMT_DIR) -> bool:
+    """Whether this machine runs `arch` binaries through an enabled QEMU handler that a container can use too (the
+    F flag: the kernel opened the interpreter when it was registered, so the container need not have it)."""
+    handler = binfmt / f"qemu-{QEMU_NAMES.get(arch, arch)}"
+    try:
+        lines = handler.read_text().splitlines()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags:")), "")
+    return bool(lines) and lines[0] == "enabled" and "F" in flags
+
+
+def check_emulation(arch: str, purpose: str, binfmt: Path = BINFMT_DIR) -> None:
+    if not emulates(arch, binfmt):
+        raise ContainerError(
+            f"cannot {purpose}: this machine does not run {arch} binaries (no enabled QEMU handler "
+            f"{binfmt / ('qemu-' + QEMU_NAMES.get(arch, arch))} with the F flag). As root: "
+            f"`scripts/apptainer/emulation.sh on {arch}` (Debian's qemu-user-static, registered in binfmt_misc)"
+        )
+
+
+def check_architecture(
+    runtime: str, image: str, machine: str | None = None, allow_emulation: bool = False, binfmt: Path = BINFMT_DIR
+) -> None:
+    """Refuse an image built for another architecture than this node's (an amd64 image on a GH200 node would
+    fail in every process with `exec format error`), unless emulation is allowed and this machine has it: then
+    say that its timings mean nothing (QEMU runs it tens of times slower)."""
+    machine = machine or platform.machine()
+    node = node_architecture(machine)
     built_for = image_architecture(runtime, image)
-    if built_for is not None and built_for != node:
+    if built_for is None or built_for == node:
+        return
+    if not allow_emulation:
         raise ContainerError(
             f"image {image} is built for {built_for} but this node ({platform.node()}) is {machine}: build the image "
-            f'on a {node} machine from a base image published for {node} (docs/gpu.md, "Images for aarch64") and '
-            "point container.image at it"
+            f"for {node} (on a {node} machine from a base image published for {node}, or `scalelm container build "
+            f'--arch {node}`; docs/gpu.md, "Images for aarch64") and point container.image at it. To run it here '
+            "under emulation anyway (slow: only to prove the image), allow it: the launcher's --allow-emulation "
+            "(container.allow_emulation: true)"
         )
+    check_emulation(built_for, f"run the {built_for} image {image} on this {machine} node", binfmt)
+    print(
+        f"scalelm launch: running the {built_for} image {image} on this {machine} node under QEMU emulation "
+        "(--allow-emulation): the results hold, its timings do not",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @friendly_errors
@@ -267,12 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--base-image", required=True, help="docker://..., oras://... or a local .sif")
     b.add_argument("--no-fakeroot", action="store_true", help="build without --fakeroot (e.g. as root)")
     b.add_argument("--build-option", action="append", default=[], help="passed on to `apptainer build` (repeatable)")
+    b.add_argument("--arch", help="the image's architecture (amd64, arm64); default this machine's")
     p = commands.add_parser("pull", help="fetch a prebuilt image (oras://, library://, docker://)")
     p.add_argument("--uri", required=True)
     p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "build":
-        image = build(args.definition, args.out, args.base_image, not args.no_fakeroot, args.build_option)
+        image = build(args.definition, args.out, args.base_image, not args.no_fakeroot, args.build_option, args.arch)
         print(f"built {image}")
     else:
         print(f"pulled {pull(args.uri, args.out)}")

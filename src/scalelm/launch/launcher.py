@@ -155,6 +155,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--procs-per-node", type=int, default=1)
     parser.add_argument("--container", help="Apptainer image to run torchrun in (default: none)")
     parser.add_argument("--container-runtime", default="apptainer", help="apptainer or singularity")
+    parser.add_argument(
+        "--allow-emulation",
+        action="store_true",
+        help="run an image built for another architecture under QEMU emulation (slow: to prove an image, not to time)",
+    )
     parser.add_argument("--bind", action="append", default=[], help="apptainer --bind (repeatable)")
     parser.add_argument(
         "--gpu",
@@ -180,5 +185,5 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     args, train_args = parse_args(argv)
     if args.container:
-        check_architecture(args.container_runtime, args.container)
+        check_architecture(args.container_runtime, args.container, allow_emulation=args.allow_emulation)
     sys.exit(supervise(build_commands(args, train_args)))

@@ -41,6 +41,8 @@ class ContainerSettings:
     base_image: str = ""  # mode build: the definition's default where empty
     image: str | None = None  # mode image: a file or a URI to pull
     build_options: list[str] = field(default_factory=list)
+    architecture: str = ""  # mode build: amd64, arm64 (a GH200 cluster's); empty: the building machine's
+    allow_emulation: bool = False  # run an image of another architecture under QEMU (to prove it, never to time)
 
 
 @dataclass(frozen=True)

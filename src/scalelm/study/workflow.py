@@ -165,6 +165,7 @@ class Study:
         args += ["--launcher", e.launcher] if e.launcher != "torchrun" else []
         if self.image:
             args += ["--container", self.image, "--container-runtime", self.runtime]
+            args += ["--allow-emulation"] if self.settings.container.allow_emulation else []
             args += [arg for bind in self.binds() for arg in ("--bind", bind)]
         args += ["--gpu"] if self.site.gpus_per_node else []
         return shlex.join([*args, *self.site.launch_flags()])
@@ -207,6 +208,7 @@ class Study:
         """`scalelm.launch.container build`'s base image and build options (container.mode: build)."""
         container = self.settings.container
         options = [f"--build-option={option}" for option in container.build_options]
+        options += ["--arch", container.architecture] if container.architecture else []
         return shlex.join(["--base-image", container.base_image, *options])
 
     def in_container(self) -> str:

@@ -71,6 +71,7 @@ def device_facts() -> dict[str, Any]:
     """What a figure depends on besides the software: the CPU, the GPU and its driver, NCCL, and whether fp32
     matmuls ran on TF32 tensor cores."""
     facts: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision(), "cpu": cpu_model()}
+    facts["architecture"] = platform.machine()  # an image's, under QEMU emulation (scalelm launch --allow-emulation)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         facts["name"] = torch.cuda.get_device_name()
         facts["driver"] = driver_version()
