@@ -93,6 +93,9 @@ for a in "$@" "${APPTAINER_BIND:-}" "${SINGULARITY_BIND:-}"; do
 done
 
 mount -t proc -o nosuid,nodev,noexec proc "$ROOT/proc"
+# Another architecture's programs run through the host's QEMU handlers (scripts/apptainer/emulation.sh), which
+# apptainer looks for here before it builds or runs such an image: the one (init namespace's) registry, shown again
+if mountpoint -q /proc/sys/fs/binfmt_misc; then mount -t binfmt_misc binfmt_misc "$ROOT/proc/sys/fs/binfmt_misc"; fi
 mount --rbind /sys "$ROOT/sys"
 
 # A private /dev with just what apptainer (and squashfuse) needs.

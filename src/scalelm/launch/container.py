@@ -212,7 +212,7 @@ def build(
     options = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
     if fakeroot:
         options.append("--fakeroot")
-    if agent != "localimage":  # which of a multi-architecture image's variants to fetch
+    if agent != "localimage" and arch != node:  # which of a multi-architecture image's variants to fetch
         options += ["--arch", arch]
     options += extra
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -313,8 +313,8 @@ def check_architecture(
     if not allow_emulation:
         raise ContainerError(
             f"image {image} is built for {built_for} but this node ({platform.node()}) is {machine}: build the image "
-            f"for {node} (on a {node} machine from a base image published for {node}, or `scalelm container build "
-            f'--arch {node}`; docs/gpu.md, "Images for aarch64") and point container.image at it. To run it here '
+            f"for {node} from a base image published for {node} (`scalelm container build --arch {node}`, "
+            'container.architecture; docs/gpu.md, "Images for aarch64") and point container.image at it. To run it here '
             "under emulation anyway (slow: only to prove the image), allow it: the launcher's --allow-emulation "
             "(container.allow_emulation: true)"
         )
