@@ -196,8 +196,9 @@ def test_arm64_emulation_is_turned_on_proven_and_left_as_found(base_image, tmp_p
     """Issue 55, the steps of the arm64 build this tier can afford (the whole build: bench/arm64_image.sh): the
     base-image script refuses arm64 where no emulation runs it, naming the command that turns it on; that command
     (Debian's qemu-user-static in binfmt_misc) makes a real aarch64 program run, and `off` leaves the host as it
-    found it; the project's image for arm64 is refused on an amd64 base by name."""
-    from scalelm.launch.container import ContainerError, build
+    found it; the project's image for arm64 is refused on an amd64 base by name; the script's downloads for arm64
+    (torch and its wheels for aarch64, cached); a cached arm64 base image's SIF header."""
+    from scalelm.launch.container import ContainerError, build, image_architecture
 
     env = {**os.environ, "SCALELM_BINFMT_DIR": str(tmp_path)}  # no handler there: no emulation
     refused = subprocess.run(
@@ -225,3 +226,23 @@ def test_arm64_emulation_is_turned_on_proven_and_left_as_found(base_image, tmp_p
 
     with pytest.raises(ContainerError, match=f"base image {base_image} is built for amd64, not arm64: .*--arch arm64"):
         build(REPO / "containers/scalelm.def", tmp_path / "arm64.sif", str(base_image), False, arch="arm64")
+
+    # the downloads, which need no emulation: torch's aarch64 CPU build and its wheels for aarch64, judged by
+    # aarch64's markers (x86_64's would add GBs of CUDA wheels)
+    fetched = subprocess.run(
+        ["bash", str(REPO / "scripts/apptainer/make-base-image.sh"), "--arch", "arm64", "--download-only"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert fetched.returncode == 0 and "downloaded for arm64: torch-2.10.0-cp311-cp311-" in fetched.stderr, (
+        fetched.stderr
+    )
+    cache = Path(os.environ.get("SCALELM_CACHE_DIR", "/var/cache/scalelm"))
+    assert list((cache / "wheels-arm64").glob("torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl"))
+    wheels = [p.name for p in (cache / "wheelhouse-arm64").glob("*.whl")]
+    assert any(w.startswith("numpy-") and "aarch64" in w for w in wheels), wheels
+    assert not [w for w in wheels if w.startswith(("nvidia", "triton", "cuda")) or "x86_64" in w], wheels
+    for image in (cache / "base-images").glob("base-arm64-*.sif"):  # a proof's base image (bench/arm64_image.sh)
+        assert image_architecture("apptainer", str(image)) == "arm64", image

@@ -3,11 +3,14 @@
 # Debian bookworm minbase + python3 (3.11) + pip + venv + `python` + the local torch CPU wheel (+ numpy).
 #
 #   scripts/apptainer/make-base-image.sh [--rebuild] [--arch ARCH] OUT.sif
+#   scripts/apptainer/make-base-image.sh [--arch ARCH] --download-only
 #
 # --arch: the image's architecture (Debian's name: amd64, arm64), default this host's. Another one is built under
 # QEMU emulation (scripts/apptainer/emulation.sh on ARCH first) with that architecture's torch from PyPI
 # (SCALELM_TORCH_VERSION, default 2.10.0: the newest CPU build PyPI has for aarch64; 2.11 on bundle CUDA 13, GBs a
-# CPU stand-in does not use), its .debs and wheels cached apart (debs-bookworm-ARCH, wheelhouse-ARCH).
+# CPU stand-in does not use), its .debs, wheels and image cached apart (debs-bookworm-ARCH, wheelhouse-ARCH,
+# base-images/base-ARCH-KEY.sif). --download-only: fetch torch and its wheels for ARCH into the caches and stop
+# (no emulation, no Apptainer needed: for a build without PyPI later).
 #
 # Needs the wrappers from scripts/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
 # (.debs cached in $SCALELM_CACHE_DIR/debs-bookworm), torch's dependencies downloaded by the host's pip into
@@ -27,10 +30,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=common.sh
 source "$here/common.sh"
 
-rebuild=0 out="" ARCH=""
+rebuild=0 download_only=0 out="" ARCH=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --rebuild) rebuild=1 ;;
+        --download-only) download_only=1 ;;
         --arch) [[ $# -ge 2 ]] || die "--arch needs a value (amd64, arm64)"; ARCH=$2; shift ;;
         --arch=*) ARCH=${1#--arch=} ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -39,17 +43,17 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
-[[ -n "$out" ]] || die "usage: $0 [--rebuild] [--arch ARCH] OUT.sif"
+[[ -n "$out" || $download_only -eq 1 ]] || die "usage: $0 [--rebuild] [--arch ARCH] [--download-only] OUT.sif"
 HOST_ARCH=$(host_arch)
 ARCH=${ARCH:-$HOST_ARCH}
 QEMU_ARCH=$(qemu_name "$ARCH") || die "unknown architecture $ARCH: amd64, arm64, ppc64le, s390x or riscv64"
 need_root
 APPTAINER="$SCALELM_APPTAINER_BINDIR/apptainer"
-[[ -x "$APPTAINER" ]] || die "no $APPTAINER: run scripts/apptainer/setup.sh first"
+[[ $download_only -eq 1 || -x "$APPTAINER" ]] || die "no $APPTAINER: run scripts/apptainer/setup.sh first"
 suffix=""   # this host's architecture keeps the caches' plain names
 if [[ "$ARCH" != "$HOST_ARCH" ]]; then
     suffix="-$ARCH"
-    bash "$here/emulation.sh" status "$ARCH" \
+    [[ $download_only -eq 1 ]] || bash "$here/emulation.sh" status "$ARCH" \
         || die "this $HOST_ARCH host cannot run $ARCH binaries: run scripts/apptainer/emulation.sh on $ARCH first"
 fi
 # pip's options for wheels of the image's platform (none: the host's own)
@@ -85,36 +89,16 @@ torch_req="$(basename "$WHEEL" | cut -d- -f1)==$(basename "$WHEEL" | cut -d- -f2
 out_abs="$(readlink -f "$(dirname "$out")")/$(basename "$out")"
 key_src="v1 $ARCH $SUITE $PACKAGES $(cat "$CA_DIR"/*.crt 2>/dev/null | sha256sum | cut -c1-16) $(stat -c '%n %s %Y' "$WHEEL") $PIP_EXTRA $SQUASH_ARGS $(sha256sum "$0" | cut -c1-16)"
 key="$(echo "$key_src" | sha256sum | cut -c1-16)"
-cached="$SCALELM_CACHE_DIR/base-images/base-$key.sif"
+cached="$SCALELM_CACHE_DIR/base-images/base$suffix-$key.sif"
 t0=$SECONDS
 
-if [[ $rebuild -eq 0 && -f "$cached" ]]; then
+if [[ $download_only -eq 0 && $rebuild -eq 0 && -f "$cached" ]]; then
     cp --reflink=auto "$cached" "$out_abs"
     log "base image from cache ($cached) -> $out_abs in $((SECONDS - t0)) s"
     exit 0
 fi
 
-ensure_host_pkg mmdebstrap mmdebstrap
-[[ -z "$suffix" ]] || ensure_host_pkg arch-test arch-test   # mmdebstrap's check that the host runs $ARCH
-stage="$(mktemp -d "$SCALELM_CACHE_DIR/base-build.XXXXXX")"
-trap 'umount -l "$stage" 2>/dev/null || true; rm -rf "$stage"' EXIT
-trap 'exit 130' INT TERM
-# Build in RAM when there is room (about 3 GB used at the peak): the many small files of the rootfs and
-# Apptainer's copy of it make this step disk-bound otherwise (about 2x slower here).
-mem_gb=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo)
-if [[ "${SCALELM_BUILD_IN_RAM:-auto}" != no ]] && (( mem_gb >= 6 )); then
-    mount -t tmpfs -o size=5g,mode=0755 scalelm-base-build "$stage"
-    export APPTAINER_TMPDIR="${APPTAINER_TMPDIR:-/dev/shm}"   # the host tmpfs, bound by the wrapper
-fi
-rootfs="$stage/rootfs"
-
-# 1. Debian bookworm minbase with Python.
-mapfile -t opts < <(mmdebstrap_opts "$SCALELM_CACHE_DIR/debs-$SUITE$suffix")
-log "bootstrapping Debian $SUITE ($ARCH) + $PACKAGES"
-mmdebstrap --quiet --architectures="$ARCH" "${opts[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$(debian_mirror)"
-t1=$SECONDS
-
-# 2. torch's dependencies, fetched by the host's pip (it knows the host's indexes) into a reusable wheelhouse.
+# 1. torch's dependencies, fetched by the host's pip (it knows the host's indexes) into a reusable wheelhouse.
 wh="$SCALELM_CACHE_DIR/wheelhouse$suffix"
 mkdir -p "$wh"
 # torch's requirements for the image's machine: pip would judge their markers (platform_machine) by the host's
@@ -133,13 +117,40 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 EOF
 )
 index_opt=--no-index
+pip_log=$(mktemp)
 # shellcheck disable=SC2086
 if ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${platform_opts[@]}" \
-        --find-links "$wh" --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$stage/pip-download.log" 2>&1; then
-    grep -v 'is ignored: it is neither' "$stage/pip-download.log" >&2 || true
+        --find-links "$wh" --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$pip_log" 2>&1; then
+    grep -v 'is ignored: it is neither' "$pip_log" >&2 || true
     log "warning: the host's pip download failed; the chroot's pip will use PyPI"
     index_opt=""
 fi
+
+rm -f "$pip_log"
+if [[ $download_only -eq 1 ]]; then
+    log "downloaded for $ARCH: $(basename "$WHEEL") in $(dirname "$WHEEL"), $(find "$wh" -name '*.whl' | wc -l) wheels in $wh"
+    exit 0
+fi
+
+ensure_host_pkg mmdebstrap mmdebstrap
+[[ -z "$suffix" ]] || ensure_host_pkg arch-test arch-test   # mmdebstrap's check that the host runs $ARCH
+stage="$(mktemp -d "$SCALELM_CACHE_DIR/base-build.XXXXXX")"
+trap 'umount -l "$stage" 2>/dev/null || true; rm -rf "$stage"' EXIT
+trap 'exit 130' INT TERM
+# Build in RAM when there is room (about 3 GB used at the peak): the many small files of the rootfs and
+# Apptainer's copy of it make this step disk-bound otherwise (about 2x slower here).
+mem_gb=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo)
+if [[ "${SCALELM_BUILD_IN_RAM:-auto}" != no ]] && (( mem_gb >= 6 )); then
+    mount -t tmpfs -o size=5g,mode=0755 scalelm-base-build "$stage"
+    export APPTAINER_TMPDIR="${APPTAINER_TMPDIR:-/dev/shm}"   # the host tmpfs, bound by the wrapper
+fi
+rootfs="$stage/rootfs"
+
+# 2. Debian bookworm minbase with Python.
+mapfile -t opts < <(mmdebstrap_opts "$SCALELM_CACHE_DIR/debs-$SUITE$suffix")
+log "bootstrapping Debian $SUITE ($ARCH) + $PACKAGES"
+mmdebstrap --quiet --architectures="$ARCH" "${opts[@]}" --include="$PACKAGES" "$SUITE" "$rootfs" "$(debian_mirror)"
+t1=$SECONDS
 
 # The host's extra CA certificates (this machine reaches PyPI through a TLS-intercepting proxy): without
 # them pip in the image (e.g. in the scalelm.def %post) cannot reach PyPI here.
