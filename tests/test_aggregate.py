@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -868,7 +869,13 @@ def test_the_machine_baseline_sits_beside_the_runs_on_its_nodes(tmp_path, two_se
 # ------------------------------------------------------------------------------------------ disturbed runs
 def test_other_work_beyond_a_share_of_the_cores_a_run_was_given_disturbs_it():
     """The rule (scalelm.report.disturbance), on host loads as run.json records them."""
-    from scalelm.report.disturbance import baseline_disturbance, disturbance, figure_caveat, scaling_flag
+    from scalelm.report.disturbance import (
+        baseline_disturbance,
+        disturbance,
+        figure_caveat,
+        run_disturbance,
+        scaling_flag,
+    )
 
     def load(cpus, run, other, busy=True):
         return {"cpus": cpus, "run_cores": run, "other_cores": other} | ({"busy_cores": run + other} if busy else {})
@@ -892,6 +899,18 @@ def test_other_work_beyond_a_share_of_the_cores_a_run_was_given_disturbs_it():
     baseline = {"per_rank": [{"host": "vm", "machine": "boot-a", "threads": 2}], "host_load": {"vm": load(2, 1, 0.9)}}
     assert baseline_disturbance(baseline) == "other work took 0.90 of the 2 cores it was given on vm"
     assert baseline_disturbance({"per_rank": [], "collectives": []}) == ""  # an older baseline: not judged
+    # a run in another architecture's image under QEMU (issue 55) measured the emulator, whatever else ran
+    emulated = SimpleNamespace(
+        host_load={"vm": load(2, 1.8, 0.15)},
+        hostnames=["vm"],
+        machines=["boot-a"],
+        environment={"OMP_NUM_THREADS": "2", "SCALELM_EMULATED": "arm64 on x86_64"},
+    )
+    assert run_disturbance(emulated) == "run under QEMU emulation (arm64 on x86_64)"
+    emulated.host_load = {"vm": load(2, 0.9, 1.04)}
+    assert run_disturbance(emulated) == (
+        "other work took 1.04 of the 2 cores it was given on vm; run under QEMU emulation (arm64 on x86_64)"
+    )
 
     # what it taints: figures of time, not the loss; speedups also through the baseline run they compare with
     run = {"experiment": "single", "seed": 1, "disturbed": "other work took ...", "overlapped_by": ""}

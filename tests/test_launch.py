@@ -314,9 +314,14 @@ def test_another_architectures_image_runs_only_where_emulation_is_allowed_and_pr
         handler.write_text(text)
         assert container.emulates("arm64", binfmt) is runs, text
     handler.write_text(usable)
-    container.check_architecture("apptainer", "img.sif", "x86_64", allow_emulation=True, binfmt=binfmt)
+    emulated = container.check_architecture("apptainer", "img.sif", "x86_64", allow_emulation=True, binfmt=binfmt)
     assert "under QEMU emulation (--allow-emulation): the results hold, its timings do not" in capsys.readouterr().err
+    # what the launcher then sets goes into the image, and so into run.json (the report flags the run's timings)
+    assert emulated == "arm64 on x86_64"
+    assert container.passed_environment({container.EMULATED_ENV: emulated, "HOME": "/root"}) == {
+        "SCALELM_EMULATED": "arm64 on x86_64"
+    }
     for image_arch in ("amd64", None):  # this node's, or no SIF header to read: nothing to refuse, nothing said
         monkeypatch.setattr(container, "image_architecture", lambda runtime, image, arch=image_arch: arch)
-        container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=tmp_path)
+        assert container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=tmp_path) is None
     assert capsys.readouterr().err == ""

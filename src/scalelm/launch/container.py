@@ -48,6 +48,7 @@ PASSED_ENV = (
     "OPENBLAS_NUM_THREADS",
     "SLURM_JOB_ID",
     "GLIBC_TUNABLES",
+    "SCALELM_EMULATED",
 )
 PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_", "TORCHINDUCTOR_", "TRITON_")
 # What Slurm sets for each node (or task) of a step: the batch node's values would be wrong on the others, so on
@@ -299,17 +300,22 @@ def check_emulation(arch: str, purpose: str, binfmt: Path = BINFMT_DIR) -> None:
         )
 
 
+# set by the launcher for the processes it starts in an emulated image: their records say so, their timings are flagged
+EMULATED_ENV = "SCALELM_EMULATED"
+
+
 def check_architecture(
     runtime: str, image: str, machine: str | None = None, allow_emulation: bool = False, binfmt: Path = BINFMT_DIR
-) -> None:
+) -> str | None:
     """Refuse an image built for another architecture than this node's (an amd64 image on a GH200 node would
     fail in every process with `exec format error`), unless emulation is allowed and this machine has it: then
-    say that its timings mean nothing (QEMU runs it tens of times slower)."""
+    say that its timings mean nothing (QEMU runs it tens of times slower) and return what it emulates (e.g.
+    "arm64 on x86_64"); None for an image this node runs itself."""
     machine = machine or platform.machine()
     node = node_architecture(machine)
     built_for = image_architecture(runtime, image)
     if built_for is None or built_for == node:
-        return
+        return None
     if not allow_emulation:
         raise ContainerError(
             f"image {image} is built for {built_for} but this node ({platform.node()}) is {machine}: build the image "
@@ -325,6 +331,7 @@ def check_architecture(
         file=sys.stderr,
         flush=True,
     )
+    return f"{built_for} on {machine}"
 
 
 @friendly_errors

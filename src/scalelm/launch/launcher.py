@@ -28,7 +28,13 @@ import sys
 
 from scalelm.errors import ConfigError, friendly_errors
 from scalelm.launch import slurm
-from scalelm.launch.container import check_architecture, exec_prefix, passed_environment, step_prefix
+from scalelm.launch.container import (
+    EMULATED_ENV,
+    check_architecture,
+    exec_prefix,
+    passed_environment,
+    step_prefix,
+)
 from scalelm.launch.supervise import supervise
 from scalelm.parallel.hostmemory import with_huge_pages
 
@@ -185,5 +191,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     args, train_args = parse_args(argv)
     if args.container:
-        check_architecture(args.container_runtime, args.container, allow_emulation=args.allow_emulation)
+        emulated = check_architecture(args.container_runtime, args.container, allow_emulation=args.allow_emulation)
+        if emulated:  # into the image's environment (PASSED_ENV), and so into each run's record
+            os.environ[EMULATED_ENV] = emulated
     sys.exit(supervise(build_commands(args, train_args)))

@@ -11,6 +11,9 @@ other's other work. Other work of more than `share` of those cores on any of its
 suite taking 1.04 of a 2-core run's cores left it 754 instead of about 14,000 tokens/s); a tenth of its cores may
 slow it by a tenth, twice the results history's default tolerance.
 
+A run in an image of another architecture, under QEMU emulation (the launcher's --allow-emulation, which records
+SCALELM_EMULATED in run.json), is disturbed whatever else ran: its timings measure the emulator.
+
 What is derived from a disturbed run is marked too: a speed figure of a run that was disturbed or shared its host
 with another run (`contaminated`), a speedup or efficiency against such a baseline run, and an efficiency above
 IMPLAUSIBLE_EFFICIENCY, which neither caches nor a better layout explain (`scaling_flag`).
@@ -71,14 +74,20 @@ def disturbance(
 
 
 def run_disturbance(record: RunRecord, share: float = DEFAULT_SHARE) -> str:
-    """`disturbance` of a run's record."""
-    return disturbance(
-        record.host_load or {},
-        Counter(record.hostnames),
-        _whole(record.environment.get("OMP_NUM_THREADS")),
-        dict(zip(record.hostnames, record.machines)),
-        share,
-    )
+    """`disturbance` of a run's record; a run in an image of another architecture, under QEMU (the launcher's
+    --allow-emulation), measured the emulator."""
+    reasons = [
+        disturbance(
+            record.host_load or {},
+            Counter(record.hostnames),
+            _whole(record.environment.get("OMP_NUM_THREADS")),
+            dict(zip(record.hostnames, record.machines)),
+            share,
+        )
+    ]
+    if record.environment.get("SCALELM_EMULATED"):
+        reasons.append(f"run under QEMU emulation ({record.environment['SCALELM_EMULATED']})")
+    return "; ".join(reason for reason in reasons if reason)
 
 
 def baseline_disturbance(baseline: dict[str, Any], share: float = DEFAULT_SHARE) -> str:

@@ -25,6 +25,7 @@ RECORDED_ENV = (
     "SLURM_CLUSTER_NAME",
     "SLURM_JOB_PARTITION",
     "APPTAINER_CONTAINER",
+    "SCALELM_EMULATED",  # the launcher's, for an image of another architecture (scalelm.launch.container)
     "APPTAINER_NAME",
     "OMP_NUM_THREADS",
 )
