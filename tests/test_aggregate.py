@@ -1069,6 +1069,54 @@ def test_a_machine_baseline_beside_other_work_flags_the_step_times_planned_from_
     )
 
 
+def test_a_baseline_slower_than_every_run_found_the_machine_is_doubted(monkeypatch):
+    """Issue 53: a baseline whose model step was far slower than every one of its runs took (each below 75% of the
+    step planned at its fast end) did not measure the machine they ran on (a slow minute of a VM's host, which the
+    CPU readings cannot see): it is flagged as a disturbed one is (its `disturbed`, which the machine's section
+    shows, and every run's error planned from it)."""
+    from scalelm.report import steptime
+    from scalelm.report.disturbance import baseline_unlike_its_runs
+
+    def plan(total_s, fast=0.8):  # the step the model plans, at the baseline's median and either end of its spread
+        ends = {"fast": fast * total_s, "median": total_s, "slow": 1.2 * total_s}
+        monkeypatch.setattr(steptime.Speeds, "from_baseline", staticmethod(lambda baseline, at: at))
+        monkeypatch.setattr(
+            steptime,
+            "planned_step",
+            lambda run, vocab, at: SimpleNamespace(
+                total_s=ends[at], compute_s=ends[at], communication_s={}, bubble_s=0.0, all_to_all_s=0.0
+            ),
+        )
+
+    def runs(*steps, nodes=1):
+        return [SimpleNamespace(vocab_size=5018, figures={"nodes": nodes, "step_time_s": s}) for s in steps]
+
+    plan(0.2)  # fast end 0.16 s: runs of 0.05-0.1 s took at most 50% of the planned step, below the fast end
+    baselines = [{"nodes": 1, "disturbed": ""}, {"nodes": 2, "disturbed": "other work took 0.90 of ..."}]
+    found = runs(0.05, 0.08, 0.1) + runs(0.05, 0.06, nodes=2)
+    steptime.add_planned(found, baselines)
+    reason = (
+        "slower than the machine its 3 runs found: each took at most 50% of its planned step, less than the fast end "
+        "of the spread"
+    )
+    assert baselines[0]["disturbed"] == reason + "; measure it again (`snakemake --forcerun machine_baseline`)"
+    assert baselines[1]["disturbed"] == "other work took 0.90 of ..."  # two runs: too few to doubt it
+    assert [run.figures["machine_disturbed"] for run in found] == [baselines[0]["disturbed"]] * 3 + [
+        baselines[1]["disturbed"]
+    ] * 2
+    assert steptime.error_cell(found[0].figures) == "-75% (machine baseline disturbed)"
+    for near, fast in ((0.16, 0.8), (0.145, 0.7)):  # one run within 25% of the plan, or (a wider spread) its fast end
+        plan(0.2, fast)
+        found, baselines = runs(0.05, 0.08, near), [{"nodes": 1, "disturbed": ""}]
+        steptime.add_planned(found, baselines)
+        assert baselines[0]["disturbed"] == "" and {run.figures["machine_disturbed"] for run in found} == {""}
+
+    # the rule alone: rows without a plan do not count
+    slow = {"step_time_s": 0.05, "planned_step_time_s": 0.25, "planned_step_time_s_min": 0.2}
+    assert baseline_unlike_its_runs([slow] * 3, 0.25).startswith("slower than the machine its 3 runs found")
+    assert baseline_unlike_its_runs([slow] * 2 + [{"step_time_s": 0.05}], 0.25) == ""
+
+
 def test_a_step_beyond_its_goal_and_its_baselines_spread_blames_the_part_furthest_from_its_profile():
     from scalelm.report.steptime import blame, within
 

@@ -12,7 +12,9 @@ suite taking 1.04 of a 2-core run's cores left it 754 instead of about 14,000 to
 slow it by a tenth, twice the results history's default tolerance.
 
 A run in an image of another architecture, under QEMU emulation (the launcher's --allow-emulation, which records
-SCALELM_EMULATED in run.json), is disturbed whatever else ran: its timings measure the emulator.
+SCALELM_EMULATED in run.json), is disturbed whatever else ran: its timings measure the emulator. A machine baseline
+is also doubted when every one of its runs was much faster than even the fast end of what it planned from it
+(`baseline_unlike_its_runs`).
 
 What is derived from a disturbed run is marked too: a speed figure of a run that was disturbed or shared its host
 with another run (`contaminated`), a speedup or efficiency against such a baseline run, and an efficiency above
@@ -100,6 +102,27 @@ def baseline_disturbance(baseline: dict[str, Any], share: float = DEFAULT_SHARE)
         _whole(ranks[0].get("threads")) if ranks else None,
         {r["host"]: r.get("machine") for r in ranks},
         share,
+    )
+
+
+MIN_RUNS_TO_DOUBT = 3  # a baseline's runs that must all agree before it is doubted
+
+
+def baseline_unlike_its_runs(rows: list[dict[str, Any]], goal: float) -> str:
+    """Why a machine baseline did not measure the machine its runs ran on: every one of its runs (at least
+    MIN_RUNS_TO_DOUBT rows with `step_time_s`, `planned_step_time_s` and `planned_step_time_s_min`, the step planned
+    at the fast end of the baseline's spread) took less than 1 - `goal` of its planned step and less than even the
+    fast end. Its minute was slower than every training's, which the host's CPU readings cannot show (a VM's host
+    slowing it down: docs/plan.md). Empty otherwise."""
+    planned = [row for row in rows if row.get("step_time_s") and row.get("planned_step_time_s")]
+    ratios = [row["step_time_s"] / row["planned_step_time_s"] for row in planned]
+    if len(planned) < MIN_RUNS_TO_DOUBT or max(ratios) >= 1 - goal:
+        return ""
+    if any(row["step_time_s"] >= (row.get("planned_step_time_s_min") or 0.0) for row in planned):
+        return ""
+    return (
+        f"slower than the machine its {len(planned)} runs found: each took at most {max(ratios):.0%} of its planned "
+        "step, less than the fast end of the spread; measure it again (`snakemake --forcerun machine_baseline`)"
     )
 
 

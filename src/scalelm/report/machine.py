@@ -163,8 +163,9 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
     if troubled:
         lines += [
             "",
-            "**Disturbed baseline**: measured beside other work, so its rates, the references they are "
-            "checked against and the step times planned from them measure that work too: " + "; ".join(troubled) + ".",
+            "**Disturbed baseline**: measured beside other work, or slower than its runs found the machine, so its "
+            "rates, the references they are checked against and the step times planned from them are not the "
+            "machine's alone: " + "; ".join(troubled) + ".",
         ]
     if checks:
         lines += ["", "Against the site's references (site.yaml `references:`):", ""]

@@ -14,7 +14,7 @@ from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.memory import Workload
 from scalelm.plan.steptime import ENDS, Speeds, StepTime, predict
-from scalelm.report.disturbance import contaminated
+from scalelm.report.disturbance import baseline_unlike_its_runs, contaminated
 from scalelm.report.figures import RunSummary
 from scalelm.report.tables import fmt, markdown_table
 
@@ -44,8 +44,9 @@ def planned_step(run: RunSummary, vocab_size: int, speeds: Speeds) -> StepTime:
 def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None:
     """The PLANNED columns of every run whose node count has a baseline the model can read (None for the others: a
     baseline of an older scalelm lacks its figures, and says so without stopping the summary), and why that
-    baseline was disturbed (`machine_disturbed`)."""
-    by_nodes, disturbed = {}, {b["nodes"]: b.get("disturbed") or "" for b in baselines}
+    baseline was disturbed (`machine_disturbed`): by other work, or unlike the machine all its runs found
+    (`baseline_unlike_its_runs`, added to the baseline's own `disturbed`)."""
+    by_nodes = {}
     for baseline in baselines:
         try:
             by_nodes[baseline["nodes"]] = {at: Speeds.from_baseline(baseline, at=at) for at in ENDS}
@@ -62,6 +63,13 @@ def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None
         )
         run.figures.update(dict(zip(PLANNED, values)))
         run.figures.update(dict(zip(SPREAD, (steps["fast"].total_s, steps["slow"].total_s) if steps else (None, None))))
+    for baseline in baselines:
+        unlike = baseline_unlike_its_runs(
+            [run.figures for run in runs if run.figures["nodes"] == baseline["nodes"]], GOAL
+        )
+        baseline["disturbed"] = "; ".join(reason for reason in (baseline.get("disturbed"), unlike) if reason)
+    disturbed = {b["nodes"]: b["disturbed"] for b in baselines}
+    for run in runs:
         run.figures["machine_disturbed"] = disturbed.get(run.figures["nodes"], "")
         run.figures["steptime_blame"] = blame(run.figures)
 
