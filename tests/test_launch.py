@@ -325,3 +325,13 @@ def test_another_architectures_image_runs_only_where_emulation_is_allowed_and_pr
         monkeypatch.setattr(container, "image_architecture", lambda runtime, image, arch=image_arch: arch)
         assert container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=tmp_path) is None
     assert capsys.readouterr().err == ""
+
+
+def test_an_image_build_for_an_unknown_architecture_is_a_usage_error(capsys):
+    from scalelm.launch import container
+
+    with pytest.raises(SystemExit) as stop:
+        container.main(
+            ["build", "--definition", "d.def", "--out", "x.sif", "--base-image", "docker://a:b", "--arch", "x86"]
+        )
+    assert stop.value.code == 2 and "--arch: invalid choice: 'x86' (choose from" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -281,6 +282,20 @@ def test_container_problems_are_clear_errors(tmp_path, monkeypatch):
     assert study.build_image_args() == "--base-image docker://base:1 --build-option=-v --arch arm64"
     with pytest.raises(Exception, match="'x86' is not one of"):  # the schema's (snakemake's WorkflowError)
         resolve(local_config(lambda local: local.update(container={**building, "architecture": "x86"})))
+    # a setting its mode would ignore is refused by name, before any job
+    for container, message in (
+        (
+            emulated | {"architecture": "arm64"},
+            "container.architecture is 'arm64' but container.mode is image: it "
+            "applies to mode build only; remove it or change the mode",
+        ),
+        (
+            {"mode": "none", "allow_emulation": True},
+            "container.allow_emulation is True but container.mode is none: it applies to mode build or image only",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve(local_config(lambda local, c=container: local.update(container=c)))
 
 
 def rename(old: str, new: str):

@@ -38,6 +38,9 @@ class ContainerError(ScaleLMError):
 
 
 RUNTIMES = ("apptainer", "singularity")
+# set by the launcher for the processes it starts in an image of another architecture under QEMU: run.json records
+# it (train.provenance), and the report flags such a run's timings (report.disturbance)
+EMULATED_ENV = "SCALELM_EMULATED"
 # apptainer --cleanenv drops the host environment; these are what torchrun, NCCL, gloo, CUDA and the compiler
 # (Inductor, Triton) need from it: the named variables, and every one with a prefix (NCCL_IB_TIMEOUT, TORCH_NCCL_*,
 # CUDA_VISIBLE_DEVICES, UCX_*, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, ...)
@@ -48,7 +51,7 @@ PASSED_ENV = (
     "OPENBLAS_NUM_THREADS",
     "SLURM_JOB_ID",
     "GLIBC_TUNABLES",
-    "SCALELM_EMULATED",
+    EMULATED_ENV,
 )
 PASSED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "CUBLAS_", "PYTORCH_", "UCX_", "TORCHINDUCTOR_", "TRITON_")
 # What Slurm sets for each node (or task) of a step: the batch node's values would be wrong on the others, so on
@@ -279,12 +282,16 @@ BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
 QEMU_NAMES = {arch: machine for machine, arch in SIF_ARCHITECTURES.items() if machine != "arm64"}
 
 
+def qemu_handler(arch: str, binfmt: Path = BINFMT_DIR) -> Path:
+    """Where Debian's qemu-user-static registers `arch` (scripts/apptainer/emulation.sh)."""
+    return binfmt / f"qemu-{QEMU_NAMES.get(arch, arch)}"
+
+
 def emulates(arch: str, binfmt: Path = BINFMT_DIR) -> bool:
     """Whether this machine runs `arch` binaries through an enabled QEMU handler that a container can use too (the
     F flag: the kernel opened the interpreter when it was registered, so the container need not have it)."""
-    handler = binfmt / f"qemu-{QEMU_NAMES.get(arch, arch)}"
     try:
-        lines = handler.read_text().splitlines()
+        lines = qemu_handler(arch, binfmt).read_text().splitlines()
     except OSError:
         return False
     flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags:")), "")
@@ -295,13 +302,9 @@ def check_emulation(arch: str, purpose: str, binfmt: Path = BINFMT_DIR) -> None:
     if not emulates(arch, binfmt):
         raise ContainerError(
             f"cannot {purpose}: this machine does not run {arch} binaries (no enabled QEMU handler "
-            f"{binfmt / ('qemu-' + QEMU_NAMES.get(arch, arch))} with the F flag). As root: "
+            f"{qemu_handler(arch, binfmt)} with the F flag). As root: "
             f"`scripts/apptainer/emulation.sh on {arch}` (Debian's qemu-user-static, registered in binfmt_misc)"
         )
-
-
-# set by the launcher for the processes it starts in an emulated image: their records say so, their timings are flagged
-EMULATED_ENV = "SCALELM_EMULATED"
 
 
 def check_architecture(
@@ -344,7 +347,11 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--base-image", required=True, help="docker://..., oras://... or a local .sif")
     b.add_argument("--no-fakeroot", action="store_true", help="build without --fakeroot (e.g. as root)")
     b.add_argument("--build-option", action="append", default=[], help="passed on to `apptainer build` (repeatable)")
-    b.add_argument("--arch", help="the image's architecture (amd64, arm64); default this machine's")
+    b.add_argument(
+        "--arch",
+        choices=sorted(set(SIF_ARCHITECTURES) | set(SIF_ARCHITECTURES.values())),
+        help="the image's architecture (amd64, arm64); default this machine's",
+    )
     p = commands.add_parser("pull", help="fetch a prebuilt image (oras://, library://, docker://)")
     p.add_argument("--uri", required=True)
     p.add_argument("--out", type=Path, required=True)

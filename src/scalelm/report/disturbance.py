@@ -27,6 +27,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from scalelm.launch.container import EMULATED_ENV
 from scalelm.report.figures import TIMED
 from scalelm.train.record import RunRecord
 
@@ -87,8 +88,8 @@ def run_disturbance(record: RunRecord, share: float = DEFAULT_SHARE) -> str:
             share,
         )
     ]
-    if record.environment.get("SCALELM_EMULATED"):
-        reasons.append(f"run under QEMU emulation ({record.environment['SCALELM_EMULATED']})")
+    if record.environment.get(EMULATED_ENV):
+        reasons.append(f"run under QEMU emulation ({record.environment[EMULATED_ENV]})")
     return "; ".join(reason for reason in reasons if reason)
 
 

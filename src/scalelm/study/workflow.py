@@ -331,6 +331,15 @@ def stop_signal_seconds(resources: Resources) -> int:
 def image_file(container: ContainerSettings, results: str) -> str | None:
     """The .sif every job runs in: built here, pulled here (a URI), or given (a path); None without a container."""
     mode, image = container.mode, container.image
+    for setting, value, modes in (
+        ("architecture", container.architecture, ("build",)),
+        ("allow_emulation", container.allow_emulation, ("build", "image")),
+    ):
+        if value and mode not in modes:  # it would change nothing: said, not ignored
+            raise ConfigError(
+                f"container.{setting} is {value!r} but container.mode is {mode}: it applies to mode "
+                f"{' or '.join(modes)} only; remove it or change the mode"
+            )
     if mode == "none":
         return None
     if not image:

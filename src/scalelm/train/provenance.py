@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import scalelm
+from scalelm.launch.container import EMULATED_ENV
 from scalelm.measure.hostload import machine_id
 from scalelm.parallel.env import all_gather_object
 from scalelm.version import git_commit, installed, installed_closure, lock_facts
@@ -25,7 +26,7 @@ RECORDED_ENV = (
     "SLURM_CLUSTER_NAME",
     "SLURM_JOB_PARTITION",
     "APPTAINER_CONTAINER",
-    "SCALELM_EMULATED",  # the launcher's, for an image of another architecture (scalelm.launch.container)
+    EMULATED_ENV,  # the launcher's, for an image of another architecture run under QEMU
     "APPTAINER_NAME",
     "OMP_NUM_THREADS",
 )
