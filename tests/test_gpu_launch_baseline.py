@@ -43,9 +43,11 @@ def test_the_baseline_times_the_output_product_on_the_rows_training_pads_it_to(t
     assert baseline.gemm_shapes(course, "cpu")["output"] == (16 * 16, 32, 33278)
     assert baseline.output_shapes(course) == {"output_unpadded": (256, 32, 33278), "output_padded": (256, 32, 33280)}
     assert baseline.padded_rows(33280, "cuda") == 33280 and baseline.padded_rows(1, "cuda") == gpu_ops.ROW_MULTIPLE
+    assert baseline.prepared_vocabulary(course) is None  # the stand-in's, which the baseline records (test_plan.py)
 
     config = load_config(tiny_config())  # the sample's own vocabulary
     vocab = baseline.vocabulary_size(config)
+    assert vocab == baseline.prepared_vocabulary(config) != baseline.WIKITEXT2_VOCABULARY
     monkeypatch.setattr(gpu_ops, "PADDED_DEVICES", ("cpu",))
     m, d, padded = baseline.gemm_shapes(config, "cpu")["output"]
     assert padded % gpu_ops.ROW_MULTIPLE == 0 and vocab < padded < vocab + gpu_ops.ROW_MULTIPLE
@@ -123,6 +125,9 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         "nccl_network": None,
     }
     assert "(the slowest rank, compiled)" in baseline.report(result, None)[0]
+    # timed before the data was prepared: the report says which vocabulary the step had
+    result["model_step"] |= {"vocab_size": 33278, "prepared": False}
+    assert "with WikiText-2's vocabulary (33,278)" in baseline.report(result, None)[1]
 
     def broken():
         raise RuntimeError("GPU is lost")

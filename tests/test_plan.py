@@ -467,6 +467,14 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     with pytest.raises(ConfigError, match="nodes2.json lacks the step-time model's figures .* rerun the workflow's"):
         Speeds.from_baseline(older, "nodes2.json")
     assert from_file["tp"]["step_time"]["efficiency"] == pytest.approx(0.5)
+    # a baseline whose step had another vocabulary (made before the data was prepared: WikiText-2's) is priced with
+    # it: the same efficiency, where the study's vocabulary would have made its output layer another size
+    other = replace(work, vocab_size=4 * work.vocab_size)
+    ideal = efficiency(other, Speeds(150.0, 1500.0, {}, model_step=(16384, 1.0)))  # its products' and bytes' seconds
+    timed_other = {"seconds_max": 2 * ideal, "vocab_size": other.vocab_size}
+    measured = Speeds.from_baseline(baseline | {"model_step": baseline["model_step"] | timed_other})
+    assert measured.model_vocab == other.vocab_size and efficiency(work, measured) == pytest.approx(0.5)
+    assert efficiency(work, replace(measured, model_vocab=None)) < 0.45  # as the study's: a slower machine than it is
     # the ends of the baseline's spread: its fastest and slowest repetitions give the plan's spread
     baseline["model_step"]["seconds_spread"] = [1.5 * explained, 3 * explained]
     baseline["collectives"] = [

@@ -334,6 +334,11 @@ def test_local_default_runs_the_matrix_reruns_nothing_then_only_what_changed(pro
     }
     assert {r["scope"] for r in machine if r["nodes"] == "1"} == {"job"}  # one node: the job is the node
     assert all(0 < float(r["busbw_gbps_min"]) <= float(r["busbw_gbps"]) <= float(r["busbw_gbps_max"]) for r in machine)
+    # each timed the study's model after its data was prepared (a fresh clone once timed WikiText-2's vocabulary)
+    vocabulary = json.loads((project / "data/local/prepared/manifest.json").read_text())["vocab_size"]
+    for nodes in (1, 2):
+        step = json.loads((results / f"machine/nodes{nodes}.json").read_text())["model_step"]
+        assert (step["vocab_size"], step["prepared"]) == (vocabulary, True), nodes
     summary = (results / "summary.md").read_text()
     assert "## The machine" in summary and "## Step time: measured and planned" in summary
     # every layout timed by the step-time model with its node count's baseline (docs/plan.md has the errors)

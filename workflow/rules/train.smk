@@ -68,6 +68,7 @@ rule evaluate:
 rule machine_baseline:
     input:
         config=STUDY.baseline_config,
+        data=rules.prepare.output,  # its model is the study's: the prepared vocabulary, not a stand-in's
         image=image_input,
     output:
         STUDY.baseline_file("{nodes}"),

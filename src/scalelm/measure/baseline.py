@@ -22,8 +22,9 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
 - collectives: all_reduce, all_gather, reduce_scatter, send/recv (each rank to the next and from the previous at
   once: a pipeline's and the context-parallel ring's pattern) and all_to_all (uneven splits, as a mixture's dispatch
   sends them: `uneven_splits`) over message sizes, in the whole job (across nodes when there are several) and within
-  each node; per size the time of each repetition's slowest rank (a collective ends when its last rank does), as the
-  median and the spread (min, max) over the repetitions, and the bus bandwidth in nccl-tests' convention (algorithm
+  each node; per size the time of each repetition's slowest rank (a collective ends when its last rank does; a
+  repetition is the mean of calls lasting about 20 ms, as nccl-tests averages its iterations), as the median and the
+  spread (min, max) over the repetitions, and the bus bandwidth in nccl-tests' convention (algorithm
   bandwidth, the message over the time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
   all_to_all, x 1 for send/recv; the message is the whole buffer: all_gather's output, reduce_scatter's input), so
   its figures compare with nccl-tests';
@@ -147,13 +148,22 @@ def padded_rows(rows: int, device_type: str) -> int:
     return rows + (-rows % ROW_MULTIPLE if device_type in PADDED_DEVICES else 0)
 
 
-def vocabulary_size(config) -> int:
-    """The prepared data's, where it is; else WikiText-2's with the course's preparation."""
+WIKITEXT2_VOCABULARY = 33278  # WikiText-2's with the course's preparation: the stand-in where none is prepared
+
+
+def prepared_vocabulary(config) -> int | None:
+    """The vocabulary of the prepared data the config names; None where none is prepared there."""
     manifest = Path(config.data.prepared_dir) / "manifest.json"
     try:
         return int(json.loads(manifest.read_text())["vocab_size"])
     except (OSError, ValueError, KeyError):
-        return 33278
+        return None
+
+
+def vocabulary_size(config) -> int:
+    """The prepared data's, where it is; else WikiText-2's (the model's step then is not the study's: the plan
+    prices the vocabulary the baseline measured, `model_step.vocab_size`)."""
+    return prepared_vocabulary(config) or WIKITEXT2_VOCABULARY
 
 
 def matmul_rates(shapes: dict[str, tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> dict:
@@ -401,15 +411,18 @@ def run_op(op: str, size_bytes: int, group: dist.ProcessGroup, device: torch.dev
     return send_recv
 
 
+COLLECTIVE_SAMPLE_S = 0.02  # each repetition of a collective: calls enough to last about this long
+
+
 def time_collectives(
     scope: str, group: dist.ProcessGroup, sizes: list[int], device: torch.device, iterations: int
 ) -> list[dict[str, Any]]:
     """Every op at every size on `group`: each repetition's slowest rank, the median and the spread over the
-    repetitions of its time and bandwidths."""
+    repetitions of its time and bandwidths. A repetition is the mean of as many calls as last about
+    COLLECTIVE_SAMPLE_S (at least one; the same count on every rank), as nccl-tests averages its iterations: one
+    call of a small message is at the mercy of one preemption."""
     import torch
     import torch.distributed as dist
-
-    from scalelm.measure.device import synchronize
 
     ranks = dist.get_world_size(group)
     rows = []
@@ -418,15 +431,15 @@ def time_collectives(
             continue
         for size in sizes:
             call = run_op(op, size, group, device)
+            dist.barrier(group=group)
+            first = per_call(call, device, 1)  # warms up (connections, buffers) and sizes the repetitions
+            calls = torch.tensor([max(1, min(1000, int(COLLECTIVE_SAMPLE_S / max(first, 1e-7))))], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)  # every rank calls as often
             times = []
-            for _ in range(iterations + 1):  # the first warms up (connections, buffers)
+            for _ in range(iterations):
                 dist.barrier(group=group)
-                synchronize(device)
-                start = time.perf_counter()
-                call()
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-            slowest = torch.tensor(times[1:], device=device)
+                times.append(per_call(call, device, int(calls.item())))
+            slowest = torch.tensor(times, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
             fastest, seconds, longest = spread(slowest.tolist())
             algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
@@ -745,7 +758,12 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             "torch": torch.__version__,
             "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
             "elementwise_gbps_min": min(r["elementwise_gbps"] for r in per_rank),
-            "model_step": model_step_figures(m, per_rank) | {"compiled": alone["model_step_compiled"]},
+            "model_step": model_step_figures(m, per_rank)
+            | {
+                "compiled": alone["model_step_compiled"],
+                "vocab_size": vocab,
+                "prepared": bool(prepared_vocabulary(config)),
+            },
             "per_rank": per_rank,
             "collectives": collectives,
             "nccl_network": network,
@@ -774,6 +792,11 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
         f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
         f"{', compiled' if result['model_step'].get('compiled') else ''})"
     ]
+    if result["model_step"].get("prepared") is False:
+        lines.append(
+            f"  no prepared data where the config says: the model's step timed with WikiText-2's vocabulary "
+            f"({result['model_step']['vocab_size']:,}); the plan prices that vocabulary for it"
+        )
     if result["model_step"].get("host_speedup"):
         lines.append(
             f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "

@@ -74,6 +74,7 @@ class Speeds:
     threads: int | None = None  # CPU: the threads the rates were measured with; None on GPUs
     cpus: int | None = None  # CPU: the cores of a host
     model_step: tuple[int, float] | None = None  # (tokens, seconds) of the model's own step alone on one device
+    model_vocab: int | None = None  # the vocabulary of that step's model, where the baseline says (else the study's)
     small_step: tuple[int, float] | None = None  # the same for fewer tokens: the step's fixed cost
     host_speedup: float | None = None  # CPU: a machine's throughput with every rank at work over one rank's alone
     thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
@@ -122,6 +123,7 @@ class Speeds:
             threads=first.get("threads") if cpu else None,
             cpus=first.get("cpus") if cpu else None,
             model_step=(step["tokens"], seconds("seconds_max", "seconds_spread")),
+            model_vocab=step.get("vocab_size"),
             small_step=(step["small_tokens"], seconds("small_seconds_max", "small_seconds_spread"))
             if "small_tokens" in step
             else None,
@@ -290,13 +292,19 @@ def fixed_cost(speeds: Speeds) -> float:
 def efficiency(work: Workload, speeds: Speeds) -> float:
     """The matrix products' and elementwise bytes' time of the model's own step on one device over the time the
     baseline measured for it less the fixed cost (1 without that measurement): what cold caches and the softmax's
-    transcendental work add, as a share, for every layout alike."""
+    transcendental work add, as a share, for every layout alike. The step's model has the baseline's vocabulary (a
+    baseline made before the data was prepared timed WikiText-2's: its output layer is another size)."""
     if not speeds.model_step:
         return 1.0
     tokens, seconds = speeds.model_step
     config = work.config
     alone = replace(config.batch, mode="global", size=max(1, tokens // config.data.seq_len), micro_size=None)
-    reference = replace(work, config=replace(config, batch=alone), activation_checkpointing="none")
+    reference = replace(
+        work,
+        config=replace(config, batch=alone),
+        vocab_size=speeds.model_vocab or work.vocab_size,
+        activation_checkpointing="none",
+    )
     ((flops, moved),) = stage_work(reference, ParallelDims())
     ideal = flops / (speeds.matmul_tflops * 1e12) + moved / (speeds.elementwise_gbps * 1e9)
     return ideal / max(seconds - fixed_cost(speeds), 1e-9)

@@ -113,8 +113,9 @@ def baseline_unlike_its_runs(rows: list[dict[str, Any]], goal: float) -> str:
     """Why a machine baseline did not measure the machine its runs ran on: every one of its runs (at least
     MIN_RUNS_TO_DOUBT rows with `step_time_s`, `planned_step_time_s` and `planned_step_time_s_min`, the step planned
     at the fast end of the baseline's spread) took less than 1 - `goal` of its planned step and less than even the
-    fast end. Its minute was slower than every training's, which the host's CPU readings cannot show (a VM's host
-    slowing it down: docs/plan.md). Empty otherwise."""
+    fast end: it timed something slower than its runs, which the host's CPU readings cannot show (another model
+    than theirs, as a baseline that ran before the data was prepared once did; a VM's host slowing it down for a
+    minute). Empty otherwise."""
     planned = [row for row in rows if row.get("step_time_s") and row.get("planned_step_time_s")]
     ratios = [row["step_time_s"] / row["planned_step_time_s"] for row in planned]
     if len(planned) < MIN_RUNS_TO_DOUBT or max(ratios) >= 1 - goal:
