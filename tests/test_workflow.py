@@ -48,15 +48,17 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, int]:
 
 
 def dry_run_jobs(result: subprocess.CompletedProcess) -> list[dict]:
-    """Each job a dry run prints: its rule, wildcards and shell command."""
+    """Each job a dry run prints: its rule, inputs, wildcards and shell command."""
     jobs = []
     for block in re.split(r"^\[[^\]\n]+\]$", result.stdout, flags=re.M)[1:]:
         rule = re.search(r"^(?:local)?rule (\w+):$", block, re.M)
+        inputs = re.search(r"^\s+input: (.*)$", block, re.M)
         wildcards = re.search(r"^\s+wildcards: (.*)$", block, re.M)
         shell = re.search(r"^Shell command: (.*)$", block, re.M)
         jobs.append(
             {
                 "rule": rule[1],
+                "input": inputs[1].split(", ") if inputs else [],
                 "wildcards": dict(pair.split("=", 1) for pair in wildcards[1].split(", ")) if wildcards else {},
                 "shell": shell[1] if shell else "",
             }
@@ -183,6 +185,8 @@ def test_dry_run_of_the_local_default_plans_every_experiment_and_the_wiring_chec
     baselines = {j["wildcards"]["nodes"]: j["shell"] for j in jobs if j["rule"] == "machine_baseline"}
     assert set(baselines) == {"1", "2"} and geometry(baselines["1"]) == (1, 2) and geometry(baselines["2"]) == (2, 2)
     assert "--config results/local/runs/hsdp/seed1/train.yaml" in baselines["2"]  # the first 2 x 2 of the matrix
+    # after the data is prepared: its model has the study's vocabulary (before, WikiText-2's stood in)
+    assert all("data/local/prepared" in j["input"] for j in jobs if j["rule"] == "machine_baseline"), jobs
     # and the mixture of the first expert-parallel experiment, whose dispatch it times
     assert all('--moe \'{"aux_loss_coef": 0.3, ' in shell for shell in baselines.values()), baselines
     # the wiring check: each experiment of several processes on one node, each one-process reference alone
