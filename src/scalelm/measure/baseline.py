@@ -432,9 +432,9 @@ def time_collectives(
         for size in sizes:
             call = run_op(op, size, group, device)
             dist.barrier(group=group)
-            first = per_call(call, device, 1)  # warms up (connections, buffers) and sizes the repetitions
-            calls = torch.tensor([max(1, min(1000, int(COLLECTIVE_SAMPLE_S / max(first, 1e-7))))], device=device)
-            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)  # every rank calls as often
+            # its one timed call warms up (connections, buffers); every rank then calls as often
+            calls = torch.tensor([calls_lasting(call, device, COLLECTIVE_SAMPLE_S)], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)
             times = []
             for _ in range(iterations):
                 dist.barrier(group=group)
@@ -706,6 +706,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         config = load_config(args.config)
         shapes = gemm_shapes(config, device.type)
         m, _, vocab = output_shape(config)
+        prepared = prepared_vocabulary(config) is not None  # else the stand-in's vocabulary: the log says so
         alone: dict[str, Any] = {}
         mesh = None
         if dist.is_initialized():  # each rank's mesh of itself alone, for the layouts' overheads (every rank makes it)
@@ -762,7 +763,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             | {
                 "compiled": alone["model_step_compiled"],
                 "vocab_size": vocab,
-                "prepared": bool(prepared_vocabulary(config)),
+                "prepared": prepared,
             },
             "per_rank": per_rank,
             "collectives": collectives,
