@@ -288,13 +288,31 @@ def simulate_ring(load_balance: bool) -> Callable[[torch.nn.Module], None]:
     return prepare
 
 
-def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens on the same
-    rank (a step's fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a
-    machine does with every core at work: as threads of one process (`thread_speedup`, rank 0's), and as every rank
-    of the job at once (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they
-    are real, less where they share caches or a physical core)."""
-    slowest = max(per_rank, key=lambda r: r["model_step_s"])
+def measuring_ranks(per_rank: list[dict[str, Any]], shared: bool) -> list[dict[str, Any]]:
+    """The rank whose figures stand for each device the job's ranks measured alone. Where the ranks of a machine
+    share its device (`shared`: a CPU's cores) each timed the same cores in turn, and other work can only slow a
+    timing down: the machine's figures are its least disturbed rank's, the one with the fastest model step (as
+    timeit takes the best of its repeats), never the max over repeats of one measurement. On GPUs every rank its
+    own device: each stands for itself, and the job's figures are its slowest device's."""
+    if not shared:
+        return per_rank
+    fastest: dict[str, dict[str, Any]] = {}
+    for rank in per_rank:
+        best = fastest.get(rank["machine"])
+        if best is None or rank["model_step_s"] < best["model_step_s"]:
+            fastest[rank["machine"]] = rank
+    return list(fastest.values())
+
+
+def model_step_figures(tokens: int, per_rank: list[dict[str, Any]], shared: bool = False) -> dict[str, Any]:
+    """The model's step alone (the slowest device's, `measuring_ranks`: on a CPU the slowest machine's least
+    disturbed rank), for one micro-batch and for a quarter of its tokens on the same rank (a step's fixed cost is
+    what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with every core at
+    work: as threads of one process (`thread_speedup`, the first rank's all-core step against its machine's step
+    alone), and as every rank of the job at once (`host_speedup`: the machine's throughput over one rank's alone;
+    near the cores where they are real, less where they share caches or a physical core)."""
+    measuring = measuring_ranks(per_rank, shared)
+    slowest = max(measuring, key=lambda r: r["model_step_s"])
     alone = slowest["model_step_s"]
     # the slowest rank's runs' fastest and slowest: the model's own spread
     figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone, "seconds_spread": slowest["model_step_s_spread"]}
@@ -309,7 +327,8 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str,
     if first.get("layout_overhead_s"):
         figures |= {key: first[key] for key in ("layout_overhead_s", "layout_overhead_s_spread")}
     if first.get("model_step_all_cores_s"):
-        figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
+        own = next(r for r in measuring if r["machine"] == first["machine"]) if shared else first
+        figures |= {"cores": first["cpus"], "thread_speedup": own["model_step_s"] / first["model_step_all_cores_s"]}
     together = [r for r in per_rank if r.get("model_step_together_s")]
     if together:
         ranks_per_host = max(Counter(r["machine"] for r in per_rank).values())  # several "nodes" may be one
@@ -420,44 +439,47 @@ def time_collectives(
     """Every op at every size on `group`: each repetition's slowest rank, the median and the spread over the
     repetitions of its time and bandwidths. A repetition is the mean of as many calls as last about
     COLLECTIVE_SAMPLE_S (at least one; the same count on every rank), as nccl-tests averages its iterations: one
-    call of a small message is at the mercy of one preemption."""
+    call of a small message is at the mercy of one preemption. The repetitions are interleaved, each a round over
+    every op and size: other work for a second or two slows one repetition of many points, which their medians
+    leave out, not every repetition of one point."""
     import torch
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    rows = []
-    for op in OPS:
-        if op == "send_recv" and ranks < 2:
-            continue
-        for size in sizes:
-            call = run_op(op, size, group, device)
+    points = [(op, size) for op in OPS if op != "send_recv" or ranks > 1 for size in sizes]
+    counts = torch.zeros(len(points), dtype=torch.int64, device=device)
+    for i, (op, size) in enumerate(points):
+        call = run_op(op, size, group, device)
+        dist.barrier(group=group)
+        # its one timed call warms up (connections); every rank then calls as often
+        counts[i] = calls_lasting(call, device, COLLECTIVE_SAMPLE_S)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
+    times = torch.zeros(len(points), iterations, dtype=torch.float64, device=device)
+    for repetition in range(iterations):
+        for i, (op, size) in enumerate(points):
+            call = run_op(op, size, group, device)  # one point's buffers at a time: the largest are GiBs on GPUs
             dist.barrier(group=group)
-            # its one timed call warms up (connections, buffers); every rank then calls as often
-            calls = torch.tensor([calls_lasting(call, device, COLLECTIVE_SAMPLE_S)], device=device)
-            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)
-            times = []
-            for _ in range(iterations):
-                dist.barrier(group=group)
-                times.append(per_call(call, device, int(calls.item())))
-            slowest = torch.tensor(times, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
-            fastest, seconds, longest = spread(slowest.tolist())
-            algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
-            rows.append(
-                {
-                    "scope": scope,
-                    "op": op,
-                    "ranks": ranks,
-                    "bytes": size,
-                    "time_s": seconds,
-                    "time_s_min": fastest,
-                    "time_s_max": longest,
-                    "algbw_gbps": algorithm,
-                    "busbw_gbps": bus,
-                    "busbw_gbps_min": bus_bandwidth(op, size, longest, ranks)[1],
-                    "busbw_gbps_max": bus_bandwidth(op, size, fastest, ranks)[1],
-                }
-            )
+            times[i, repetition] = per_call(call, device, int(counts[i]))
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
+    rows = []
+    for (op, size), repetitions in zip(points, times.tolist()):
+        fastest, seconds, longest = spread(repetitions)
+        algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
+        rows.append(
+            {
+                "scope": scope,
+                "op": op,
+                "ranks": ranks,
+                "bytes": size,
+                "time_s": seconds,
+                "time_s_min": fastest,
+                "time_s_max": longest,
+                "algbw_gbps": algorithm,
+                "busbw_gbps": bus,
+                "busbw_gbps_min": bus_bandwidth(op, size, longest, ranks)[1],
+                "busbw_gbps_max": bus_bandwidth(op, size, fastest, ranks)[1],
+            }
+        )
     return rows
 
 
@@ -749,6 +771,8 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
             return None
+        shared = device.type == "cpu"  # a machine's ranks timed the same cores, one at a time
+        measuring = measuring_ranks(per_rank, shared)
         network = nccl_network([p.read_text(errors="replace") for p in logs.glob("*.log")]) if logs.is_dir() else None
         return {
             "world_size": env.world_size,
@@ -757,9 +781,9 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "torch": torch.__version__,
-            "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
-            "elementwise_gbps_min": min(r["elementwise_gbps"] for r in per_rank),
-            "model_step": model_step_figures(m, per_rank)
+            "matmul_tflops_min": min(r["matmul"]["tflops"] for r in measuring),  # the slowest device's
+            "elementwise_gbps_min": min(r["elementwise_gbps"] for r in measuring),
+            "model_step": model_step_figures(m, per_rank, shared)
             | {
                 "compiled": alone["model_step_compiled"],
                 "vocab_size": vocab,
@@ -790,7 +814,7 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
         f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
         f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
         f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
-        f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
+        f"for {result['model_step']['tokens']:,} tokens (the slowest device"
         f"{', compiled' if result['model_step'].get('compiled') else ''})"
     ]
     if result["model_step"].get("prepared") is False:
