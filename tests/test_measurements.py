@@ -464,13 +464,6 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     assert all(0 <= spreads[name][0] <= seconds <= spreads[name][1] for name, seconds in overheads.items())
     assert [bool(r.get("layout_overhead_s")) for r in result["per_rank"]] == [True, False, False, False]
     assert step["small_seconds_spread"][0] <= step["small_seconds_max"] <= step["small_seconds_spread"][1]
-    # a collective the ranks come to from computing: its wait beyond the products and the all-reduce apart
-    low, wait, high = (
-        result["collective_wait_s_spread"][0],
-        result["collective_wait_s"],
-        result["collective_wait_s_spread"][1],
-    )
-    assert 0 <= low <= wait <= high and "a collective its ranks come to from computing" in "".join(outputs)
     # one machine's ranks timed its cores in turn: its figures are its least disturbed rank's, not the slowest's
     fastest = min(result["per_rank"], key=lambda r: r["model_step_s"])
     assert step["seconds_max"] == fastest["model_step_s"] and step["small_seconds_max"] == fastest["model_step_small_s"]

@@ -24,13 +24,11 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   once: a pipeline's and the context-parallel ring's pattern) and all_to_all (uneven splits, as a mixture's dispatch
   sends them: `uneven_splits`) over message sizes, in the whole job (across nodes when there are several) and within
   each node; per size the time of each repetition's slowest rank (a collective ends when its last rank does; a
-  repetition is the mean of calls lasting about 20 ms, as nccl-tests averages its iterations; the repetitions are
-  rounds over every op and size), as the median and the spread (min, max) over the repetitions, and the bus
-  bandwidth in nccl-tests' convention (algorithm bandwidth, the message over the time, x 2(n-1)/n for all_reduce,
-  x (n-1)/n for all_gather, reduce_scatter and all_to_all, x 1 for send/recv; the message is the whole buffer:
-  all_gather's output, reduce_scatter's input), so its figures compare with nccl-tests';
-- the wait at a collective: what a small all-reduce costs more when every rank comes to it from computing
-  (`collective_wait`), which the step-time model adds to each collective a step waits for;
+  repetition is the mean of calls lasting about 20 ms, as nccl-tests averages its iterations), as the median and the
+  spread (min, max) over the repetitions, and the bus bandwidth in nccl-tests' convention (algorithm
+  bandwidth, the message over the time, x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
+  all_to_all, x 1 for send/recv; the message is the whole buffer: all_gather's output, reduce_scatter's input), so
+  its figures compare with nccl-tests';
 - on GPUs: each GPU's health from NVML, sampled on a thread while its products and steps run (an idle GPU is not
   throttled): the worst seen of uncorrected ECC errors, SM clock against its maximum, temperature, and the reasons
   the clock is held back; and the network NCCL chose (NCCL_DEBUG=INFO's "Using network ..."; the baseline forces
@@ -442,102 +440,45 @@ def time_collectives(
     """Every op at every size on `group`: each repetition's slowest rank, the median and the spread over the
     repetitions of its time and bandwidths. A repetition is the mean of as many calls as last about
     COLLECTIVE_SAMPLE_S (at least one; the same count on every rank), as nccl-tests averages its iterations: one
-    call of a small message is at the mercy of one preemption. The repetitions are interleaved, each a round over
-    every op and size: other work for a second or two slows one repetition of many points, which their medians
-    leave out, not every repetition of one point."""
+    call of a small message is at the mercy of one preemption."""
     import torch
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    points = [(op, size) for op in OPS if op != "send_recv" or ranks > 1 for size in sizes]
-    counts = torch.zeros(len(points), dtype=torch.int64, device=device)
-    for i, (op, size) in enumerate(points):
-        call = run_op(op, size, group, device)
-        dist.barrier(group=group)
-        # its one timed call warms up (connections); every rank then calls as often
-        counts[i] = calls_lasting(call, device, COLLECTIVE_SAMPLE_S)
-    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
-    agreed, times = counts.tolist(), [[0.0] * iterations for _ in points]
-    for repetition in range(iterations):
-        for (op, size), count, row in zip(points, agreed, times):
-            call = run_op(op, size, group, device)  # one point's buffers at a time: the largest are GiBs on GPUs
-            dist.barrier(group=group)
-            row[repetition] = per_call(call, device, count)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
     rows = []
-    for (op, size), repetitions in zip(points, slowest.tolist()):
-        fastest, seconds, longest = spread(repetitions)
-        algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
-        rows.append(
-            {
-                "scope": scope,
-                "op": op,
-                "ranks": ranks,
-                "bytes": size,
-                "time_s": seconds,
-                "time_s_min": fastest,
-                "time_s_max": longest,
-                "algbw_gbps": algorithm,
-                "busbw_gbps": bus,
-                "busbw_gbps_min": bus_bandwidth(op, size, longest, ranks)[1],
-                "busbw_gbps_max": bus_bandwidth(op, size, fastest, ranks)[1],
-            }
-        )
-    return rows
-
-
-# a rank's work between two collectives of a step: 5 to 15 ms in the local default's layouts (a step's compute over
-# its collectives); the wait grows with it (the ranks drift further apart), from about nothing after 1 ms of work
-COMPUTE_BETWEEN_S = 0.01
-WAIT_SAMPLE_S = 0.15  # each repetition of the wait: as many rounds of work and all-reduce as last about this long
-WAIT_REPETITIONS = 7  # at least: a wait moves by more than itself from one repetition to the next
-
-
-def collective_wait(
-    group: dist.ProcessGroup, shape: tuple[int, int, int], device: torch.device, iterations: int
-) -> tuple[float, float, float]:
-    """Seconds (min, median, max over at least WAIT_REPETITIONS repetitions, each's slowest rank) that a small
-    all-reduce costs more when the ranks come to it from computing than the products and the all-reduce cost apart,
-    every rank at once: rounds of the model's product of `shape` for about COMPUTE_BETWEEN_S, then a 4 KiB
-    all-reduce, against the products' rounds alone and the all-reduces alone, interleaved. Where ranks share a
-    machine's cores (a CPU) they arrive apart and the collective's threads wait for a core; the step-time model
-    adds the wait to each message a step waits for (scalelm.plan.steptime)."""
-    import torch
-    import torch.distributed as dist
-
-    m, k, n = shape
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    out, buffer = torch.empty(m, n, device=device), torch.ones(1024, device=device)
-    agreed = torch.tensor(
-        [calls_lasting(lambda: torch.matmul(a, b, out=out), device, COMPUTE_BETWEEN_S)], device=device
-    )
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    products = int(agreed.item())
-
-    def work() -> None:
-        for _ in range(products):
-            torch.matmul(a, b, out=out)
-
-    def reduce() -> None:
-        dist.all_reduce(buffer, group=group)
-
-    def both() -> None:
-        work()
-        reduce()
-
-    agreed[0] = calls_lasting(both, device, WAIT_SAMPLE_S)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    rounds = int(agreed.item())
-    times = []
-    for _ in range(max(iterations, WAIT_REPETITIONS)):
-        for call in (work, reduce, both):
+    for op in OPS:
+        if op == "send_recv" and ranks < 2:
+            continue
+        for size in sizes:
+            call = run_op(op, size, group, device)
             dist.barrier(group=group)
-            times.append(per_call(call, device, rounds))
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    work_s, reduce_s, both_s = (slowest[i::3] for i in range(3))
-    return spread((both_s - work_s - reduce_s).clamp(min=0.0).tolist())
+            # its one timed call warms up (connections, buffers); every rank then calls as often
+            calls = torch.tensor([calls_lasting(call, device, COLLECTIVE_SAMPLE_S)], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)
+            times = []
+            for _ in range(iterations):
+                dist.barrier(group=group)
+                times.append(per_call(call, device, int(calls.item())))
+            slowest = torch.tensor(times, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
+            fastest, seconds, longest = spread(slowest.tolist())
+            algorithm, bus = bus_bandwidth(op, size, seconds, ranks)
+            rows.append(
+                {
+                    "scope": scope,
+                    "op": op,
+                    "ranks": ranks,
+                    "bytes": size,
+                    "time_s": seconds,
+                    "time_s_min": fastest,
+                    "time_s_max": longest,
+                    "algbw_gbps": algorithm,
+                    "busbw_gbps": bus,
+                    "busbw_gbps_min": bus_bandwidth(op, size, longest, ranks)[1],
+                    "busbw_gbps_max": bus_bandwidth(op, size, fastest, ranks)[1],
+                }
+            )
+    return rows
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -806,16 +747,13 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             crowded = timed(
                 "model_step_together_s", model_step_seconds(config, vocab, m, device, alone["model_step_compiled"])
             )
-        collectives, wait = [], {}
+        collectives = []
         if env.world_size > 1:
             sizes = message_sizes(args.min_bytes, args.max_bytes)
             collectives = time_collectives(SCOPES[0], dist.group.WORLD, sizes, device, args.iterations)
             within = node_group(env.procs_per_node, env.world_size)
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
-            wait = timed(
-                "collective_wait_s", collective_wait(dist.group.WORLD, shapes["ffn_up"], device, args.iterations)
-            )
         per_rank = all_gather_object(
             {
                 "rank": env.rank,
@@ -851,7 +789,6 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             },
             "per_rank": per_rank,
             "collectives": collectives,
-            **wait,
             "nccl_network": network,
             "host_load": HostLoad.per_host([r["load"] for r in per_rank]),  # per host: its and other work's cores
         }
@@ -887,11 +824,6 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
         lines.append(
             f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
             f"{result['model_step']['host_speedup']:.2f} x one rank's alone"
-        )
-    if result.get("collective_wait_s") is not None:
-        lines.append(
-            f"  a collective its ranks come to from computing: {result['collective_wait_s'] * 1e3:.3g} ms more than "
-            "alone (the plan adds it to each collective a step waits for)"
         )
     for row in largest(result).values():
         lines.append(

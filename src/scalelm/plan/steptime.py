@@ -1,7 +1,7 @@
 """How long a step of a layout should take on a machine, from what the machine's baseline measured
 (scalelm.measure.baseline) or what the user says it delivers: the step-time model of docs/plan.md.
 
-    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + waits + bubble
+    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + bubble
 
 - matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
   checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share; a mixture's router and
@@ -28,10 +28,6 @@
   cores the compute uses. An all-to-all is priced at the baseline's all-to-all figures where it measured them, else
   at its all-gather's (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it);
   `all_to_all_s` is its share of the step;
-- waits: each message the step waits for (on a CPU every one) costs the baseline's `collective_wait_s` more: what a
-  small all-reduce took beyond its own time and the products' when the ranks came to it from computing (they
-  arrive apart; on a CPU its threads wait for cores the compute holds), 2 to 3.5 ms a collective on the 2-vCPU VM
-  against its 1 to 2 ms alone;
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
@@ -62,7 +58,6 @@ ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
-WAITS = "ranks coming to each collective from computing"  # communication_s's name for the collectives' waits
 RING_RANKS = 2  # the context-parallel ring whose overhead the baseline measures (measure.baseline.layout_overheads)
 # a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
 ENDS = ("median", "fast", "slow")
@@ -85,7 +80,6 @@ class Speeds:
     thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
     # what a pass of the model costs more with a layout's machinery: tp, cp (a RING_RANKS-way ring), ep
     layout_overhead_s: dict[str, float] = field(default_factory=dict)
-    collective_wait_s: float = 0.0  # what a collective costs more when its ranks come to it from computing
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -139,9 +133,6 @@ class Speeds:
                 name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
                 for name, seconds in step.get("layout_overhead_s", {}).items()
             },
-            collective_wait_s=result["collective_wait_s_spread"][end]
-            if end is not None and "collective_wait_s_spread" in result
-            else result.get("collective_wait_s", 0.0),
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -354,10 +345,6 @@ def predict(
     step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
-    # measured with the baseline's ranks computing on their machines, crowded as they were: not crowded again
-    waits = sum(f.messages for f in flows if speeds.on_cpu or f.overlaps is None)
-    if waits and speeds.collective_wait_s:
-        step.communication_s[WAITS] = waits * speeds.collective_wait_s
     step.all_to_all_s = sum(step.communication_s[f.collective] for f in flows if f.op == "all_to_all")
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each

@@ -141,9 +141,6 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
             ", ".join(b["hosts"]),
             fmt(b["matmul_tflops_min"]),
             model_step_cell(b),
-            with_spread(b["collective_wait_s"] * 1e3, [x * 1e3 for x in b["collective_wait_s_spread"]])
-            if "collective_wait_s" in b  # not in a baseline of one process, or of an older scalelm
-            else "",
             *(with_spread(found[key]["busbw_gbps"], spread_of(found[key])) if key in found else "" for key in keys),
         ]
         for b, found in zip(baselines, at_largest)
@@ -155,15 +152,13 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
         "",
         "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
         "(the slowest device's TFLOP/s), the model's own step alone (the slowest device's; on a CPU a machine's "
-        "least disturbed rank's), what a collective costs more when its ranks come to it from computing (the wait, "
-        "added to each collective a step waits for) and each collective's bus "
+        "least disturbed rank's) and each collective's bus "
         f"bandwidth (nccl-tests' convention) at the largest message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), "
         "over the job (`job_`) and within a node (`node_`); the median of the repetitions, their spread (min-max) in "
         "brackets.",
         "",
     ]
-    headers = ["nodes", "processes", "hosts", "matmul TFLOP/s", "model step s", "wait ms"]
-    headers += [f"{key} GB/s" for key in keys]
+    headers = ["nodes", "processes", "hosts", "matmul TFLOP/s", "model step s", *(f"{key} GB/s" for key in keys)]
     lines += markdown_table(headers, table)
     troubled = [f"on {b['nodes']} node(s) {b['disturbed']}" for b in baselines if b.get("disturbed")]
     if troubled:
