@@ -124,7 +124,7 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         "per_rank": [],
         "nccl_network": None,
     }
-    assert "(the slowest device, compiled)" in baseline.report(result, None)[0]
+    assert "(the slowest rank, compiled)" in baseline.report(result, None)[0]
     # timed before the data was prepared: the report says which vocabulary the step had
     result["model_step"] |= {"vocab_size": 33278, "prepared": False}
     assert "with WikiText-2's vocabulary (33,278)" in baseline.report(result, None)[1]

@@ -15,8 +15,7 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   rank, eager, again with each layout's machinery that one process can run (`layout_overheads`: tensor parallelism's
   DTensor weights on a mesh of one rank, a context-parallel ring simulated in the process, an expert-parallel
   experiment's mixture sent to its experts over a mesh of one rank): the excess, per step, is what the step-time model
-  adds to those layouts' steps (`layout_overhead_s`); the job's figures are its slowest device's, where on a CPU a
-  machine's ranks, which time the same cores in turn, stand for it by their least disturbed (`measuring_ranks`);
+  adds to those layouts' steps (`layout_overhead_s`);
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
@@ -289,33 +288,15 @@ def simulate_ring(load_balance: bool) -> Callable[[torch.nn.Module], None]:
     return prepare
 
 
-def measuring_ranks(per_rank: list[dict[str, Any]], shared: bool) -> list[dict[str, Any]]:
-    """The rank whose figures stand for each device the job's ranks measured alone. Where the ranks of a machine
-    share its device (`shared`: a CPU's cores) each timed the same cores in turn, and other work can only slow a
-    timing down: the machine's figures are its least disturbed rank's, the one with the fastest model step (as
-    timeit takes the best of its repeats), never the max over repeats of one measurement. On GPUs every rank its
-    own device: each stands for itself, and the job's figures are its slowest device's."""
-    if not shared:
-        return per_rank
-    fastest: dict[str, dict[str, Any]] = {}
-    for rank in per_rank:
-        best = fastest.get(rank["machine"])
-        if best is None or rank["model_step_s"] < best["model_step_s"]:
-            fastest[rank["machine"]] = rank
-    return list(fastest.values())
-
-
-def model_step_figures(tokens: int, per_rank: list[dict[str, Any]], shared: bool = False) -> dict[str, Any]:
-    """The model's step alone (the slowest device's, `measuring_ranks`: on a CPU the slowest machine's least
-    disturbed rank), for one micro-batch and for a quarter of its tokens on the same rank (a step's fixed cost is
-    what a line through the two leaves at no tokens), and, on CPUs, how much more a machine does with every core at
-    work: as threads of one process (`thread_speedup`, the first rank's all-core step against its machine's step
-    alone), and as every rank of the job at once (`host_speedup`: the machine's throughput over one rank's alone;
-    near the cores where they are real, less where they share caches or a physical core)."""
-    measuring = measuring_ranks(per_rank, shared)
-    slowest = max(measuring, key=lambda r: r["model_step_s"])
+def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model's step alone (the slowest rank's), for one micro-batch and for a quarter of its tokens on the same
+    rank (a step's fixed cost is what a line through the two leaves at no tokens), and, on CPUs, how much more a
+    machine does with every core at work: as threads of one process (`thread_speedup`, rank 0's), and as every rank
+    of the job at once (`host_speedup`: the machine's throughput over one rank's alone; near the cores where they
+    are real, less where they share caches or a physical core)."""
+    slowest = max(per_rank, key=lambda r: r["model_step_s"])
     alone = slowest["model_step_s"]
-    # that rank's runs' fastest and slowest: the model's own spread
+    # the slowest rank's runs' fastest and slowest: the model's own spread
     figures: dict[str, Any] = {"tokens": tokens, "seconds_max": alone, "seconds_spread": slowest["model_step_s_spread"]}
     first = per_rank[0]
     if slowest.get("model_step_small_s") and slowest["model_step_small_tokens"] < tokens:
@@ -328,8 +309,7 @@ def model_step_figures(tokens: int, per_rank: list[dict[str, Any]], shared: bool
     if first.get("layout_overhead_s"):
         figures |= {key: first[key] for key in ("layout_overhead_s", "layout_overhead_s_spread")}
     if first.get("model_step_all_cores_s"):
-        own = next(r for r in measuring if r["machine"] == first["machine"]) if shared else first
-        figures |= {"cores": first["cpus"], "thread_speedup": own["model_step_s"] / first["model_step_all_cores_s"]}
+        figures |= {"cores": first["cpus"], "thread_speedup": first["model_step_s"] / first["model_step_all_cores_s"]}
     together = [r for r in per_rank if r.get("model_step_together_s")]
     if together:
         ranks_per_host = max(Counter(r["machine"] for r in per_rank).values())  # several "nodes" may be one
@@ -769,8 +749,6 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         barrier()  # every rank done with every collective before any shuts its process groups down
         if not env.is_main:
             return None
-        shared = device.type == "cpu"  # a machine's ranks timed the same cores, one at a time
-        measuring = measuring_ranks(per_rank, shared)
         network = nccl_network([p.read_text(errors="replace") for p in logs.glob("*.log")]) if logs.is_dir() else None
         return {
             "world_size": env.world_size,
@@ -779,9 +757,9 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "torch": torch.__version__,
-            "matmul_tflops_min": min(r["matmul"]["tflops"] for r in measuring),  # the slowest device's
-            "elementwise_gbps_min": min(r["elementwise_gbps"] for r in measuring),
-            "model_step": model_step_figures(m, per_rank, shared)
+            "matmul_tflops_min": min(r["matmul"]["tflops"] for r in per_rank),
+            "elementwise_gbps_min": min(r["elementwise_gbps"] for r in per_rank),
+            "model_step": model_step_figures(m, per_rank)
             | {
                 "compiled": alone["model_step_compiled"],
                 "vocab_size": vocab,
@@ -807,12 +785,12 @@ def largest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
-    """The baseline in a few lines, the slowest device's figures, and what looks wrong."""
+    """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
     lines = [
         f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
         f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
         f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
-        f"for {result['model_step']['tokens']:,} tokens (the slowest device"
+        f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
         f"{', compiled' if result['model_step'].get('compiled') else ''})"
     ]
     if result["model_step"].get("prepared") is False:

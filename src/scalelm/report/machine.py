@@ -151,8 +151,7 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
         "## The machine",
         "",
         "Its baseline (`scalelm.measure.baseline`, every size in `machine.csv`): the model's matrix products "
-        "(the slowest device's TFLOP/s), the model's own step alone (the slowest device's; on a CPU a machine's "
-        "least disturbed rank's) and each collective's bus "
+        "(the slowest rank's TFLOP/s), the model's own step alone (the slowest rank's) and each collective's bus "
         f"bandwidth (nccl-tests' convention) at the largest message ({', '.join(f'{s / 2**20:g} MiB' for s in sizes)}), "
         "over the job (`job_`) and within a node (`node_`); the median of the repetitions, their spread (min-max) in "
         "brackets.",
