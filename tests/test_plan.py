@@ -433,6 +433,19 @@ def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
     measured = replace(cpu, thread_speedup=1.4, host_speedup=1.8)
     assert (measured.per_rank(2, 1), measured.per_rank(1, 1)) == (pytest.approx(1.4), 1.0)
     assert measured.per_rank(1, 2) == pytest.approx(0.9) and measured.per_rank(1, 4) == pytest.approx(0.45)
+    # what a small collective costs inside a step, where the baseline measured it: each message's latency in place of
+    # the curve's back-to-back one (the smallest size's time), bandwidth on top; crowded as the curves are
+    floor, smallest = 0.003, {INTRA: curve[0], INTER: (4096, 0.1)}  # (bytes, bus GB/s) of each link's smallest
+    waits = replace(cpu, in_step_latency_s=floor)
+    for dims, ranks in ((ParallelDims(dp_replicate=2), 2), (ParallelDims(tp=2), 2), (ParallelDims(dp_replicate=4), 4)):
+        plain, latent = (predict(work, dims, 2, s, threads=1, ranks_on_host=ranks) for s in (cpu, waits))
+        for f in traffic(work, dims, 2):
+            size, bus = smallest[f.link]
+            back_to_back = size * f.bytes / f.messages / f.message_bytes / (bus * 1e9)
+            extra = f.messages * (floor - back_to_back) * cpu.crowding(1, ranks)
+            assert extra > 0
+            assert latent.communication_s[f.collective] == pytest.approx(plain.communication_s[f.collective] + extra)
+    assert predict(work, ParallelDims(), 1, waits).communication_s == {}  # nothing to wait for alone
 
 
 def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):
@@ -491,22 +504,41 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     step = baseline["model_step"] | {"host_speedup": 1.5, "host_speedup_spread": [1.2, 1.8]}
     cpu = baseline | {"device": "cpu", "per_rank": [{"rank": 0, "threads": 1, "cpus": 2}], "model_step": step}
     assert [Speeds.from_baseline(cpu, at=at).host_speedup for at in ("fast", "median", "slow")] == [1.8, 1.5, 1.2]
+    # a small collective inside a step, measured with the baseline's ranks at work: 4 on 2 cores, twice what a host
+    # they do not crowd sees; a GPU's baseline has none (its curves alone)
+    measured = {"in_step_latency_s": 0.006, "in_step_latency_s_spread": [0.004, 0.01]}
+    latent = cpu | measured | {"model_step": step | {"ranks_per_host": 4}}
+    ends = [Speeds.from_baseline(latent, at=at).in_step_latency_s for at in ("fast", "median", "slow")]
+    assert ends == [0.002, 0.003, 0.005] and Speeds.from_baseline(baseline | measured).in_step_latency_s is None
     # a layout's overheads, per pass: DTensor's dispatch for tp, the ring for cp (its steps grow with cp: the
-    # baseline's ring has 2 ranks), the mixture's dispatch for ep; each layout's compute pays its own, none other's
-    baseline["model_step"]["layout_overhead_s"] = {"tp": 0.01, "cp": 0.02, "ep": 0.03}
-    baseline["model_step"]["layout_overhead_s_spread"] = {"tp": [0.0, 0.02], "cp": [0.01, 0.03], "ep": [0.02, 0.05]}
+    # baseline's ring has 2 ranks), the mixture's dispatch for ep, FSDP's units wherever parameters are sharded; each
+    # layout's compute pays its own, none other's
+    baseline["model_step"]["layout_overhead_s"] = {"tp": 0.01, "cp": 0.02, "ep": 0.03, "fsdp": 0.004}
+    baseline["model_step"]["layout_overhead_s_spread"] = {
+        "tp": [0.0, 0.02],
+        "cp": [0.01, 0.03],
+        "ep": [0.02, 0.05],
+        "fsdp": [0.001, 0.006],
+    }
     overheads = Speeds.from_baseline(baseline)
-    assert Speeds.from_baseline(baseline, at="slow").layout_overhead_s == {"tp": 0.02, "cp": 0.03, "ep": 0.05}
-    tp_step = predict(work, dims, 4, overheads)
-    (passes,) = (tp_step.overhead_s["tp"] / 0.01,)  # forward and backward passes of a step (a GPU: no CPU sharing)
+    slow = {"tp": 0.02, "cp": 0.03, "ep": 0.05, "fsdp": 0.006}
+    assert Speeds.from_baseline(baseline, at="slow").layout_overhead_s == slow
+    tp_step = predict(work, dims, 4, overheads)  # dp_shard 4 x tp 2
+    passes = tp_step.overhead_s["tp"] / 0.01  # forward and backward passes of a step (a GPU: no CPU sharing)
     assert passes >= 1 and passes == pytest.approx(round(passes))
-    assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + tp_step.overhead_s["tp"])
-    assert predict(work, ParallelDims(dp_shard=8), 4, overheads).overhead_s == {}
+    assert tp_step.overhead_s == {"tp": pytest.approx(0.01 * passes), "fsdp": pytest.approx(0.004 * passes)}
+    assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + sum(tp_step.overhead_s.values()))
+    assert predict(work, ParallelDims(dp_shard=8), 4, overheads).overhead_s == {"fsdp": pytest.approx(0.004 * passes)}
+    assert predict(work, ParallelDims(dp_replicate=8), 4, overheads).overhead_s == {}  # DDP: no layout's machinery
     assert predict(work, ParallelDims(dp_shard=2, cp=4), 4, overheads).overhead_s == {
-        "cp": pytest.approx(0.04 * passes)
+        "cp": pytest.approx(0.04 * passes),
+        "fsdp": pytest.approx(0.004 * passes),
     }
     moe = Workload(load_config(None, ["model.n_layers=4", "model.moe.experts=8"]), 28785, "cuda")
-    assert predict(moe, ParallelDims(dp_shard=8, ep=4), 4, overheads).overhead_s == {"ep": pytest.approx(0.03 * passes)}
+    assert predict(moe, ParallelDims(dp_shard=8, ep=4), 4, overheads).overhead_s == {
+        "ep": pytest.approx(0.03 * passes),
+        "fsdp": pytest.approx(0.004 * passes),
+    }
     assert from_file["tp"]["step_time"]["compute_s"] == pytest.approx(2 * layouts["tp"]["step_time"]["compute_s"])
     (tp_comm,) = from_file["tp"]["step_time"]["communication_s"].values()  # smaller messages than the baseline's
     assert tp_comm > sum(layouts["tp"]["step_time"]["communication_s"].values())  # 64 MiB: each takes its time

@@ -13,9 +13,12 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   compiled where the settings compile (`train.compile`) and eager otherwise, as training runs it (the record says
   which), against which the step-time model measures how much of a step its FLOPs and bytes explain; on the first
   rank, eager, again with each layout's machinery that one process can run (`layout_overheads`: tensor parallelism's
-  DTensor weights on a mesh of one rank, a context-parallel ring simulated in the process, an expert-parallel
-  experiment's mixture sent to its experts over a mesh of one rank): the excess, per step, is what the step-time model
-  adds to those layouts' steps (`layout_overhead_s`);
+  DTensor weights on a mesh of one rank, FSDP's units over a mesh of one rank, a context-parallel ring simulated in the
+  process, an expert-parallel experiment's mixture sent to its experts over a mesh of one rank): the excess, per
+  step, is what the step-time model adds to those layouts' steps (`layout_overhead_s`);
+- on CPUs, what a small collective costs inside a training step: every rank's model step at once with a 4 KiB
+  all-reduce after each part of each block, forward and backward, against the plain step (`in_step_latency`): the
+  latency the step-time model gives every collective message a step waits for, where back-to-back calls measure less;
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
@@ -250,9 +253,14 @@ def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh
     simulated here (scalelm.parallel.context.simulated_ring_attention: a real ring's blocks, kernels and merges,
     every rank's), a rank's share; `ep`, with the mixture `moe` (an expert-parallel experiment's, where the study
     has one) in the blocks, its experts split over `mesh` and their rows sent there (the dispatch's counts, host
-    read, permutations and all-to-alls, the experts as DTensors), against the same mixture without."""
+    read, permutations and all-to-alls, the experts as DTensors), against the same mixture without; `fsdp`, each
+    block and the model FSDP units over `mesh` as training shards them: the hooks, DTensors and copies in and out of
+    the gathered weights that a sharded step pays beside its collectives (those over one rank: copies)."""
     from dataclasses import replace
 
+    import torch
+
+    from scalelm.parallel.data import apply_fsdp
     from scalelm.parallel.expert import apply_ep
     from scalelm.parallel.tensor import apply_tp
 
@@ -261,6 +269,9 @@ def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh
         return tuple(max(seconds * share, 0.0) for seconds in excess_seconds(plain, machinery, device))
 
     overheads = {"cp": excess(simulate_ring(config.parallel.cp_load_balance), share=1 / RING_RANKS)}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the compute dtype, as training's FSDP casts
+    sharding = config.parallel.reshards(pp=1)
+    overheads["fsdp"] = excess(lambda m: apply_fsdp(m, mesh, dtype, sharding, cpu_offload=False))
     if not compiled:
         overheads["tp"] = excess(lambda m: apply_tp(m, mesh, loss_parallel=False, sequence_parallel=False))
     if moe is not None:
@@ -286,6 +297,52 @@ def simulate_ring(load_balance: bool) -> Callable[[torch.nn.Module], None]:
             block.attn.core = ring
 
     return prepare
+
+
+STEP_LATENCY_PAIRS = 11  # a pair's excess over its collectives moves by more than one collective's cost: a median
+LATENCY_PROBE_ELEMENTS = 1024  # 4 KiB of fp32: latency, not bandwidth
+
+
+def in_step_latency(
+    config, vocab: int, tokens: int, device: torch.device, group: dist.ProcessGroup | None
+) -> tuple[float, float, float]:
+    """Seconds (min, median, max over STEP_LATENCY_PAIRS pairs) that a small all-reduce over `group` (default the
+    job) costs a training step, per all-reduce: every rank at once runs the model's step for `tokens` tokens with a
+    4 KiB all-reduce after each part of each block (those with weights: attention, feed-forward, norms), forward and
+    backward, paired back to back with the plain step, each run ending with the job's slowest rank. Between two
+    collectives of a step the ranks compute apart and drift: the first to arrive waits, and on a CPU a rank woken
+    from a collective waits for a core its neighbours compute on; back-to-back calls see neither."""
+    import torch
+    import torch.distributed as dist
+
+    buffer, fired = torch.ones(LATENCY_PROBE_ELEMENTS, device=device), [0]
+
+    def synchronise(*_: Any) -> None:
+        fired[0] += 1
+        dist.all_reduce(buffer, group=group)
+
+    def prepare(model: torch.nn.Module) -> None:
+        for block in model.blocks.values():
+            for part in block.children():
+                if any(True for _ in part.parameters()):
+                    part.register_forward_hook(synchronise)
+                    part.register_full_backward_hook(synchronise)
+
+    plain = model_step(config, vocab, tokens, device)
+    synchronised = model_step(config, vocab, tokens, device, prepare=prepare)
+    synchronised()  # its first call counts a step's collectives
+    collectives = fired[0]
+    agreed = torch.tensor([calls_lasting(plain, device, MODEL_STEP_SAMPLE_S)], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank as many calls: as many collectives
+    times = []
+    for _ in range(STEP_LATENCY_PAIRS):
+        for call in (plain, synchronised):
+            dist.barrier()
+            times.append(per_call(call, device, int(agreed.item())))
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a run ends with its last rank
+    runs = slowest.tolist()
+    return spread([max(after - before, 0.0) / collectives for before, after in zip(runs[0::2], runs[1::2])])
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -727,11 +784,13 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             crowded = timed(
                 "model_step_together_s", model_step_seconds(config, vocab, m, device, alone["model_step_compiled"])
             )
-        collectives = []
+        collectives, latency = [], {}
         if env.world_size > 1:
+            within = node_group(env.procs_per_node, env.world_size)
+            if device.type == "cpu":  # a node's ranks at once, as a layout's groups within nodes run
+                latency = timed("in_step_latency_s", in_step_latency(config, vocab, m, device, within))
             sizes = message_sizes(args.min_bytes, args.max_bytes)
             collectives = time_collectives(SCOPES[0], dist.group.WORLD, sizes, device, args.iterations)
-            within = node_group(env.procs_per_node, env.world_size)
             if within is not None:
                 collectives += time_collectives(SCOPES[1], within, sizes, device, args.iterations)
         per_rank = all_gather_object(
@@ -767,6 +826,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             },
             "per_rank": per_rank,
             "collectives": collectives,
+            **latency,
             "nccl_network": network,
             "host_load": HostLoad.per_host([r["load"] for r in per_rank]),  # per host: its and other work's cores
         }
@@ -802,6 +862,11 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
         lines.append(
             f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
             f"{result['model_step']['host_speedup']:.2f} x one rank's alone"
+        )
+    if result.get("in_step_latency_s") is not None:
+        lines.append(
+            f"  a small collective inside a step: {result['in_step_latency_s'] * 1e3:.3g} ms, every rank at work "
+            "(the plan's latency of a collective message a step waits for)"
         )
     for row in largest(result).values():
         lines.append(

@@ -16,7 +16,8 @@
 - a layout's overheads, per micro-batch pass as the fixed cost: what the baseline's model step cost more with the
   layout's machinery run in one process (scalelm.measure.baseline.layout_overheads): tensor parallelism's DTensor
   dispatch, a context-parallel rank's ring of blocks in place of one attention kernel (its steps, and so its
-  overhead, grow with cp: the baseline's ring has RING_RANKS), expert parallelism's dispatch of a mixture's rows;
+  overhead, grow with cp: the baseline's ring has RING_RANKS), expert parallelism's dispatch of a mixture's rows,
+  FSDP's units (hooks, DTensors, the gathered weights' copies in and out) wherever parameters are sharded;
 - efficiency: the share of the rest of the model's own training step, timed alone on one device by the baseline,
   that the products and bytes explain (cold caches, the softmax's transcendental work), for every layout alike;
 - communication: each collective of the plan (scalelm.plan.comm) at its message size, over the bus bandwidth the
@@ -27,7 +28,9 @@
   pipeline's transfers and expert parallelism's all-to-alls are waited for. On a CPU nothing hides: gloo runs on the
   cores the compute uses. An all-to-all is priced at the baseline's all-to-all figures where it measured them, else
   at its all-gather's (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it);
-  `all_to_all_s` is its share of the step;
+  `all_to_all_s` is its share of the step. On a CPU each message costs at least what the baseline measured a small
+  collective to cost inside the model's step (`in_step_latency_s`) in place of the curve's back-to-back latency:
+  between two collectives the ranks drift apart, and one woken from a collective waits for a core;
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
@@ -78,8 +81,10 @@ class Speeds:
     small_step: tuple[int, float] | None = None  # the same for fewer tokens: the step's fixed cost
     host_speedup: float | None = None  # CPU: a machine's throughput with every rank at work over one rank's alone
     thread_speedup: float | None = None  # CPU: one process's with every core as a thread over one rank's alone
-    # what a pass of the model costs more with a layout's machinery: tp, cp (a RING_RANKS-way ring), ep
+    # what a pass of the model costs more with a layout's machinery: tp, cp (a RING_RANKS-way ring), ep, fsdp
     layout_overhead_s: dict[str, float] = field(default_factory=dict)
+    # CPU: a small collective's seconds inside a step on a host its ranks do not crowd (else None: the curves alone)
+    in_step_latency_s: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -116,6 +121,12 @@ class Speeds:
             spread = step.get("host_speedup_spread")
             return spread[1 - end] if end is not None and spread else step.get("host_speedup")
 
+        def latency() -> float | None:  # measured with the baseline's ranks at work: as on a host they do not crowd
+            if not cpu or result.get("in_step_latency_s") is None:
+                return None
+            seconds = result["in_step_latency_s_spread"][end] if end is not None else result["in_step_latency_s"]
+            return seconds / max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
+
         return cls(
             matmul_tflops=result["matmul_tflops_min"],
             elementwise_gbps=result["elementwise_gbps_min"],
@@ -133,6 +144,7 @@ class Speeds:
                 name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
                 for name, seconds in step.get("layout_overhead_s", {}).items()
             },
+            in_step_latency_s=latency(),
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -260,10 +272,22 @@ def active_expert_weights(work: Workload, tensors: list) -> int:
     return sum(t.numel() // moe.experts * moe.top_k for t in tensors if t.expert and len(t.shape) == 3)
 
 
+def flow_seconds(flow: Traffic, speeds: Speeds) -> float:
+    """A flow's seconds per step: its bytes over the bus bandwidth at its message size; where the baseline measured
+    what a small collective costs inside a step (a CPU's), each message's latency that, not the curve's
+    back-to-back one (its time at the smallest size measured)."""
+    seconds = flow.bytes / (speeds.bus_gbps(flow.link, flow.op, flow.message_bytes) * 1e9)
+    if not (speeds.in_step_latency_s and flow.messages and flow.message_bytes):
+        return seconds
+    # the bus convention's bytes of a 1-byte message, at the bandwidth below the smallest size: that size's time
+    back_to_back = flow.bytes / flow.messages / flow.message_bytes / (speeds.bus_gbps(flow.link, flow.op, 1) * 1e9)
+    return seconds + flow.messages * max(0.0, speeds.in_step_latency_s - back_to_back)
+
+
 def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, hides: bool) -> dict[str, float]:
     """Each collective's seconds that the step waits for: all of them where nothing hides (a CPU); on a GPU a pass's
     collectives beyond what its compute covers, and at least one message of each."""
-    seconds = {f.collective: f.bytes / (speeds.bus_gbps(f.link, f.op, f.message_bytes) * 1e9) for f in flows}
+    seconds = {f.collective: flow_seconds(f, speeds) for f in flows}
     if not hides:
         return seconds
     window = {"forward": compute_s * (1 - BACKWARD_SHARE), "backward": compute_s * BACKWARD_SHARE}
@@ -334,7 +358,12 @@ def predict(
         for flops, moved in stage_work(work, dims)
     ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
-    used = {"tp": dims.tp > 1, "cp": dims.cp / RING_RANKS if dims.cp > 1 else 0, "ep": dims.ep > 1}
+    used = {
+        "tp": dims.tp > 1,
+        "cp": dims.cp / RING_RANKS if dims.cp > 1 else 0,
+        "ep": dims.ep > 1,
+        "fsdp": dims.sharded,
+    }
     overhead = {  # per operation, as the fixed cost
         name: seconds * used[name] * passes / share / dims.pp
         for name, seconds in speeds.layout_overhead_s.items()
