@@ -40,7 +40,7 @@ from scalelm.plan.memory import (
     moe_block_bytes_per_token,
     plan_memory,
 )
-from scalelm.plan.steptime import Speeds, efficiency, predict, stage_work
+from scalelm.plan.steptime import DRIFT, Speeds, efficiency, predict, stage_work
 from scalelm.selftest import write_corpus
 from scalelm.site import SiteConfig
 from scalelm.study import plan_check, preflight
@@ -446,6 +446,13 @@ def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
             assert extra > 0
             assert latent.communication_s[f.collective] == pytest.approx(plain.communication_s[f.collective] + extra)
     assert predict(work, ParallelDims(), 1, waits).communication_s == {}  # nothing to wait for alone
+    # and the ranks drift apart between collectives: each waits for the last, a share of the compute
+    drifting = replace(waits, drift_share=0.1)
+    ddp = predict(work, ParallelDims(dp_replicate=2), 2, drifting)
+    assert ddp.communication_s[DRIFT] == pytest.approx(0.1 * ddp.compute_s)
+    without = predict(work, ParallelDims(dp_replicate=2), 2, waits)
+    assert ddp.total_s == pytest.approx(without.total_s + 0.1 * ddp.compute_s)
+    assert predict(work, ParallelDims(), 1, drifting).communication_s == {}
 
 
 def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):
@@ -507,9 +514,13 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     # a small collective inside a step, measured with the baseline's ranks at work: 4 on 2 cores, twice what a host
     # they do not crowd sees; a GPU's baseline has none (its curves alone)
     measured = {"in_step_latency_s": 0.006, "in_step_latency_s_spread": [0.004, 0.01]}
+    measured |= {"drift_share": 0.1, "drift_share_spread": [0.05, 0.2]}  # a share: as measured
     latent = cpu | measured | {"model_step": step | {"ranks_per_host": 4}}
-    ends = [Speeds.from_baseline(latent, at=at).in_step_latency_s for at in ("fast", "median", "slow")]
-    assert ends == [0.002, 0.003, 0.005] and Speeds.from_baseline(baseline | measured).in_step_latency_s is None
+    ends = [Speeds.from_baseline(latent, at=at) for at in ("fast", "median", "slow")]
+    assert [s.in_step_latency_s for s in ends] == [0.002, 0.003, 0.005]
+    assert [s.drift_share for s in ends] == [0.05, 0.1, 0.2]
+    gpu = Speeds.from_baseline(baseline | measured)
+    assert gpu.in_step_latency_s is None and gpu.drift_share is None
     # a layout's overheads, per pass: DTensor's dispatch for tp, the ring for cp (its steps grow with cp: the
     # baseline's ring has 2 ranks), the mixture's dispatch for ep, FSDP's units wherever parameters are sharded; each
     # layout's compute pays its own, none other's

@@ -16,9 +16,10 @@ to set beside what a layout achieved ("the network gave 22% of its reference" be
   DTensor weights on a mesh of one rank, FSDP's units over a mesh of one rank, a context-parallel ring simulated in the
   process, an expert-parallel experiment's mixture sent to its experts over a mesh of one rank): the excess, per
   step, is what the step-time model adds to those layouts' steps (`layout_overhead_s`);
-- on CPUs, what a small collective costs inside a training step: every rank's model step at once with a 4 KiB
-  all-reduce after each part of each block, forward and backward, against the plain step (`in_step_latency`): the
-  latency the step-time model gives every collective message a step waits for, where back-to-back calls measure less;
+- on CPUs, what a collective costs inside a training step: every rank's model step at once with a 4 KiB all-reduce
+  after each part of each block, forward and backward, each call timed (`collective_waits`): the latency of the
+  last rank to arrive (`in_step_latency_s`, more than back-to-back calls measure), and how far the ranks drift apart
+  between collectives (`drift_share`), both of which the step-time model adds to a step that waits for collectives;
 - elementwise bandwidth: the bytes an elementwise addition reads and writes per second at the size of the model's
   logits (one micro-batch's tokens times the vocabulary, fp32: the loss's tensors), the rate of a step's memory-bound
   work (scalelm.plan.steptime);
@@ -299,27 +300,30 @@ def simulate_ring(load_balance: bool) -> Callable[[torch.nn.Module], None]:
     return prepare
 
 
-STEP_LATENCY_PAIRS = 11  # a pair's excess over its collectives moves by more than one collective's cost: a median
 LATENCY_PROBE_ELEMENTS = 1024  # 4 KiB of fp32: latency, not bandwidth
+WAIT_RUNS = 5  # runs of the synchronised step, each about MODEL_STEP_SAMPLE_S: the spread
 
 
-def in_step_latency(
-    config, vocab: int, tokens: int, device: torch.device, group: dist.ProcessGroup | None
-) -> tuple[float, float, float]:
-    """Seconds (min, median, max over STEP_LATENCY_PAIRS pairs) that a small all-reduce over `group` (default the
-    job) costs a training step, per all-reduce: every rank at once runs the model's step for `tokens` tokens with a
-    4 KiB all-reduce after each part of each block (those with weights: attention, feed-forward, norms), forward and
-    backward, paired back to back with the plain step, each run ending with the job's slowest rank. Between two
-    collectives of a step the ranks compute apart and drift: the first to arrive waits, and on a CPU a rank woken
-    from a collective waits for a core its neighbours compute on; back-to-back calls see neither."""
+def collective_waits(
+    config, vocab: int, tokens: int, device: torch.device, group: dist.ProcessGroup | None, group_size: int
+) -> dict[str, Any]:
+    """What a collective costs inside a training step, from every rank's model step for `tokens` tokens at once with
+    a 4 KiB all-reduce over `group` (default the job; consecutive ranks of `group_size`) after each part of each block
+    with weights (attention, feed-forward, norms), forward and backward, each call timed on every rank. In each
+    collective the rank that arrives last waits only for the collective itself: the latency of a collective inside
+    a step (`in_step_latency_s`, the mean over a run's collectives), which on a CPU includes waking a rank whose
+    core others compute on. The others waited for it as well: between two collectives the ranks drift apart, and
+    the step moves at the pace of the last at each (`drift_share`: their mean wait over the run's compute). Each
+    figure's median over WAIT_RUNS runs and its spread (min, max)."""
     import torch
     import torch.distributed as dist
 
-    buffer, fired = torch.ones(LATENCY_PROBE_ELEMENTS, device=device), [0]
+    buffer, durations = torch.ones(LATENCY_PROBE_ELEMENTS, device=device), []
 
     def synchronise(*_: Any) -> None:
-        fired[0] += 1
+        start = time.perf_counter()
         dist.all_reduce(buffer, group=group)
+        durations.append(time.perf_counter() - start)
 
     def prepare(model: torch.nn.Module) -> None:
         for block in model.blocks.values():
@@ -328,21 +332,30 @@ def in_step_latency(
                     part.register_forward_hook(synchronise)
                     part.register_full_backward_hook(synchronise)
 
-    plain = model_step(config, vocab, tokens, device)
-    synchronised = model_step(config, vocab, tokens, device, prepare=prepare)
-    synchronised()  # its first call counts a step's collectives
-    collectives = fired[0]
-    agreed = torch.tensor([calls_lasting(plain, device, MODEL_STEP_SAMPLE_S)], device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank as many calls: as many collectives
-    times = []
-    for _ in range(STEP_LATENCY_PAIRS):
-        for call in (plain, synchronised):
-            dist.barrier()
-            times.append(per_call(call, device, int(agreed.item())))
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a run ends with its last rank
-    runs = slowest.tolist()
-    return spread([max(after - before, 0.0) / collectives for before, after in zip(runs[0::2], runs[1::2])])
+    step = model_step(config, vocab, tokens, device, prepare=prepare)
+    agreed = torch.tensor([calls_lasting(step, device, MODEL_STEP_SAMPLE_S)], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank as many steps: as many collectives
+    runs = []
+    for _ in range(WAIT_RUNS):
+        durations.clear()
+        dist.barrier()
+        seconds = per_call(step, device, int(agreed.item())) * int(agreed.item())
+        runs.append([seconds, *durations])
+    mine = torch.tensor(runs, dtype=torch.float64, device=device)  # runs x (seconds, each collective's)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    latencies, drifts = [], []
+    for run in torch.stack(everyone).transpose(0, 1):  # ranks x (seconds, collectives) per run
+        calls = run[:, 1:].reshape(-1, group_size, run.shape[1] - 1)  # groups x ranks x collectives
+        last = calls.min(dim=1).values  # the last rank to arrive: the collective alone
+        waited = (calls.mean(dim=1) - last).sum(dim=1)  # a group's mean rank's wait for the last, over the run
+        compute = run[:, 0].reshape(-1, group_size).max(dim=1).values - calls.mean(dim=1).sum(dim=1)
+        latencies.append(last.mean().item())
+        drifts.append((waited / compute).mean().item())
+    return timed("in_step_latency_s", spread(latencies)) | {
+        "drift_share": statistics.median(drifts),
+        "drift_share_spread": [min(drifts), max(drifts)],
+    }
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -788,7 +801,8 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         if env.world_size > 1:
             within = node_group(env.procs_per_node, env.world_size)
             if device.type == "cpu":  # a node's ranks at once, as a layout's groups within nodes run
-                latency = timed("in_step_latency_s", in_step_latency(config, vocab, m, device, within))
+                size = env.procs_per_node if within is not None else env.world_size
+                latency = collective_waits(config, vocab, m, device, within, size)
             sizes = message_sizes(args.min_bytes, args.max_bytes)
             collectives = time_collectives(SCOPES[0], dist.group.WORLD, sizes, device, args.iterations)
             if within is not None:
@@ -865,8 +879,8 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
         )
     if result.get("in_step_latency_s") is not None:
         lines.append(
-            f"  a small collective inside a step: {result['in_step_latency_s'] * 1e3:.3g} ms, every rank at work "
-            "(the plan's latency of a collective message a step waits for)"
+            f"  a small collective inside a step, every rank at work: {result['in_step_latency_s'] * 1e3:.3g} ms, and "
+            f"the ranks drift apart by {result['drift_share']:.0%} of their compute between collectives"
         )
     for row in largest(result).values():
         lines.append(

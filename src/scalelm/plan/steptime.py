@@ -29,8 +29,9 @@
   cores the compute uses. An all-to-all is priced at the baseline's all-to-all figures where it measured them, else
   at its all-gather's (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it);
   `all_to_all_s` is its share of the step. On a CPU each message costs at least what the baseline measured a small
-  collective to cost inside the model's step (`in_step_latency_s`) in place of the curve's back-to-back latency:
-  between two collectives the ranks drift apart, and one woken from a collective waits for a core;
+  collective to cost inside the model's step (`in_step_latency_s`, the last rank's to arrive) in place of the
+  curve's back-to-back latency (a rank woken from a collective waits for a core), and the ranks of a step with
+  collectives wait for one another at each: they drift apart between two by `drift_share` of their compute;
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
@@ -62,6 +63,7 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forwa
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
 RING_RANKS = 2  # the context-parallel ring whose overhead the baseline measures (measure.baseline.layout_overheads)
+DRIFT = "waiting for the last rank at each collective"  # the step's collectives' wait beyond their own latency
 # a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
 ENDS = ("median", "fast", "slow")
 BUS_AT = {"median": "busbw_gbps", "fast": "busbw_gbps_max", "slow": "busbw_gbps_min"}
@@ -85,6 +87,8 @@ class Speeds:
     layout_overhead_s: dict[str, float] = field(default_factory=dict)
     # CPU: a small collective's seconds inside a step on a host its ranks do not crowd (else None: the curves alone)
     in_step_latency_s: float | None = None
+    # CPU: how long ranks wait for one another at a step's collectives, as a share of their compute (else None)
+    drift_share: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -121,11 +125,14 @@ class Speeds:
             spread = step.get("host_speedup_spread")
             return spread[1 - end] if end is not None and spread else step.get("host_speedup")
 
-        def latency() -> float | None:  # measured with the baseline's ranks at work: as on a host they do not crowd
-            if not cpu or result.get("in_step_latency_s") is None:
+        def waits(name: str) -> float | None:  # a CPU's: ranks drift apart and wait for a core, not a GPU's
+            if not cpu or result.get(name) is None:
                 return None
-            seconds = result["in_step_latency_s_spread"][end] if end is not None else result["in_step_latency_s"]
-            return seconds / max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
+            return result[f"{name}_spread"][end] if end is not None else result[name]
+
+        latency = waits("in_step_latency_s")
+        if latency is not None:  # measured with the baseline's ranks at work: as on a host they do not crowd
+            latency /= max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
 
         return cls(
             matmul_tflops=result["matmul_tflops_min"],
@@ -144,7 +151,8 @@ class Speeds:
                 name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
                 for name, seconds in step.get("layout_overhead_s", {}).items()
             },
-            in_step_latency_s=latency(),
+            in_step_latency_s=latency,
+            drift_share=waits("drift_share"),
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
 
@@ -374,6 +382,8 @@ def predict(
     step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
+    if speeds.drift_share and step.communication_s:  # a CPU's ranks drift apart between collectives: each waits
+        step.communication_s[DRIFT] = speeds.drift_share * step.compute_s
     step.all_to_all_s = sum(step.communication_s[f.collective] for f in flows if f.op == "all_to_all")
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each
