@@ -453,6 +453,8 @@ def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
     without = predict(work, ParallelDims(dp_replicate=2), 2, waits)
     assert ddp.total_s == pytest.approx(without.total_s + 0.1 * ddp.compute_s)
     assert predict(work, ParallelDims(), 1, drifting).communication_s == {}
+    four = predict(work, ParallelDims(dp_replicate=4), 2, drifting, threads=1, ranks_on_host=4)  # 2 cores: twice
+    assert four.communication_s[DRIFT] == pytest.approx(2 * 0.1 * four.compute_s)
 
 
 def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):
@@ -514,11 +516,11 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     # a small collective inside a step, measured with the baseline's ranks at work: 4 on 2 cores, twice what a host
     # they do not crowd sees; a GPU's baseline has none (its curves alone)
     measured = {"in_step_latency_s": 0.006, "in_step_latency_s_spread": [0.004, 0.01]}
-    measured |= {"drift_share": 0.1, "drift_share_spread": [0.05, 0.2]}  # a share: as measured
+    measured |= {"drift_share": 0.1, "drift_share_spread": [0.05, 0.2]}  # the ranks' wait: crowded likewise
     latent = cpu | measured | {"model_step": step | {"ranks_per_host": 4}}
     ends = [Speeds.from_baseline(latent, at=at) for at in ("fast", "median", "slow")]
     assert [s.in_step_latency_s for s in ends] == [0.002, 0.003, 0.005]
-    assert [s.drift_share for s in ends] == [0.05, 0.1, 0.2]
+    assert [s.drift_share for s in ends] == [0.025, 0.05, 0.1]
     gpu = Speeds.from_baseline(baseline | measured)
     assert gpu.in_step_latency_s is None and gpu.drift_share is None
     # a layout's overheads, per pass: DTensor's dispatch for tp, the ring for cp (its steps grow with cp: the

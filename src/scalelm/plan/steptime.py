@@ -1,7 +1,7 @@
 """How long a step of a layout should take on a machine, from what the machine's baseline measured
 (scalelm.measure.baseline) or what the user says it delivers: the step-time model of docs/plan.md.
 
-    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + bubble
+    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + drift + bubble
 
 - matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
   checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share; a mixture's router and
@@ -128,11 +128,9 @@ class Speeds:
         def waits(name: str) -> float | None:  # a CPU's: ranks drift apart and wait for a core, not a GPU's
             if not cpu or result.get(name) is None:
                 return None
-            return result[f"{name}_spread"][end] if end is not None else result[name]
-
-        latency = waits("in_step_latency_s")
-        if latency is not None:  # measured with the baseline's ranks at work: as on a host they do not crowd
-            latency /= max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
+            seconds = result[f"{name}_spread"][end] if end is not None else result[name]
+            # measured with the baseline's ranks at work: as on a host they do not crowd
+            return seconds / max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
 
         return cls(
             matmul_tflops=result["matmul_tflops_min"],
@@ -151,7 +149,7 @@ class Speeds:
                 name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
                 for name, seconds in step.get("layout_overhead_s", {}).items()
             },
-            in_step_latency_s=latency,
+            in_step_latency_s=waits("in_step_latency_s"),
             drift_share=waits("drift_share"),
             source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
         )
@@ -383,7 +381,7 @@ def predict(
     crowded = speeds.crowding(threads, ranks_on_host)
     step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
     if speeds.drift_share and step.communication_s:  # a CPU's ranks drift apart between collectives: each waits
-        step.communication_s[DRIFT] = speeds.drift_share * step.compute_s
+        step.communication_s[DRIFT] = speeds.drift_share * crowded * step.compute_s
     step.all_to_all_s = sum(step.communication_s[f.collective] for f in flows if f.op == "all_to_all")
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each
