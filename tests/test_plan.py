@@ -543,6 +543,9 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     assert tp_step.compute_s == pytest.approx(steps["median"].compute_s + sum(tp_step.overhead_s.values()))
     assert predict(work, ParallelDims(dp_shard=8), 4, overheads).overhead_s == {"fsdp": pytest.approx(0.004 * passes)}
     assert predict(work, ParallelDims(dp_replicate=8), 4, overheads).overhead_s == {}  # DDP: no layout's machinery
+    assert predict(work, ParallelDims(), 4, overheads).overhead_s == {}
+    cast = Workload(load_config(None, ["train.precision=bf16_params"]), 28785, "cuda")  # FSDP on a mesh of one rank
+    assert set(predict(cast, ParallelDims(), 4, overheads).overhead_s) == {"fsdp"}
     assert predict(work, ParallelDims(dp_shard=2, cp=4), 4, overheads).overhead_s == {
         "cp": pytest.approx(0.04 * passes),
         "fsdp": pytest.approx(0.004 * passes),

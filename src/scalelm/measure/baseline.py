@@ -333,13 +333,12 @@ def collective_waits(
                     part.register_full_backward_hook(synchronise)
 
     step = model_step(config, vocab, tokens, device, prepare=prepare)
-    agreed = torch.tensor([calls_lasting(step, device, MODEL_STEP_SAMPLE_S)], device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank as many steps: as many collectives
+    agreed = calls_agreed(step, device, MODEL_STEP_SAMPLE_S)  # every rank as many steps: as many collectives
     runs = []
     for _ in range(WAIT_RUNS):
         durations.clear()
         dist.barrier()
-        seconds = per_call(step, device, int(agreed.item())) * int(agreed.item())
+        seconds = per_call(step, device, agreed) * agreed
         runs.append([seconds, *durations])
     mine = torch.tensor(runs, dtype=torch.float64, device=device)  # runs x (seconds, each collective's)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -434,6 +433,16 @@ def calls_lasting(call: Callable[[], Any], device: torch.device, seconds: float)
     return max(1, min(1000, int(seconds / max(per_call(call, device, 1), 1e-7))))
 
 
+def calls_agreed(call: Callable[[], Any], device: torch.device, seconds: float, group: Any = None) -> int:
+    """`calls_lasting` on the group's slowest rank: a collective inside `call` needs every rank to call as often."""
+    import torch
+    import torch.distributed as dist
+
+    calls = torch.tensor([calls_lasting(call, device, seconds)], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)
+    return int(calls.item())
+
+
 def per_call(call: Callable[[], Any], device: torch.device, calls: int) -> float:
     """Seconds per call over `calls` calls, the device synchronised before and after."""
     from scalelm.measure.device import synchronize  # imports torch: not at the module's import
@@ -503,12 +512,11 @@ def time_collectives(
             call = run_op(op, size, group, device)
             dist.barrier(group=group)
             # its one timed call warms up (connections, buffers); every rank then calls as often
-            calls = torch.tensor([calls_lasting(call, device, COLLECTIVE_SAMPLE_S)], device=device)
-            dist.all_reduce(calls, op=dist.ReduceOp.MIN, group=group)
+            calls = calls_agreed(call, device, COLLECTIVE_SAMPLE_S, group)
             times = []
             for _ in range(iterations):
                 dist.barrier(group=group)
-                times.append(per_call(call, device, int(calls.item())))
+                times.append(per_call(call, device, calls))
             slowest = torch.tensor(times, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a repetition ends with its last rank
             fastest, seconds, longest = spread(slowest.tolist())

@@ -53,6 +53,7 @@ from typing import Any
 from scalelm.errors import ConfigError
 from scalelm.launch.launcher import threads_per_process
 from scalelm.parallel.dims import ParallelDims
+from scalelm.parallel.layout import fsdp_of_one
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
 from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
 
@@ -368,7 +369,7 @@ def predict(
         "tp": dims.tp > 1,
         "cp": dims.cp / RING_RANKS if dims.cp > 1 else 0,
         "ep": dims.ep > 1,
-        "fsdp": dims.sharded,
+        "fsdp": dims.sharded or fsdp_of_one(work.config.train.precision, dims.world_size),
     }
     overhead = {  # per operation, as the fixed cost
         name: seconds * used[name] * passes / share / dims.pp
