@@ -305,10 +305,10 @@ WAIT_RUNS = 5  # runs of the synchronised step, each about MODEL_STEP_SAMPLE_S: 
 
 
 def collective_waits(
-    config, vocab: int, tokens: int, device: torch.device, group: dist.ProcessGroup | None, group_size: int
+    config, vocab: int, tokens: int, device: torch.device, group: dist.ProcessGroup | None
 ) -> dict[str, Any]:
     """What a collective costs inside a training step, from every rank's model step for `tokens` tokens at once with
-    a 4 KiB all-reduce over `group` (default the job; consecutive ranks of `group_size`) after each part of each block
+    a 4 KiB all-reduce over `group` (default the job; consecutive ranks) after each part of each block
     with weights (attention, feed-forward, norms), forward and backward, each call timed on every rank. In each
     collective the rank that arrives last waits only for the collective itself: the latency of a collective inside
     a step (`in_step_latency_s`, the mean over a run's collectives), which on a CPU includes waking a rank whose
@@ -343,6 +343,7 @@ def collective_waits(
     mine = torch.tensor(runs, dtype=torch.float64, device=device)  # runs x (seconds, each collective's)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
+    group_size = dist.get_world_size(group)
     latencies, drifts = [], []
     for run in torch.stack(everyone).transpose(0, 1):  # ranks x (seconds, collectives) per run
         calls = run[:, 1:].reshape(-1, group_size, run.shape[1] - 1)  # groups x ranks x collectives
@@ -351,10 +352,7 @@ def collective_waits(
         compute = run[:, 0].reshape(-1, group_size).max(dim=1).values - calls.mean(dim=1).sum(dim=1)
         latencies.append(last.mean().item())
         drifts.append((waited / compute).mean().item())
-    return timed("in_step_latency_s", spread(latencies)) | {
-        "drift_share": statistics.median(drifts),
-        "drift_share_spread": [min(drifts), max(drifts)],
-    }
+    return timed("in_step_latency_s", spread(latencies)) | timed("drift_share", spread(drifts))
 
 
 def model_step_figures(tokens: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -545,7 +543,7 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 
 
 def timed(name: str, seconds: tuple[float, float, float]) -> dict[str, Any]:
-    """A timing's median as `name` and its (min, max) as `<name>_spread`, as the per-rank figures hold them."""
+    """A figure's median as `name` and its (min, max) as `<name>_spread`, as the per-rank figures hold them."""
     fastest, median, longest = seconds
     return {name: median, f"{name}_spread": [fastest, longest]}
 
@@ -809,8 +807,7 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         if env.world_size > 1:
             within = node_group(env.procs_per_node, env.world_size)
             if device.type == "cpu":  # a node's ranks at once, as a layout's groups within nodes run
-                size = env.procs_per_node if within is not None else env.world_size
-                latency = collective_waits(config, vocab, m, device, within, size)
+                latency = collective_waits(config, vocab, m, device, within)
             sizes = message_sizes(args.min_bytes, args.max_bytes)
             collectives = time_collectives(SCOPES[0], dist.group.WORLD, sizes, device, args.iterations)
             if within is not None:

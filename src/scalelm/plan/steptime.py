@@ -131,7 +131,7 @@ class Speeds:
                 return None
             seconds = result[f"{name}_spread"][end] if end is not None else result[name]
             # measured with the baseline's ranks at work: as on a host they do not crowd
-            return seconds / max(1.0, first["threads"] * step["ranks_per_host"] / first["cpus"])
+            return seconds / crowding(first["threads"], step["ranks_per_host"], first["cpus"])
 
         return cls(
             matmul_tflops=result["matmul_tflops_min"],
@@ -203,7 +203,7 @@ class Speeds:
         the baseline: its members share their cores with the ranks computing meanwhile. 1 on GPUs."""
         if self.threads is None or threads is None or not self.cpus:
             return 1.0
-        return max(1.0, threads * ranks_on_host / self.cpus)
+        return crowding(threads, ranks_on_host, self.cpus)
 
     def per_rank(self, threads: int | None, ranks_on_host: int) -> float:
         """How much faster than measured alone a rank computes: on a CPU, alone on its machine, what its threads
@@ -219,6 +219,11 @@ class Speeds:
             return self.host_speedup / ranks_on_host
         share = min(threads, (self.cpus or threads * ranks_on_host) / ranks_on_host)
         return share / self.threads
+
+
+def crowding(threads: int, ranks_on_host: int, cpus: int) -> float:
+    """How many times over a host's ranks, each with its threads, want its cores (at least 1)."""
+    return max(1.0, threads * ranks_on_host / cpus)
 
 
 @dataclass
