@@ -335,3 +335,14 @@ def test_an_image_build_for_an_unknown_architecture_is_a_usage_error(capsys):
             ["build", "--definition", "d.def", "--out", "x.sif", "--base-image", "docker://a:b", "--arch", "x86"]
         )
     assert stop.value.code == 2 and "--arch: invalid choice: 'x86' (choose from" in capsys.readouterr().err
+
+
+def test_allow_emulation_without_an_image_is_refused_by_name():
+    """Issue 66: --allow-emulation without --container changed nothing (the run is on this machine's own Python) and
+    was accepted in silence; like container.allow_emulation without a container mode, it is refused by name."""
+    with pytest.raises(ConfigError) as refused:
+        launch.parse_args(["--allow-emulation", "--", "--config", "t.yaml"])
+    assert str(refused.value).startswith("--allow-emulation applies only with --container IMAGE"), refused.value
+    assert "give --container, or drop --allow-emulation" in str(refused.value)
+    args, _ = launch.parse_args(["--container", "img.sif", "--allow-emulation", "--", "--config", "t.yaml"])
+    assert args.allow_emulation and args.container == "img.sif"

@@ -10,7 +10,7 @@
 # (SCALELM_TORCH_VERSION, default 2.10.0: the newest CPU build PyPI has for aarch64; 2.11 on bundle CUDA 13, GBs a
 # CPU stand-in does not use), its .debs, wheels and image cached apart (debs-bookworm-ARCH, wheelhouse-ARCH,
 # base-images/base-ARCH-KEY.sif). --download-only: fetch torch and its wheels for ARCH into the caches and stop
-# (no emulation, no Apptainer needed: for a build without PyPI later).
+# (no emulation, no Apptainer needed: for a build without PyPI later, so a download that fails is an error).
 #
 # Needs the wrappers from scripts/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
 # (.debs cached in $SCALELM_CACHE_DIR/debs-bookworm), torch's dependencies downloaded by the host's pip into
@@ -75,7 +75,9 @@ else
         python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
             "${platform_opts[@]}" --dest "$torch_dir" "torch==$torch_version" \
             || die "pip could not download torch $torch_version for $ARCH: set SCALELM_TORCH_VERSION or SCALELM_TORCH_WHEEL"
-        WHEEL=$(compgen -G "$torch_dir/torch-$torch_version-cp311-cp311-*_$QEMU_ARCH.whl" | head -n1)
+        WHEEL=$(compgen -G "$torch_dir/torch-$torch_version-cp311-cp311-*_$QEMU_ARCH.whl" | head -n1) \
+            || die "pip downloaded no torch-$torch_version-cp311-cp311-*_$QEMU_ARCH.whl into $torch_dir: set" \
+                   "SCALELM_TORCH_VERSION to a version PyPI has for $ARCH, or SCALELM_TORCH_WHEEL"
     fi
 fi
 PIP_EXTRA="${SCALELM_BASE_PIP_EXTRA-numpy}"
@@ -119,9 +121,15 @@ EOF
 index_opt=--no-index
 pip_log=$(mktemp)
 # shellcheck disable=SC2086
-if ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${platform_opts[@]}" \
+if [[ ${#deps[@]} -gt 0 || -n "${PIP_EXTRA// /}" ]] &&
+   ! python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${platform_opts[@]}" \
         --find-links "$wh" --dest "$wh" "${deps[@]}" $PIP_EXTRA > "$pip_log" 2>&1; then
     grep -v 'is ignored: it is neither' "$pip_log" >&2 || true
+    missing=$(sed -n 's/^ERROR: No matching distribution found for //p' "$pip_log" | paste -sd' ' -)
+    rm -f "$pip_log"
+    # the point of --download-only is a later build without PyPI: a wheelhouse that lacks some is a failure
+    [[ $download_only -eq 0 ]] || die "pip could not download ${missing:-${deps[*]} $PIP_EXTRA} for $ARCH into $wh" \
+        "(pip's output above): run this where PyPI (or the host's pip index) is reachable, or put the wheels there"
     log "warning: the host's pip download failed; the chroot's pip will use PyPI"
     index_opt=""
 fi

@@ -164,7 +164,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--allow-emulation",
         action="store_true",
-        help="run an image built for another architecture under QEMU emulation (slow: to prove an image, not to time)",
+        help="with --container: run an image built for another architecture under QEMU emulation (slow: to prove an "
+        "image, not to time)",
     )
     parser.add_argument("--bind", action="append", default=[], help="apptainer --bind (repeatable)")
     parser.add_argument(
@@ -183,6 +184,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for key in ("nodes", "procs_per_node"):
         if getattr(args, key) <= 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.allow_emulation and not args.container:  # it would change nothing: said, not ignored
+        raise ConfigError(
+            "--allow-emulation applies only with --container IMAGE (it lets an image built for another architecture "
+            "run under QEMU); without an image the run is on this machine's own Python: give --container, or drop "
+            "--allow-emulation"
+        )
     check_launcher(args.launcher, args.nodes)
     return args, train_args
 
