@@ -9,9 +9,10 @@ a month or a cluster later can be compared with what came before.
 
 A study is one aggregation (its id: the time it was recorded and its results directory). `compare A B` sets study B
 (default: the latest) against study A (default: the one before it), figure by figure (scalelm.report.history_compare:
-Welch's t-test, the tolerance, what changed between the two environments); it exits 1 on a regression. Export and
-import as JSON lines merge the histories of several clusters (scalelm.report.history_store: the database, kept whole,
-every imported line checked before any is added).
+Welch's t-test, the tolerance, the machine's spread where one seed a side allows no test, what changed between the two
+environments); it exits 1 on a regression: significant, or with one seed beyond the spread, never a disturbed run's
+speed. Export and import as JSON lines merge the histories of several clusters (scalelm.report.history_store: the
+database, kept whole, every imported line checked before any is added).
 
 This module is the command line only.
 """

@@ -4,9 +4,12 @@ history and the trend figure's points (the store: scalelm.report.history_store).
 `compare` sets one study's runs against another's: per experiment and figure of the registry that has a better
 direction (scalelm.report.figures: an `expect:` minimum is better higher, a maximum lower), the relative change of the
 mean, and with two seeds or more a side Welch's t-test and a 95% confidence interval of the difference (scipy). A
-change is a regression only when it goes the worse way beyond the tolerance and is significant; with one seed a side,
-beyond the tolerance is flagged "not tested". Beside each flagged figure: what changed between the two environments
-(torch, CUDA, NCCL, the device, the image, the nodes, the commit).
+change is a regression only when it goes the worse way beyond the tolerance and is significant. With one seed on a
+side no test tells a change from the machine's own noise: a figure of time is judged against the run-to-run spread
+the machine's baseline measured (`machine_spread`), or ASSUMED_SPREAD where the history holds none, and is a
+regression "(not tested)" only beyond it; a figure not of time (the loss, memory) does not move with the machine and
+is one beyond the tolerance. Beside each flagged figure: what changed between the two environments (torch, CUDA,
+NCCL, the device, the image, the nodes, the commit).
 
 The aggregation also reads the history for two things: the limit of an `expect:` that names it (`reference`: the
 median of the experiment's last n comparable studies) and the trend figure (`trend`: every study of the same
@@ -14,8 +17,8 @@ settings, coloured by environment).
 
 A run's figures of time that other work disturbed (scalelm.report.disturbance: its `disturbed` or `overlapped_by`,
 and for speedup and efficiency its `scaling_flag`) are no reference: `reference` leaves them out and says how many, a
-comparison names the disturbed runs on either side beside each change (`Change.disturbed`), and the trend marks
-their studies.
+comparison names the disturbed runs on either side beside each change (`Change.disturbed`) and judges no change they
+enter ("not judged: disturbed"), and the trend marks their studies.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from scalelm.report.disturbance import contaminated, figure_caveat
-from scalelm.report.figures import RunSummary, finite_number
+from scalelm.report.disturbance import SCALED, contaminated, figure_caveat
+from scalelm.report.figures import TIMED, RunSummary, finite_number
 from scalelm.report.history_store import DIRECTIONS, TREND_FIGURES, fingerprint, run_key, settings_hash
 
 
@@ -142,9 +145,12 @@ class Change:
     p_value: float | None  # Welch's t-test; None with fewer than two seeds a side
     low: float | None  # 95% confidence interval of the difference of the means (after - before)
     high: float | None
-    verdict: str  # "regression", "regression (not tested)", "improvement", "within tolerance", "not significant"
+    # "regression", "regression (not tested, beyond ...)", "improvement", "within tolerance", "not significant",
+    # "within the machine's spread of 17%", "not judged: disturbed"; only "regression..." fails the command
+    verdict: str
     environment: dict[str, tuple[Any, Any]]  # what differs between the two sides' environments
     disturbed: str = ""  # the runs of either side whose figure other work disturbed, e.g. "after: ddp seed 1"
+    spread: float | None = None  # the machine's run-to-run spread (`machine_spread`); None where none was recorded
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -183,6 +189,7 @@ def compare(before: list[dict], after: list[dict], tolerance: float = 0.05, alph
         a = [r for r in before if r["experiment"] == experiment]
         b = [r for r in after if r["experiment"] == experiment]
         env = environment_difference([r["environment"] for r in a], [r["environment"] for r in b])
+        spread = machine_spread(a + b)  # the wider of the two machines' noise enters a change
         for figure, direction in DIRECTIONS.items():
             x = [float(r["figures"][figure]) for r in a if finite_number(r["figures"].get(figure))]
             y = [float(r["figures"][figure]) for r in b if finite_number(r["figures"].get(figure))]
@@ -193,23 +200,81 @@ def compare(before: list[dict], after: list[dict], tolerance: float = 0.05, alph
             p_value = low = high = None
             if len(x) >= 2 and len(y) >= 2:
                 p_value, low, high = welch(x, y)
-            worse = relative * direction < -tolerance
-            better = relative * direction > tolerance
-            if not (worse or better):
-                verdict = "within tolerance"
-            elif p_value is None:
-                verdict = "regression (not tested)" if worse else "improvement (not tested)"
-            elif p_value >= alpha:
-                verdict = "not significant"
-            else:
-                verdict = "regression" if worse else "improvement"
-            seeds, changed, disturbed = (len(x), len(y)), env if worse else {}, disturbed_sides(a, b, figure)
-            changes.append(
-                Change(
-                    experiment, figure, mean_x, mean_y, relative, seeds, p_value, low, high, verdict, changed, disturbed
-                )
-            )
+            disturbed = disturbed_sides(a, b, figure)
+            verdict = judge(figure, relative * direction, p_value, spread, disturbed, tolerance, alpha)
+            seeds, changed = (len(x), len(y)), env if relative * direction < -tolerance else {}
+            found = (mean_x, mean_y, relative, seeds, p_value, low, high, verdict, changed, disturbed, spread)
+            changes.append(Change(experiment, figure, *found))
     return changes
+
+
+def judge(
+    figure: str,
+    gain: float,
+    p_value: float | None,
+    spread: float | None,
+    disturbed: str,
+    tolerance: float,
+    alpha: float,
+) -> str:
+    """The verdict on a change of `figure` by `gain` (relative, + the better way): within the tolerance; not judged
+    where a disturbed run enters it (its speed measures the other work too); with fewer than two seeds on a side,
+    against the machine's `spread` (`untested`); else by Welch's p-value."""
+    if abs(gain) <= tolerance:
+        return "within tolerance"
+    if disturbed:
+        return "not judged: disturbed"  # which runs: `disturbed`
+    if p_value is None:
+        return untested(figure, gain, spread)
+    if p_value >= alpha:
+        return "not significant"
+    return "regression" if gain < 0 else "improvement"
+
+
+# Without a machine spread in the history (a run without a machine baseline, one recorded by an older scalelm): the
+# local VM's model step alone moved 10-20% from one baseline to the next (docs/plan.md), so a one-seed change of a
+# figure of time within 20% may be that noise and no more.
+ASSUMED_SPREAD = 0.2
+
+
+def untested(figure: str, gain: float, spread: float | None) -> str:
+    """The verdict on a change beyond the tolerance with fewer than two seeds on a side: a figure of time within the
+    machine's spread (or ASSUMED_SPREAD) is its noise; beyond it, or a figure the machine does not move (the loss,
+    memory), a regression or improvement "(not tested)"."""
+    direction = "regression" if gain < 0 else "improvement"
+    if figure not in TIMED:
+        return f"{direction} (not tested)"
+    measured = ASSUMED_SPREAD if spread is None else spread
+    bound = noise_bound(figure, measured)
+    whose = "the machine's" if spread is not None else "the assumed"
+    source = f"{whose} spread of {measured:.0%}"
+    source += f", {bound:.0%} over two runs" if figure in SCALED else ""
+    source += "" if spread is not None else ", no machine spread recorded"
+    return f"within {source}" if abs(gain) <= bound else f"{direction} (not tested, beyond {source})"
+
+
+def noise_bound(figure: str, spread: float) -> float:
+    """The relative change of `figure` between two runs within a machine's `spread`: a speedup or efficiency divides
+    by the baseline experiment's speed, which moves as much again."""
+    return (1 + spread) ** 2 - 1 if figure in SCALED else spread
+
+
+def machine_spread(rows: list[dict]) -> float | None:
+    """The widest run-to-run spread the machines of these runs showed: the step planned at the slow end of their
+    machine baseline's repetitions over the step planned at the fast end, less 1 (scalelm.report.steptime), the
+    largest relative change of a step, or of tokens/s, between two runs within it; None where no run records it
+    (no baseline on its node count, an older scalelm's history)."""
+    spreads = [
+        r["figures"]["planned_step_time_s_max"] / r["figures"]["planned_step_time_s_min"] - 1
+        for r in rows
+        if _positive(r["figures"].get("planned_step_time_s_min"))
+        and _positive(r["figures"].get("planned_step_time_s_max"))
+    ]
+    return max(spreads, default=None)
+
+
+def _positive(value: Any) -> bool:
+    return finite_number(value) and value > 0
 
 
 def disturbed_sides(before: list[dict], after: list[dict], figure: str) -> str:
