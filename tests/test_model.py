@@ -357,6 +357,45 @@ def test_the_chunked_loss_is_the_cross_entropy_of_the_logits_and_the_cpu_paths_s
         torch.testing.assert_close(model(tokens, targets), lm_loss(model(tokens), targets), rtol=0, atol=0)
 
 
+def test_the_chunked_loss_runs_its_products_on_the_padded_vocabulary_and_computes_the_unpadded_loss(monkeypatch):
+    """Issue 67 (review 4, finding 3): where aligned_linear pads the head's rows (forced on the CPU here), the chunked
+    loss's chunks get the weight padded to a multiple of 64 rows, the padding's bias -inf (made where the head has no
+    bias); the loss and the gradients of the input, the weight and the bias are F.cross_entropy's over the unpadded
+    F.linear in fp32, ignored targets included, and the gradients keep the vocabulary's shapes."""
+    from scalelm.model import gpu_ops
+
+    assert gpu_ops.PADDED_DEVICES == ("cuda",)
+    monkeypatch.setattr(gpu_ops, "PADDED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gpu_ops.ChunkedLinearCrossEntropy, "CHUNK_ROWS", 7)  # 20 tokens: chunks of 7, 7 and 6
+    seen = []
+
+    def spy(x, weight, bias, targets, scale):  # what reaches the chunk's F.linear
+        seen.append((tuple(weight.shape), bias.detach().clone()))
+        return gpu_ops.loss_chunk(x, weight, bias, targets, scale)
+
+    torch.manual_seed(0)
+    for vocab, padded, with_bias in ((50, 64, True), (100, 128, False), (64, 64, True)):
+        hidden, weight, bias = torch.randn(20, 16), torch.randn(vocab, 16), torch.randn(vocab)
+        words = torch.randint(0, vocab, (20,))
+        words[::4] = IGNORE_INDEX
+        leaves, plain_leaves = ([t.clone().requires_grad_() for t in (hidden, weight, bias)] for _ in range(2))
+        if not with_bias:
+            leaves[2] = plain_leaves[2] = None
+        seen.clear()
+        loss = gpu_ops.chunked_linear_cross_entropy(*leaves, words, spy)
+        expected = F.cross_entropy(F.linear(*plain_leaves), words, ignore_index=IGNORE_INDEX)
+        (loss + expected).backward()
+
+        assert [shape for shape, _ in seen] == [(padded, 16)] * 3, vocab
+        assert all(torch.equal(b[:vocab], bias if with_bias else torch.zeros(vocab)) for _, b in seen)
+        assert all(b[vocab:].eq(-torch.inf).all() for _, b in seen)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        for mine, theirs in zip(leaves, plain_leaves, strict=True):
+            if theirs is not None:
+                assert mine.grad.shape == theirs.shape
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_the_chunked_loss_compiles_its_chunk_once_and_computes_what_it_computes_eagerly(monkeypatch):
     """train.compile with train.fused_loss=chunked: the head's compile also compiles the chunk function with the same
     options (the loop over chunks stays outside every graph); two equal chunks make one graph, which later steps

@@ -36,12 +36,25 @@ def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.linear(x, weight, bias)
     if isinstance(weight, DTensor):
         return _vocab_parallel_linear(x, weight, bias)
-    rows = weight.shape[0]
-    pad = -rows % ROW_MULTIPLE
-    if not pad:
+    padded, padded_bias = padded_rows(x, weight, bias)
+    if padded is weight:
         return F.linear(x, weight, bias)
-    padded_bias = F.pad(bias, (0, pad)) if bias is not None else None
-    return F.linear(x, F.pad(weight, (0, 0, 0, pad)), padded_bias)[..., :rows]
+    return F.linear(x, padded, padded_bias)[..., : weight.shape[0]]
+
+
+def padded_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fill: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight `aligned_linear` multiplies `x` by: its rows padded by zeros to a multiple of ROW_MULTIPLE on
+    PADDED_DEVICES, and the bias by `fill` (a missing bias is zeros where `fill` is not 0); unchanged (the same
+    tensors) elsewhere, or where the rows are a multiple already."""
+    pad = -weight.shape[0] % ROW_MULTIPLE if x.device.type in PADDED_DEVICES else 0
+    if not pad:
+        return weight, bias
+    if bias is None and fill:
+        bias = weight.new_zeros(weight.shape[0])
+    padded_bias = F.pad(bias, (0, pad), value=fill) if bias is not None else None
+    return F.pad(weight, (0, 0, 0, pad)), padded_bias
 
 
 def _vocab_parallel_linear(x: DTensor, weight: DTensor, bias: DTensor | None) -> DTensor:
@@ -120,7 +133,8 @@ def chunked_linear_cross_entropy(
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Output projection + mean cross-entropy, with all three gradients computed in the forward pass, chunk by chunk
     of tokens: what the backward keeps is the gradients (tokens x d_model, and the weight's), never the logits. The
-    weight's gradient is summed over the chunks in fp32. backward() scales the kept gradients by the incoming one
+    weight's gradient is summed over the chunks in fp32. Its products run on `aligned_linear`'s padded rows, the
+    padding's logits -inf (probability 0, no gradient). backward() scales the kept gradients by the incoming one
     (the micro-batch's weight under accumulation)."""
 
     CHUNK_ROWS = GPU_LOSS_CHUNK_ROWS
@@ -131,6 +145,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # cast as autocast would, once
             x, w = hidden.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
+            # the three products of every chunk on aligned_linear's padded rows (the vocabulary's own row stride
+            # sends cuBLAS to slow kernels), padded once per call. The padding's logits are -inf (its bias entries;
+            # without a bias, one of zeros is made for them, its gradient unused: the model's head has a bias), so
+            # their probability and gradient are exactly 0: the loss and the vocabulary's gradients are unchanged,
+            # and the padding's gradient rows are dropped below
+            vocab = weight.shape[0]
+            w, b = padded_rows(x, w, b, fill=-torch.inf)
             scale = 1.0 / (targets != IGNORE_INDEX).sum().float()  # the mean's (inf, and so nan, if none counts)
             n = x.shape[0]
             chunks = -(-n // ChunkedLinearCrossEntropy.CHUNK_ROWS)
@@ -146,8 +167,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_bias = gb if grad_bias is None else grad_bias.add_(gb)
         ctx.grads = (
             torch.cat(grad_hidden).to(hidden.dtype),
-            grad_weight.to(weight.dtype),
-            grad_bias.to(bias.dtype) if bias is not None else None,
+            grad_weight[:vocab].to(weight.dtype),
+            grad_bias[:vocab].to(bias.dtype) if bias is not None else None,
         )
         return total * scale
 
