@@ -403,6 +403,41 @@ def test_a_typo_never_costs_a_finished_run(run_copy, capsys):
     assert not run.previous.exists()
 
 
+def test_every_study_keeps_its_own_attempt_set_aside(tmp_path, capsys):
+    """Issue 66: no study name, then study=r1, then r2 kept the unnamed attempt only until r2 replaced previous/.
+    Each study's attempt is set aside in its own directory (previous/ for no name, previous-<study>/), a settings
+    change within a study replaces that study's alone and says so before it does, and returning to a study brings
+    its attempt back."""
+    run = RunDir(tmp_path / "run")
+
+    def attempt(study, lr=0.1):
+        named = {"study": study} if study else {}  # (as identity.json holds it: no name, no key)
+        identity = {"settings": {**named, "optim": {"lr": lr}}, "data": {}, "world_size": 1}
+        run.start(identity)
+        if not run.metrics.exists():
+            run.metrics.write_text(json.dumps({"study": study, "lr": lr}) + "\n")  # it got somewhere
+        return identity
+
+    def held(path):
+        return json.loads((path / "metrics.jsonl").read_text())
+
+    unnamed, r1 = attempt(None), attempt("r1")
+    attempt("r2")
+    assert held(run.previous) == {"study": None, "lr": 0.1} and held(run.path / "previous-r1")["study"] == "r1"
+    assert held(run.path)["study"] == "r2"
+    attempt("r2", lr=0.2)  # another setting within r2: r2's earlier attempt set aside, the others kept
+    attempt("r2", lr=0.3)
+    out = capsys.readouterr().out
+    assert f"{run.path / 'previous-r2'} held an attempt set aside earlier (study r2, unfinished): it is replaced" in out
+    assert held(run.path / "previous-r2")["lr"] == 0.2 and held(run.previous)["study"] is None
+    run.start(unnamed)  # back to no name: its attempt returns, to be resumed
+    assert held(run.path) == {"study": None, "lr": 0.1} and not run.previous.exists()
+    assert f"the attempt with these settings is back from {run.previous}" in capsys.readouterr().out
+    run.start(r1)
+    assert held(run.path)["study"] == "r1" and held(run.previous)["study"] is None
+    assert sorted(p.name for p in run.set_aside_dirs()) == ["previous", "previous-r2"]
+
+
 def test_a_second_training_in_the_same_run_directory_is_refused_naming_the_first(run_copy):
     run = RunDir(run_dir_of(run_copy))
     with run.lock():  # as the training holding it does

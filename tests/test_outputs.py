@@ -118,6 +118,109 @@ def test_consolidate_and_evaluate_refuse_an_out_that_is_a_directory_or_an_input(
     assert json.loads((run / "model.pt.json").read_text())["model"] == str(run / "model.pt")
 
 
+def test_an_evaluation_writes_over_no_run_file_no_data_and_no_other_runs_model(run_copy, prepared, capsys):
+    """Issue 66: the evaluation's outputs (--out, and --model where it consolidates) land on none of a run's own
+    files (identity, record, log, checkpoints, what is set aside), inside the data, or in another run's place; each
+    refused by name before any work, everything intact. A run whose model.pt.json names another run's checkpoint, or
+    whose test.json scored another model, is refused by the aggregation."""
+    from scalelm.report.aggregate import read_run
+    from scalelm.train.evaluation import main as evaluate
+    from scalelm.train.rundir import RunDir
+
+    run = RunDir(run_dir_of(run_copy))
+    other = RunDir(run.path.parent / "other")
+    shutil.copytree(run.path, other.path, symlinks=True)
+    evaluate(
+        [
+            "--consolidate",
+            str(run.path),
+            "--model",
+            str(run.model),
+            "--data",
+            str(prepared),
+            "--out",
+            str(run.test_result),
+        ]
+    )
+    (run.path / "previous").mkdir()
+    (run.path / "previous" / "identity.json").write_text("{}")
+    capsys.readouterr()
+    before, data_before, other_before = tree(run.path), tree(prepared), tree(other.path)
+    step = sorted(run.checkpoints.glob("step_*"))[-1]
+    consolidating = ["--consolidate", str(run.path), "--model", str(run.model), "--data", str(prepared)]
+    for args, reason in [
+        (
+            [*consolidating, "--out", str(run.record)],
+            rf"--out {run.record} is the run's run.json {run.record}: writing it would replace it",
+        ),
+        ([*consolidating, "--out", str(run.identity)], rf"--out {run.identity} is the run's identity.json"),
+        ([*consolidating, "--out", str(run.metrics)], rf"--out {run.metrics} is the run's metrics.jsonl"),
+        ([*consolidating, "--out", str(run.model_meta)], rf"is the model's record {run.model_meta}"),
+        ([*consolidating, "--out", str(step / "test.json")], rf"lies inside the run's checkpoints {run.checkpoints}"),
+        ([*consolidating, "--out", str(run.path / "previous/t.json")], r"lies inside the run's previous "),
+        (
+            ["--model", str(run.model), "--data", str(prepared), "--out", str(run.metrics)],
+            rf"--out {run.metrics} is the run's metrics.jsonl",
+        ),
+        (
+            [
+                "--consolidate",
+                str(run.path),
+                "--model",
+                str(prepared / "train.pt"),
+                "--data",
+                str(prepared),
+                "--out",
+                str(run.path / "t.json"),
+            ],
+            rf"--model {prepared / 'train.pt'} lies inside --data {prepared}: writing it would change it",
+        ),
+        (
+            [
+                "--consolidate",
+                str(run.path),
+                "--model",
+                str(prepared / "model.pt"),
+                "--data",
+                str(prepared),
+                "--out",
+                str(run.path / "t.json"),
+            ],
+            rf"--model {prepared / 'model.pt'} lies inside --data {prepared}",
+        ),
+        (  # finding 4: run A's model in run B's place
+            [
+                "--consolidate",
+                str(run.path),
+                "--model",
+                str(other.model),
+                "--data",
+                str(prepared),
+                "--out",
+                str(other.test_result),
+            ],
+            rf"--model {other.model} is the run {other.path}'s model.pt, but it would hold run {run.path}'s model",
+        ),
+        (
+            ["--model", str(run.model), "--data", str(prepared), "--out", str(other.test_result)],
+            rf"--out {other.test_result} is the run {other.path}'s test.json, but it would hold run {run.path}'s",
+        ),
+    ]:
+        err = refused(evaluate, args, capsys)
+        assert re.search(reason, err), err
+    assert tree(run.path) == before and tree(prepared) == data_before and tree(other.path) == other_before
+    assert read_run(run).figures["test_loss"] > 0  # the run's own model and test result: reported
+
+    # what the checks refuse, done by hand: the aggregation refuses to report it
+    for path in (run.model_meta, run.test_result):
+        shutil.copy(path, other.path / path.name)
+    with pytest.raises(DataError, match=rf"{other.model_meta} records a model consolidated from {step}, which is not"):
+        read_run(other)
+    run.test_result.write_text(json.dumps({"loss": 1.0, "perplexity": 2.7, "model_sha256": "f" * 64}))
+    with pytest.raises(DataError, match=rf"{run.test_result} scored a model of sha256 ffffffffffff, but "):
+        read_run(run)
+
+
 def test_evaluate_refuses_batches_of_no_sequences_or_tokens(tmp_path, capsys):
     """--batch-size and --batch-tokens below 1 are refused by argparse, naming the option and the value, before any
     model is loaded (issue 49)."""

@@ -19,7 +19,7 @@ from snakemake.utils import validate
 from conftest import REPO
 from scalelm.errors import ConfigError, ScaleLMError
 from scalelm.report.figures import LIMITS
-from scalelm.study.experiments import apply_local_overlay, command_line_values
+from scalelm.study.experiments import apply_local_overlay, check_snakemake_command, command_line_values
 from scalelm.study.settings import Resources
 from scalelm.study.workflow import Study, stop_signal_seconds
 
@@ -363,6 +363,30 @@ def test_the_command_line_wins_over_the_local_overlay():
     given = {"training": {"train": {"max_steps": "0"}}}  # checked, no longer hidden by the overlay's 60
     with pytest.raises(ConfigError, match="experiments.single_gpu: train.max_steps must be positive or null, got 0"):
         resolve(apply_local_overlay(snakemake_config(given), command_line_values(given)))
+
+
+def test_a_study_name_of_digits_is_that_text_an_empty_one_and_a_local_matrix_for_a_cluster_are_refused():
+    """Issue 66: `--config study=2027` (typed as a number by Snakemake) names the study "2027"; `study=` (an unset
+    variable's) names none and is refused; and a --config of the user's that dropped the Slurm profile's `local=null`
+    and `site=` while jobs go to a cluster (--jobs) is refused, naming the pairs to repeat."""
+    for given, name in (({"study": 2027}, "2027"), ({"study": "0.9-rc"}, "0.9-rc")):
+        study = resolve(apply_local_overlay(snakemake_config(given), command_line_values(given)))
+        assert study.settings.study == name and study.matrix["ddp", "1"].config.study == name
+    with pytest.raises(ConfigError, match=r"^study= names no study: give the name \(--config study=2027-rerun\)"):
+        check_snakemake_command(snakemake_config({"study": None}), {"study": None}, cluster_jobs=None)
+    given = {"study": "r2"}
+    with pytest.raises(
+        ConfigError,
+        match=r"^--jobs 20 sends jobs to a cluster, but the config is the local default .* Repeat its pairs: "
+        r"--config local=null site=profiles/slurm/site.yaml study=r2; for a run on this machine, give --cores",
+    ):
+        check_snakemake_command(snakemake_config(given), given, cluster_jobs=20)
+    for given, jobs in (
+        ({"study": "r2"}, None),  # the local default on this machine
+        ({"local": None, "site": "profiles/slurm/site.yaml", "study": "r2"}, 20),  # the pairs repeated
+        ({"site": "test-site.yaml"}, 20),  # the tiny matrix on a named site (the Slurm tier's test cluster)
+    ):
+        check_snakemake_command(snakemake_config(given), given, cluster_jobs=jobs)
 
 
 @pytest.mark.parametrize(

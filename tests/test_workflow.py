@@ -131,6 +131,17 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         assert "slurm_account=proj1, slurm_partition=dc-gpu" in line, line
     assert "export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 && python -m scalelm.launch" in result.stdout
     assert "--host-suffix i" in result.stdout
+    # measuring again as docs/usage.md says (issue 66): a --config of one's own replaces the profile's whole list, so
+    # the local default would be planned for the cluster; refused, naming the pairs to repeat, and with them it plans
+    # the real matrix
+    no_cluster = {"SLURM_CONF": str(project / "no-cluster.conf")}
+    again = snakemake(project, "-n", "--profile", "profiles/slurm", "--config", "study=r2", env=no_cluster)
+    assert again.returncode != 0 and "Repeat its pairs: --config local=null site=profiles/slurm/site.yaml study=r2" in (
+        again.stdout + again.stderr
+    )
+    pairs = ["local=null", "site=profiles/slurm/site.yaml", "study=r2"]
+    again = snakemake(project, "-n", "--profile", "profiles/slurm", "--config", *pairs, env=no_cluster)
+    assert again.returncode == 0 and planned_jobs(again)["train"] == 18, again.stderr[-3000:]
 
 
 # config/local.yaml's matrix: nodes x processes per node of each experiment (their layouts, as the study resolves them:

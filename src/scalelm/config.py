@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,16 @@ from scalelm.files import atomic_write_text
 from scalelm.settings_yaml import dump_settings, from_mapping, load_error, parse_settings, plain, read_settings, shown
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
+# a study's name: part of a directory's name in each run directory (scalelm.train.rundir) and a key of the history
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_study_name(name: str | None) -> None:
+    if name is not None and not (isinstance(name, str) and STUDY_NAME.fullmatch(name)):
+        raise ConfigError(
+            f"study {name!r} is not a study name: letters, digits, '.', '_' and '-', at most 64 "
+            "(--config study=2027-01-rerun)"
+        )
 
 
 def setting(
@@ -376,6 +387,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def validate(config: Config) -> None:
     """Checks across settings that the types alone cannot express."""
+    check_study_name(config.study)
     positive = {
         "data.seq_len": config.data.seq_len,
         "model.d_model": config.model.d_model,

@@ -103,9 +103,9 @@ def check_file_output(path: str | Path) -> None:
         )
 
 
-def check_apart(out: str | Path, inputs: dict[str, Path]) -> None:
-    """Refuse an output that is one of the command's `inputs` (named as the user knows them: '--data'), holds one,
-    or lies inside one: writing it would replace, delete or change what the command reads."""
+def check_apart(out: str | Path, inputs: dict[str, Path], option: str = "--out") -> None:
+    """Refuse an output (given as `option`) that is one of the command's `inputs` (named as the user knows them:
+    '--data'), holds one, or lies inside one: writing it would replace, delete or change what the command reads."""
     target = Path(out).resolve()
     for name, path in inputs.items():
         source = Path(path).resolve()
@@ -117,7 +117,7 @@ def check_apart(out: str | Path, inputs: dict[str, Path]) -> None:
             problem = f"holds {name} {path}: writing it would delete it"
         else:
             continue
-        raise OutputError(f"--out {out} {problem}; choose another --out")
+        raise OutputError(f"{option} {out} {problem}; choose another {option}")
 
 
 def check_replaceable(path: Path, marker: str, what: str) -> None:

@@ -5,7 +5,11 @@ from snakemake.utils import validate
 from scalelm.config import write_settings
 from scalelm.errors import ScaleLMError
 from scalelm.settings_yaml import read_settings
-from scalelm.study.experiments import apply_local_overlay, command_line_values
+from scalelm.study.experiments import (
+    apply_local_overlay,
+    check_snakemake_command,
+    command_line_values,
+)
 from scalelm.study.workflow import Study
 
 try:
@@ -15,6 +19,9 @@ try:
         read_settings(path)
     # --config KEY=VALUE wins over the local overlay (Snakemake merged it in before the overlay was applied)
     given = command_line_values(workflow.config_settings.config)
+    # --jobs, which remote execution needs (a job's own snakemake has no say)
+    jobs = workflow.resource_settings.nodes if workflow.is_main_process else None
+    check_snakemake_command(config, given, cluster_jobs=jobs)
     config = apply_local_overlay(config, given)
     validate(config, "../schemas/config.schema.yaml")
     STUDY = Study(config, on_login_node=workflow.is_main_process)

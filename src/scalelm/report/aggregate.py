@@ -156,8 +156,9 @@ def read_run(run: RunDir, options: ReportOptions = ReportOptions()) -> RunSummar
     try:
         with shape_errors(run.record):
             record = read_record(run.path)
-        model = read_object(run.model_meta, strings=("model", "sha256"))
+        model = read_object(run.model_meta, strings=("model", "sha256", "checkpoint"))
         test = read_object(run.test_result, numbers=("loss", "perplexity"))
+        check_own_model(run, model, test)
         identity = read_object(run.identity)
         metrics = read_report_metrics(run.metrics)
     except FileNotFoundError as err:
@@ -186,6 +187,30 @@ def read_run(run: RunDir, options: ReportOptions = ReportOptions()) -> RunSummar
     }
     check_finite(figures, sources, run.record)
     return RunSummary(figures, metrics, record, series, identity, model.get("vocab_size"))
+
+
+def check_own_model(run: RunDir, model: dict[str, Any], test: dict[str, Any]) -> None:
+    """The model and the test loss a run reports are its own: its model.pt.json names a checkpoint of the run (by
+    its path where it is still there, else by the run's experiment, seed and checkpoints/), and its test.json scored
+    the model that record describes."""
+    checkpoint = Path(model["checkpoint"])
+    if checkpoint.exists():
+        own = checkpoint.resolve().parent == run.checkpoints.resolve()
+    else:  # a results directory moved or copied since
+        own = checkpoint.parts[-4:-1] == run.checkpoints.parts[-3:]
+    if not own:
+        raise DataError(
+            f"{run.model_meta} records a model consolidated from {checkpoint}, which is not a checkpoint of this run "
+            f"({run.checkpoints}): remove {run.model}, {run.model_meta.name} and {run.test_result.name}, and run the "
+            "workflow again to consolidate and evaluate this run's own"
+        )
+    scored = test.get("model_sha256")
+    if scored is not None and scored != model["sha256"]:
+        raise DataError(
+            f"{run.test_result} scored a model of sha256 {str(scored)[:12]}, but {run.model_meta} records "
+            f"{model['sha256'][:12]}: remove {run.test_result.name} and run the workflow again to evaluate this run's "
+            "model"
+        )
 
 
 def run_figures(

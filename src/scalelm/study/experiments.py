@@ -93,6 +93,27 @@ def apply_local_overlay(config: dict[str, Any], command_line: dict[str, Any] | N
     raise ConfigError(f"local: expected a mapping of settings or null, got {overlay!r}")
 
 
+def check_snakemake_command(config: dict[str, Any], command_line: dict[str, Any], cluster_jobs: int | None) -> None:
+    """What `snakemake --config` cannot mean: an empty study name (`study=`, an unset variable's), and the local
+    default's matrix planned for a cluster (`cluster_jobs`: Snakemake's --jobs, which remote execution needs). A
+    `--config` of the user's replaces a profile's whole `config:` list, the Slurm profile's `local=null` and `site=`
+    with it: such a command would queue the local default's tiny runs on the cluster with no site's settings."""
+    if "study" in command_line and command_line["study"] in (None, ""):
+        raise ConfigError(
+            "study= names no study: give the name (--config study=2027-rerun), or leave study out for the runs of "
+            "no name"
+        )
+    merged = deep_merge(config, command_line)
+    if cluster_jobs is not None and isinstance(merged.get("local"), dict) and not merged.get("site"):
+        pairs = " ".join(f"{key}={value}" for key, value in command_line.items() if not isinstance(value, dict))
+        raise ConfigError(
+            f"--jobs {cluster_jobs} sends jobs to a cluster, but the config is the local default (config/local.yaml's "
+            "overlay, on) with no site file: a --config of your own replaces the Slurm profile's whole config: list. "
+            f"Repeat its pairs: --config local=null site=profiles/slurm/site.yaml {pairs}".rstrip()
+            + "; for a run on this machine, give --cores instead of --jobs"
+        )
+
+
 def command_line_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """`snakemake --config KEY=VALUE`'s values as a config file would hold them. Snakemake types a plain value (an
     integer, a number, True or False) but reads a mapping or a list with YAML's BaseLoader, every item in it a string

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from scalelm.config import check_study_name
 from scalelm.errors import ConfigError
 from scalelm.report.disturbance import DEFAULT_SHARE
 from scalelm.settings_yaml import from_mapping
@@ -109,7 +110,6 @@ class StudySettings:
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # workflow/schemas/config.schema.yaml says the same
-STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # Snakemake refuses a wildcard value ending in a part repeated 20 or more times (PeriodicWildcardError)
 PERIODIC = re.compile(r"(.+)\1{19,}$")
 
@@ -131,12 +131,10 @@ def check_name(name: Any) -> None:
 def load_study(config: dict[str, Any]) -> StudySettings:
     for name in config.get("experiments") or {}:
         check_name(name)
+    if type(config.get("study")) is int:  # YAML and Snakemake read a name of digits (study=2027) as a number
+        config = {**config, "study": str(config["study"])}
     settings = from_mapping(StudySettings, config)
-    if settings.study is not None and not STUDY_NAME.fullmatch(str(settings.study)):
-        raise ConfigError(
-            f"study {settings.study!r} is not a study name: letters, digits, '.', '_' and '-', at most 64 "
-            "(--config study=2027-01-rerun)"
-        )
+    check_study_name(settings.study)
     if not settings.results.strip():
         raise ConfigError("results is empty: name the directory for runs, summary, plots and the image")
     if not settings.experiments:

@@ -19,7 +19,7 @@ import torch
 
 from scalelm.config import Config, ModelConfig, identity_settings, load_config
 from scalelm.errors import CheckpointError, ConfigError, friendly_errors
-from scalelm.files import atomic_path, atomic_write_text, check_apart, check_file_output, load_tensors, sha256
+from scalelm.files import atomic_path, atomic_write_text, check_file_output, load_tensors, sha256
 from scalelm.model.transformer import TransformerLM
 from scalelm.settings_yaml import from_mapping, shown
 from scalelm.train.checkpoint import (
@@ -34,7 +34,7 @@ from scalelm.train.checkpoint import (
     trainer_state,
 )
 from scalelm.train.record import changed_settings, read_record
-from scalelm.train.rundir import RunDir, lineage, read_identity
+from scalelm.train.rundir import RunDir, check_run_output, lineage, read_identity, runs_holding
 
 
 def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
@@ -78,19 +78,28 @@ def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     return meta
 
 
-def check_out(run: RunDir, out: Path) -> None:
-    """The model file and its `<out>.json` replace no directory and nothing of the run but an earlier model.pt."""
+def check_out(run: RunDir, out: Path, option: str = "--out") -> None:
+    """The model file and its `<out>.json` replace no directory and nothing of a run but the run's own earlier
+    model.pt and its record (scalelm.train.rundir.check_run_output): never another run's."""
     if out.resolve() in (run.path.resolve(), *run.path.resolve().parents):
         name = "is" if out.resolve() == run.path.resolve() else "holds"
-        raise CheckpointError(f"--out {out} {name} the run directory {run.path}; choose another --out")
-    others = [
-        p
-        for p in (run.train_config, run.plan, *run.attempt, run.previous, run.path / ".lock")
-        if p not in (run.model, run.model_meta)
-    ]
-    for written in (out, Path(f"{out}.json")):
+        raise CheckpointError(f"{option} {out} {name} the run directory {run.path}; choose another {option}")
+    for written, entry in ((out, "model"), (Path(f"{out}.json"), "model_meta")):
         check_file_output(written)
-        check_apart(written, {f"the run's {p.name}": p for p in others})
+        check_run_output(written, option, entry, source=run)
+
+
+def model_source(model: Path) -> RunDir | None:
+    """The run a consolidated model comes from: the run of the checkpoint its record names, where that checkpoint
+    is still there, else the run whose model.pt it is; None for a model of no run."""
+    try:
+        checkpoint = Path(json.loads(Path(f"{model}.json").read_text())["checkpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        checkpoint = None
+    if checkpoint is not None and checkpoint.is_dir() and checkpoint.parent.name == "checkpoints":
+        return RunDir(checkpoint.parent.parent)
+    runs = [run for run in runs_holding(model) if run.model.absolute() == Path(model).absolute()]
+    return runs[0] if runs else None
 
 
 # what consolidation reads of config.yaml: the model it builds, the sequence length it records, the seed it checks

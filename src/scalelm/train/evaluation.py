@@ -25,10 +25,10 @@ from scalelm.errors import DataError, friendly_errors
 from scalelm.files import atomic_write_text, check_apart, check_file_output
 from scalelm.model.dtensors import local_shard
 from scalelm.model.loss import IGNORE_INDEX, lm_loss
-from scalelm.train.consolidate import consolidate, consolidated, load_consolidated
+from scalelm.train.consolidate import check_out, consolidate, consolidated, load_consolidated, model_source
 from scalelm.train.metrics import perplexity
 from scalelm.train.preemption import StopRequested
-from scalelm.train.rundir import RunDir
+from scalelm.train.rundir import RunDir, check_run_output
 
 if TYPE_CHECKING:
     from scalelm.config import TrainConfig
@@ -142,10 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     for option, value in (("--batch-size", args.batch_size), ("--batch-tokens", args.batch_tokens)):
         if value < 1:
             parser.error(f"{option} must be 1 or more, got {value}")
-    check_file_output(args.out)  # before the evaluation: its result must have somewhere to go
+    # before any work: every output has somewhere to go and replaces nothing the command reads, nor a run's files
+    check_file_output(args.out)
     check_apart(
         args.out, {"--model": args.model, "the model's record": Path(f"{args.model}.json"), "--data": args.data}
     )
+    source = RunDir(args.consolidate) if args.consolidate is not None else model_source(args.model)
+    if args.consolidate is not None:  # --model is written too
+        check_out(source, args.model, "--model")
+        for written in (args.model, Path(f"{args.model}.json")):
+            check_apart(written, {"--data": args.data}, "--model")
+    check_run_output(args.out, "--out", "test_result", source)
     if args.consolidate is not None:
         print(consolidated(consolidate(RunDir(args.consolidate), args.model)))
     model, meta = load_consolidated(args.model)

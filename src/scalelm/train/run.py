@@ -114,7 +114,8 @@ def finished_before(run_dir: RunDir, run_origin: Origin, config: Config) -> RunR
     dump_config(config, run_dir.config)
     print(
         f"the run in {run_dir.path} finished at step {record.results.steps} (checkpoint {found[-1]}): nothing to train "
-        f"or evaluate; {run_dir.record} restored as it finished",
+        f"or evaluate; {run_dir.record} restored as it finished (to measure it again, name a new study: "
+        "snakemake --config study=NAME, or give a new run_dir)",
         flush=True,
     )
     unreflected = unreflected_settings(record, config.to_dict())

@@ -12,7 +12,8 @@
       run.json         provenance and results, written last: its presence means the training finished
       model.pt         the consolidated model, and model.pt.json with its sha256 (scalelm.train.consolidate)
       test.json        the common test evaluation (scalelm.train.evaluation)
-      previous/        the last attempt made with other settings that got anywhere
+      previous/        the last attempt made with other settings that got anywhere (previous-<study>/: one
+                       of a named study, so that measuring again under a new name never costs an earlier study's)
       .lock            held by the training running here (rank 0), so that no second one writes beside it
 
 scalelm writes nothing through a symbolic link inside a run directory: `start` refuses one (the run directory
@@ -41,12 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelm.config import Config, Devices, equivalent_settings, identity_settings
+from scalelm.config import STUDY_NAME, Config, Devices, equivalent_settings, identity_settings
 from scalelm.errors import ConfigError
-from scalelm.files import atomic_write_text, remove
+from scalelm.files import OutputError, atomic_write_text, check_apart, remove
 
 IDENTITY = "identity.json"
 PARKED = ".previous-returning"  # previous/ while `start` swaps it with the attempt here
+SET_ASIDE = "previous"  # previous/ (no study name) and previous-<study>/, where `start` sets attempts aside
 CHECKPOINT_PREFIX = "step_"  # checkpoints/step_00000420/ (scalelm.train.checkpoint)
 
 # What says how the ranks share the work, not what they train: a checkpoint loads into any layout and world size.
@@ -161,43 +163,79 @@ class RunDir:
 
     def start(self, run_identity: dict[str, Any], here: Devices | None = None) -> None:
         """Before training (rank 0, under `lock`): the directory exists, is writable and holds no link; a finished run
-        is marked unfinished again. An attempt with another identity is set aside in previous/ (replacing an older
-        one) if it got anywhere (a checkpoint, a logged step, a result), else dropped, so that an attempt that
-        failed before its first step never costs the one before it; and an attempt in previous/ with this identity
-        comes back, to be resumed rather than retrained. An identity.json recorded with settings that train alike
-        `here` (written out by an older scalelm) is this run's."""
+        is marked unfinished again. An attempt with another identity is set aside (`set_aside`) if it got anywhere
+        (a checkpoint, a logged step, a result), else dropped, so that an attempt that failed before its first step
+        never costs the one before it; and an attempt set aside with this identity comes back, to be resumed rather
+        than retrained. An identity.json recorded with settings that train alike `here` (written out by an older
+        scalelm) is this run's."""
         self.refuse_foreign()
         self._make_writable()
-        self._refuse_links([self.path / ".lock", *self.attempt, self.previous])
+        self._refuse_links([self.path / ".lock", *self.attempt, *self.set_aside_dirs()])
         current = read_identity(self.identity, here)
         if current is not None and current != run_identity:
-            earlier = read_identity(self.previous / self.identity.name, here) == run_identity
-            parked = self.path / PARKED
-            if earlier:
-                remove(parked)
-                self.previous.rename(parked)
-            if self.holds_work():
-                remove(self.previous)
-                self.previous.mkdir()
-                for path in self.attempt:
-                    if path.exists():
-                        path.rename(self.previous / path.name)
-                print(f"settings changed since the last attempt in {self.path}: its results moved to {self.previous}")
-            else:
-                for path in self.attempt:
-                    remove(path)
-                print(
-                    f"settings changed since the last attempt in {self.path}, which stopped before its first step: "
-                    "it was dropped"
-                )
-            if earlier:
-                for path in parked.iterdir():
-                    path.rename(self.path / path.name)
-                remove(parked)
-                print(f"the attempt with these settings is back from {self.previous}: it resumes")
+            self.set_aside(current, run_identity, here)
         if read_identity(self.identity, here) != run_identity:  # the same run's, as recorded, keeps its lineage
             atomic_write_text(self.identity, json.dumps(run_identity, indent=1) + "\n")
         self.record.unlink(missing_ok=True)
+
+    def set_aside(self, current: dict[str, Any], run_identity: dict[str, Any], here: Devices | None) -> None:
+        """The attempt here (of identity `current`) makes way for one of `run_identity`: it moves to the set-aside
+        directory of its study (`previous_of`), replacing only the attempt of that study set aside before, so that
+        a new study name keeps every earlier study's attempt; the attempt of `run_identity` comes back from its
+        study's, where it is there."""
+        returning = self.previous_of(study_of(run_identity))
+        earlier = read_identity(returning / IDENTITY, here) == run_identity
+        parked = self.path / PARKED
+        if earlier:
+            remove(parked)
+            returning.rename(parked)
+        if self.holds_work():
+            target = self.previous_of(study_of(current))
+            if target.exists():
+                print(f"{target} held an attempt set aside earlier ({describe_attempt(target)}): it is replaced")
+            remove(target)
+            target.mkdir()
+            for path in self.attempt:
+                if path.exists():
+                    path.rename(target / path.name)
+            print(f"settings changed since the last attempt in {self.path}: its results moved to {target}")
+        else:
+            for path in self.attempt:
+                remove(path)
+            print(
+                f"settings changed since the last attempt in {self.path}, which stopped before its first step: "
+                "it was dropped"
+            )
+        if earlier:
+            for path in parked.iterdir():
+                path.rename(self.path / path.name)
+            remove(parked)
+            print(f"the attempt with these settings is back from {returning}: it resumes")
+
+    def previous_of(self, study: str | None) -> Path:
+        """Where an attempt of `study` is set aside: previous/ with no study name, previous-<study>/ with one (a
+        name the config checked; any other, from a hand-edited identity.json, by its digest)."""
+        if study is None:
+            return self.previous
+        if not STUDY_NAME.fullmatch(str(study)):
+            study = hashlib.sha256(str(study).encode()).hexdigest()[:16]
+        return self.path / f"{SET_ASIDE}-{study}"
+
+    def set_aside_dirs(self) -> list[Path]:
+        """Every directory an attempt is set aside in (`previous_of`), those there are."""
+        return [self.previous, *sorted(p for p in self.path.glob(f"{SET_ASIDE}-*") if p.is_dir())]
+
+    def entries(self) -> list[Path]:
+        """Every path of the run directory that scalelm writes (the attempt, the workflow's files, what is set
+        aside, the lock): what no other command's output may be."""
+        return [
+            self.train_config,
+            self.plan,
+            *self.attempt,
+            *self.set_aside_dirs(),
+            self.path / PARKED,
+            self.path / ".lock",
+        ]
 
     def lineages(self, run_identity: dict[str, Any], here: Devices | None = None) -> frozenset[str]:
         """The lineages this run's checkpoints may carry: its identity's, and that of the identity.json recorded here
@@ -215,11 +253,11 @@ class RunDir:
         resumed (by another layout, say: its lineage says whether it may be)."""
         parked = self.path / PARKED
         if not self.path.is_dir() or any(
-            p.is_file() for p in (self.identity, self.previous / IDENTITY, parked / IDENTITY)
+            p.is_file() for p in (self.identity, *(d / IDENTITY for d in self.set_aside_dirs()), parked / IDENTITY)
         ):
             return
         brought = self.checkpoints.is_dir() and all(holds_checkpoint(p) for p in self.checkpoints.iterdir())
-        names = [p.name for p in (*self.attempt, self.previous, parked) if os.path.lexists(p)]
+        names = [p.name for p in (*self.attempt, *self.set_aside_dirs(), parked) if os.path.lexists(p)]
         names = [name for name in names if not (brought and name == self.checkpoints.name)]
         if names:
             raise ConfigError(
@@ -250,6 +288,51 @@ class RunDir:
             raise ConfigError(
                 f"{links[0]} is a symbolic link: scalelm writes nothing through links inside a run directory "
                 f"({self.path}); replace it with what it points to, or remove it"
+            )
+
+
+def study_of(run_identity: Any) -> str | None:
+    """The study name an identity was trained for (None: no name, or an identity no run has)."""
+    settings = run_identity.get("settings") if isinstance(run_identity, dict) else None
+    return settings.get("study") if isinstance(settings, dict) else None
+
+
+def describe_attempt(path: Path) -> str:
+    """An attempt set aside, in a few words: its study and how far it got."""
+    study = study_of(recorded_identity(path / IDENTITY))
+    named = f"study {study}" if study is not None else "no study name"
+    finished = "finished" if (path / "run.json").is_file() else "unfinished"
+    return f"{named}, {finished}"
+
+
+def runs_holding(path: Path) -> list[RunDir]:
+    """The run directories `path` lies in: every folder above it that holds an identity.json or a train.yaml."""
+    return [
+        RunDir(folder)
+        for folder in Path(path).absolute().parents
+        if (folder / IDENTITY).is_file() or (folder / "train.yaml").is_file()
+    ]
+
+
+def check_run_output(out: Path, option: str, entry: str, source: RunDir | None) -> None:
+    """An output of the consolidation or the evaluation (`option`, the run's `entry` it is: model, model_meta or
+    test_result) replaces or changes nothing of any run it lies in but that entry, and that entry only in the run
+    its model comes from (`source`; None: a model of no run): a run's record, identity, log, checkpoints and
+    set-aside attempts are never written over, and no run reports another's model as its own."""
+    target = Path(out).absolute()
+    runs = runs_holding(out)
+    if source is not None and source.path.absolute() in target.parents and source not in runs:
+        runs.append(source)  # a run directory without identity.json (checkpoints brought in): its files all the same
+    for run in runs:
+        own = getattr(run, entry)
+        mine = source is not None and run.path.absolute() == source.path.absolute()
+        whose = "the run's" if mine else f"the run {run.path}'s"
+        check_apart(out, {f"{whose} {p.name}": p for p in run.entries() if p != own}, option)
+        if target == own.absolute() and not mine:
+            model = f"run {source.path}'s model" if source is not None else "a model of no run"
+            raise OutputError(
+                f"{option} {out} is the run {run.path}'s {own.name}, but it would hold {model}: the run would report "
+                f"it as its own; choose another {option}"
             )
 
 
