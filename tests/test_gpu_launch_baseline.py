@@ -1,6 +1,6 @@
 """The machine baseline measured as training runs (padded output layer, compiled step, GPU health sampled during
 the work, NCCL's network log whatever the site set), the container's environment on Slurm nodes, and how far an
-energy lap can be trusted (../shared/notes/gpu-review-2.md, findings 10-12)."""
+energy lap can be trusted (docs/gpu.md, the second review's findings on the baseline and the energy lap)."""
 
 import argparse
 import os
