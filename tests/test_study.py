@@ -40,6 +40,16 @@ def resolve(config: dict) -> Study:
     return Study(config)
 
 
+def test_the_schema_declares_the_draft_snakemake_validates_with(caplog):
+    """A newcomer's first run showed "No validator found for JSON Schema version identifier draft-07 ... may not be
+    validated correctly" (issue 69): Snakemake validates with one draft, and the schema declares it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        resolve(local_config())
+    assert not [r for r in caplog.records if "validator" in r.getMessage()], [r.getMessage() for r in caplog.records]
+
+
 def test_the_study_settings_and_the_schema_admit_exactly_the_layout_shorthands():
     """The typed study settings and Snakemake's schema list the strategies; the layout module defines them: neither
     may gain or lose a name alone."""

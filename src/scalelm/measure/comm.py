@@ -21,6 +21,9 @@ share, which is told apart by the operation that launched it (nccl:all_to_all, o
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +35,8 @@ CPU_COLLECTIVE_PREFIXES = ("gloo:",)
 DEVICE_COLLECTIVE_MARK = "nccl"
 STEP_MARK = "scalelm:train_step"
 ALL_TO_ALL = "all_to_all"
+# what kineto writes on the process's stderr at each start and stop of a profile, whatever KINETO_LOG_LEVEL says
+PROFILER_NOTICES = (b"USDT:", b"STAGE:")
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -96,6 +101,26 @@ def collective_intervals(events, device: torch.device) -> dict[str, list[tuple[f
     return found
 
 
+@contextlib.contextmanager
+def without_profiler_notices() -> Iterator[None]:
+    """Around a profile's start or stop: kineto's notices (`USDT: ... profiler_start`) would land in the middle of
+    the training's step lines, so the process's stderr goes to a file meanwhile and every other line written there
+    (another thread's, a warning) is passed on after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(PROFILER_NOTICES)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class CommProfile:
     """Profiles the last `steps` of the run's `total` steps (1-based), or as many of them as are after the step this
     attempt resumed from."""
@@ -118,13 +143,15 @@ class CommProfile:
         if step == self.first:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.profiler = profile(activities=activities)
-            self.profiler.__enter__()
+            with without_profiler_notices():
+                self.profiler.__enter__()
         with record_function(STEP_MARK):
             yield
             if self.device.type == "cuda":  # the step's kernels, collectives included, end inside its mark
                 torch.cuda.synchronize(self.device)
         if step == self.last and self.profiler is not None:
-            self.profiler.__exit__(None, None, None)
+            with without_profiler_notices():
+                self.profiler.__exit__(None, None, None)
             self.result = self.summarise(self.profiler.events())
             self.profiler = None
 
