@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,12 +47,6 @@ def context() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def rank_main(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
     """One rank: the environment, stdout and stderr it was given, then `python -m scalelm.train` as a process."""
     os.environ.clear()
@@ -70,22 +63,15 @@ def rank_main(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
 def run_forked(argv: list[str], nproc: int, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`python -m scalelm.train ARGV` on `nproc` forked ranks of one node, as `torchrun --standalone` runs it: the
     ranks' stdout and stderr in rank order, the first failed rank's exit status."""
+    from scalelm.launch.launcher import free_port
+    from scalelm.parallel.env import one_node_environment
+
     ctx = context()
-    port = str(free_port())
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="forked-") as logs:
         ranks = []
         for rank in range(nproc):
-            world = dict(
-                RANK=rank,
-                LOCAL_RANK=rank,
-                WORLD_SIZE=nproc,
-                LOCAL_WORLD_SIZE=nproc,
-                GROUP_RANK=0,
-                GROUP_WORLD_SIZE=1,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            )
-            rank_env = {**env, **({key: str(value) for key, value in world.items()} if nproc > 1 else {})}
+            rank_env = {**env, **(one_node_environment(rank, nproc, port) if nproc > 1 else {})}
             paths = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
             process = ctx.Process(target=rank_main, args=(argv, rank_env, *paths), name=f"rank{rank}")
             process.start()

@@ -22,19 +22,11 @@ import torch.multiprocessing as mp
 
 from scalelm.launch.launcher import free_port
 from scalelm.launch.supervise import STOP_SIGNALS
+from scalelm.parallel.env import one_node_environment
 
 
 def worker(local_rank: int, nprocs: int, port: int, module: str, argv: list[str]) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK="0",
-        GROUP_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(one_node_environment(local_rank, nprocs, port))
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

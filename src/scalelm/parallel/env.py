@@ -99,6 +99,21 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
 
+def one_node_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun gives each worker on one node (what `setup` reads, and torch's env:// rendezvous), for the
+    launchers that stand in for it: torch.multiprocessing.spawn (scalelm.launch.spawn) and the tests' forked ranks."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def setup(preference: str, timeout_s: int, cpu_collectives: bool = False) -> DistEnv:
     """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, pick the device
     (SCALELM_SHARE_GPU:
