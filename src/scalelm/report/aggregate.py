@@ -45,12 +45,22 @@ from typing import Any
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import OutputError
 from scalelm.measure.peak import causal_flops_per_token, mfu
-from scalelm.report import bubble, expectations, experts, history_compare, history_store, machine, repeats, steptime
-from scalelm.report.disturbance import DEFAULT_SHARE, experiment_flags, run_disturbance
+from scalelm.report import (
+    bubble,
+    expectations,
+    experts,
+    history_compare,
+    history_store,
+    machine,
+    per_run,
+    repeats,
+    steptime,
+)
+from scalelm.report.disturbance import DEFAULT_SHARE, run_disturbance
 from scalelm.report.figures import COLUMNS, RunSummary, finite_number
 from scalelm.report.plots import plot_experts, plot_losses, plot_scaling, plot_trend
 from scalelm.report.scaling import SCALING, add_scaling, choose_baseline
-from scalelm.report.tables import fmt, markdown_table, write_csv
+from scalelm.report.tables import write_csv
 from scalelm.report.timing import overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, plot_utilisation, summarise
 from scalelm.settings_yaml import read_settings, shown
@@ -334,15 +344,6 @@ def check_out_dir(out_dir: Path, run_dirs: list[Path]) -> None:
             )
 
 
-def fmt_spread(summary: dict[str, Any], figure: str) -> str:
-    """mean, and with several seeds `mean ± std (min–max)`."""
-    mean = fmt(summary[f"{figure}_mean"])
-    if summary["seeds"] == 1 or summary[f"{figure}_std"] is None:
-        return mean
-    low, high = fmt(summary[f"{figure}_min"]), fmt(summary[f"{figure}_max"])
-    return f"{mean} ± {fmt(summary[f'{figure}_std'])} ({low}–{high})"
-
-
 # every file the aggregation writes in its out directory (workflow/rules/aggregate.smk's outputs)
 OUTPUTS = (
     "summary.csv",
@@ -359,183 +360,37 @@ OUTPUTS = (
     "trend.png",
 )
 
-# the summary's first table: what a reader looks at first, per run (every figure: summary.csv)
-LEAD = [
-    "experiment",
-    "seed",
-    "layout",
-    "world_size",
-    "tokens_per_s_per_device",
-    "speedup",
-    "scaling_efficiency",
-    "mfu",
-    "mfu_causal",
-    "comm_share",
-    "peak_mem_mb_per_rank",
-    "state_mb_per_rank",
-    "test_perplexity",
-]
-
-
-def flags(
-    row: dict[str, Any], checks: list[dict[str, Any]], changes: list[history_compare.Change], machine_checks: list[dict]
-) -> str:
-    """What a reader must not miss about a run: shared hosts, other work on them, a disturbed or implausible
-    comparison with the baseline, a straggler, a machine below its reference or measured beside other work, missed
-    expectations (or any on disturbed runs), regressions since last time (and whether a side was disturbed)."""
-    found = ["not isolated"] if row["overlapped_by"] else []
-    found += ["disturbed"] if row.get("disturbed") else []
-    found += [row["scaling_flag"]] if row.get("scaling_flag") else []
-    found += [f"straggler {row['straggler']}"] if row.get("straggler") else []
-    found += machine.flags(row["nodes"], machine_checks)
-    found += ["machine baseline disturbed"] if row.get("machine_disturbed") else []
-    found += [
-        f"{c['status'].replace('no reference', 'no reference for')} {c['expectation']}"
-        + (" (disturbed)" if c.get("disturbed") else "")
-        for c in checks
-        if c["experiment"] == row["experiment"] and (c["status"] != "met" or c.get("disturbed"))
-    ]
-    found += [
-        f"{c.verdict} {c.figure}" + (" (disturbed)" if c.disturbed else "")
-        for c in changes
-        if c.experiment == row["experiment"] and c.verdict.startswith("regression")
-    ]
-    return ", ".join(found)
-
 
 def write_tables(
     rows: list[dict[str, Any]],
     summaries: list[dict[str, Any]],
     checks: list[dict[str, Any]],
     out_dir: Path,
+    options: ReportOptions,
     since: tuple[str, list[history_compare.Change]] | None = None,
-    baselines: list[dict[str, Any]] = (),
-    machine_checks: list[dict[str, Any]] = (),
-    disturbed_share: float = DEFAULT_SHARE,
+    machine_figures: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], []),
 ) -> None:
-    """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, and summary.md: the
-    lead table, the statistics per experiment, the expectations, the changes since the previous study (`since`:
-    its id and the changes, from the results history)."""
+    """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, machine.csv, and
+    summary.md: its sections in order, each written by the module of its figures (`since`: the previous study's id
+    and the changes, from the results history; `machine_figures`: the machine's baselines and their checks)."""
+    baselines, machine_checks = machine_figures
     write_csv(out_dir / "summary.csv", COLUMNS, rows)
     write_csv(out_dir / "summary_by_experiment.csv", repeats.COLUMNS, summaries)
     write_csv(out_dir / "expectations.csv", expectations.COLUMNS, checks)
     write_csv(out_dir / "machine.csv", machine.COLUMNS, machine.rows(baselines))
     changes = since[1] if since else []
-    lines = ["Per run; every figure of every run is in `summary.csv`.", ""]
-    lines += markdown_table(
-        [*LEAD, "flags"], [[fmt(r.get(c)) for c in LEAD] + [flags(r, checks, changes, machine_checks)] for r in rows]
-    )
-    shared = [f"`{r['experiment']}` seed {r['seed']} (with {r['overlapped_by']})" for r in rows if r["overlapped_by"]]
-    if shared:
-        lines += [
-            "",
-            "**Not isolated**: trained while another run trained on the same host, so their speed figures "
-            "measure both: " + ", ".join(shared) + ".",
-        ]
-    lines += disturbed_notes(rows, disturbed_share)
-    lines += mfu_note(rows)
-
-    base = next(s for s in summaries if s["experiment"] == s["baseline"])
-    lines += [
-        "",
-        "## Per experiment",
-        "",
-        "Mean over the seeds, with several seeds `mean ± std (min–max)` (sample standard deviation). Speedup "
-        f"and scaling efficiency in total tokens/s against `{base['experiment']}` ({base['world_size']} "
-        "device(s)); strong scaling: global batch fixed, weak: batch per device fixed.",
-        "",
+    lines = [
+        *per_run.markdown(rows, checks, changes, machine_checks, options.disturbed_share),
+        *repeats.markdown(summaries),
+        *experts.markdown(rows),
+        *machine.markdown(baselines, machine_checks),
+        *steptime.markdown(rows),
+        *expectations.markdown(checks),
+        *history_compare.markdown(since),
     ]
-    columns = ["experiment", "scaling", "world_size", "seeds"]
-    lines += markdown_table(
-        [*columns, *repeats.STATISTICS, "flags"],
-        [
-            [fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in repeats.STATISTICS] + [experiment_flags(s)]
-            for s in summaries
-        ],
-    )
-    lines += experts.markdown(rows)
-    lines += machine.markdown(baselines, machine_checks)
-    lines += steptime.markdown(rows)
-    if checks:
-        missed = sum(c["status"] == "missed" for c in checks)
-        unchecked = sum(c["status"] == "no reference" for c in checks)
-        disturbed = sum(bool(c.get("disturbed")) for c in checks)
-        on_disturbed = (
-            f" {disturbed} on disturbed runs (`disturbed`): a miss there may be the disturbance's, a met "
-            "speedup or efficiency a slow baseline's."
-            if disturbed
-            else ""
-        )
-        lines += [
-            "",
-            "## Expectations",
-            "",
-            f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
-            "from the results history before it holds an earlier study); each checked against the mean over "
-            "the experiment's seeds (threshold: the limit with its relative tolerance)." + on_disturbed,
-            "",
-        ]
-        lines += markdown_table(
-            expectations.COLUMNS,
-            [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in expectations.COLUMNS] for c in checks],
-        )
-    if since:
-        previous, shown = since[0], [c for c in changes if c.verdict != "within tolerance"]
-        lines += [
-            "",
-            "## Since the previous study",
-            "",
-            f"Against `{previous}` in the results history (`scalelm history compare`): "
-            f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
-            "tolerance below, the others within it.",
-            "",
-        ]
-        lines += markdown_table(
-            ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed", "disturbed"],
-            [change_cells(c) for c in shown],
-        )
     files = [f"- `{r['experiment']}` seed {r['seed']}: `{r['checkpoint']}` (sha256 `{r['sha256']}`)" for r in rows]
     text = "# scalelm summary\n\n" + "\n".join(lines) + "\n\n## Consolidated models\n\n" + "\n".join(files) + "\n"
     (out_dir / "summary.md").write_text(text)
-
-
-def change_cells(c: history_compare.Change) -> list[str]:
-    """A change since the previous study as a row of summary.md's table."""
-    p = fmt(c.p_value) if c.p_value is not None else "one seed"
-    before, after, environment = fmt(c.before), fmt(c.after), history_compare.describe(c.environment)
-    return [c.experiment, c.figure, before, after, f"{c.relative:+.1%}", p, c.verdict, environment, c.disturbed]
-
-
-def mfu_note(rows: list[dict[str, Any]]) -> list[str]:
-    """What the two MFU columns count, and the peaks they divide by."""
-    peaks = sorted({r["peak_tflops"] for r in rows if r.get("peak_tflops")})
-    if not peaks:
-        return []
-    return [
-        "",
-        "**MFU**: the model's training FLOPs per second over its devices' dense peak "
-        f"({', '.join(fmt(p) for p in peaks)} TFLOP/s per device; `peak_tflops` in `summary.csv`). `mfu` counts "
-        "attention over the whole sequence (scalelm's and torchtitan's count), `mfu_causal` the causal half of it "
-        "(llm.c's): compare each with MFU counted the same way.",
-    ]
-
-
-def disturbed_notes(rows: list[dict[str, Any]], share: float) -> list[str]:
-    """The notes under the lead table: the runs other work disturbed and why, the comparisons with the baseline
-    flagged."""
-    lines = []
-    disturbed = [f"`{r['experiment']}` seed {r['seed']} ({r['disturbed']})" for r in rows if r.get("disturbed")]
-    if disturbed:
-        lines += [
-            "",
-            f"**Disturbed**: other work on their hosts took more than {share:g} of the cores they were given "
-            "(`disturbed_share`), so their speed figures, and every speedup against them, measure that work "
-            "too: " + ", ".join(disturbed) + ".",
-        ]
-    flagged = [f"`{r['experiment']}` seed {r['seed']} ({r['scaling_flag']})" for r in rows if r.get("scaling_flag")]
-    if flagged:
-        lines += ["", "**Speedup and efficiency flagged**: " + ", ".join(flagged) + "."]
-    return lines
 
 
 def plot(runs: list[RunSummary], summaries: list[dict[str, Any]], out_dir: Path, trend: dict | None = None) -> None:
@@ -598,7 +453,7 @@ def aggregate(
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir, since, baselines, machine_checks, options.disturbed_share)
+    write_tables(rows, summaries, checks, out_dir, options, since, (baselines, machine_checks))
     plot(runs, summaries, out_dir, trend)
     return runs
 

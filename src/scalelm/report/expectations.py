@@ -45,6 +45,7 @@ import yaml
 from scalelm.errors import ConfigError, DataError, ScaleLMError, friendly_errors
 from scalelm.report.disturbance import seeds_caveat
 from scalelm.report.figures import LIMITS, finite_number
+from scalelm.report.tables import fmt, markdown_table
 
 DEFAULT_TOLERANCE = 0.05
 HISTORY_METHODS = ("median_of_last",)
@@ -256,6 +257,33 @@ def _describe(c: dict[str, Any]) -> str:
         measured = f"{c['value']:.4g} ({seeds}) is {side}"
     limits = f"the {bound} {e.limit:.4g}{source} ({e.threshold:.4g} with the {e.tolerance * 100:g}% tolerance)"
     return f"{e.experiment}: {e.figure} {measured} {limits}: {c['status']}"
+
+
+def markdown(checks: list[dict[str, Any]]) -> list[str]:
+    """summary.md's section: how many were met, missed or had no reference, then each check; none without checks."""
+    if not checks:
+        return []
+    missed = sum(c["status"] == "missed" for c in checks)
+    unchecked = sum(c["status"] == "no reference" for c in checks)
+    disturbed = sum(bool(c.get("disturbed")) for c in checks)
+    on_disturbed = (
+        f" {disturbed} on disturbed runs (`disturbed`): a miss there may be the disturbance's, a met "
+        "speedup or efficiency a slow baseline's."
+        if disturbed
+        else ""
+    )
+    lines = [
+        "",
+        "## Expectations",
+        "",
+        f"{len(checks) - missed - unchecked} met, {missed} missed, {unchecked} without a reference (a limit "
+        "from the results history before it holds an earlier study); each checked against the mean over "
+        "the experiment's seeds (threshold: the limit with its relative tolerance)." + on_disturbed,
+        "",
+    ]
+    return lines + markdown_table(
+        COLUMNS, [[fmt(c[k]) if k != "status" else f"**{c[k]}**" for k in COLUMNS] for c in checks]
+    )
 
 
 def read_checks(path: Path) -> list[dict[str, Any]]:

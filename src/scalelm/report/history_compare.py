@@ -34,6 +34,7 @@ from typing import Any
 from scalelm.report.disturbance import SCALED, contaminated, figure_caveat
 from scalelm.report.figures import TIMED, RunSummary, finite_number
 from scalelm.report.history_store import DIRECTIONS, TREND_FIGURES, fingerprint, run_key, settings_hash
+from scalelm.report.tables import fmt, markdown_table
 
 
 def since_previous(
@@ -290,3 +291,31 @@ def disturbed_sides(before: list[dict], after: list[dict], figure: str) -> str:
 def describe(environment: dict[str, tuple[Any, Any]]) -> str:
     """What changed between two environments, e.g. `torch: "2.9.0" -> "2.13.0"`."""
     return "; ".join(f"{k}: {' | '.join(a or ['-'])} -> {' | '.join(b or ['-'])}" for k, (a, b) in environment.items())
+
+
+def markdown(since: tuple[str, list[Change]] | None) -> list[str]:
+    """summary.md's section "Since the previous study" (`since`: its id and the changes; none without it): the
+    regressions counted, the changes beyond the tolerance listed."""
+    if not since:
+        return []
+    previous, changes = since
+    lines = [
+        "",
+        "## Since the previous study",
+        "",
+        f"Against `{previous}` in the results history (`scalelm history compare`): "
+        f"{sum(c.verdict.startswith('regression') for c in changes)} regression(s); changes beyond the "
+        "tolerance below, the others within it.",
+        "",
+    ]
+    return lines + markdown_table(
+        ["experiment", "figure", "before", "after", "change", "p", "verdict", "what changed", "disturbed"],
+        [change_cells(c) for c in changes if c.verdict != "within tolerance"],
+    )
+
+
+def change_cells(c: Change) -> list[str]:
+    """A change since the previous study as a row of summary.md's table."""
+    p = fmt(c.p_value) if c.p_value is not None else "one seed"
+    before, after, environment = fmt(c.before), fmt(c.after), describe(c.environment)
+    return [c.experiment, c.figure, before, after, f"{c.relative:+.1%}", p, c.verdict, environment, c.disturbed]

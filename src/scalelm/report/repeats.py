@@ -12,8 +12,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from scalelm.report.disturbance import contaminated
+from scalelm.report.disturbance import contaminated, experiment_flags
 from scalelm.report.figures import SHARED, STATISTICS
+from scalelm.report.tables import fmt, markdown_table
 
 SPREAD = ("mean", "std", "min", "max")
 COLUMNS = [
@@ -60,3 +61,34 @@ def by_experiment(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 summary[f"{figure}_{stat}"] = value
         summaries.append(summary)
     return summaries
+
+
+def markdown(summaries: list[dict[str, Any]]) -> list[str]:
+    """summary.md's section per experiment: the statistics over its seeds, the speedup's baseline named."""
+    base = next(s for s in summaries if s["experiment"] == s["baseline"])
+    lines = [
+        "",
+        "## Per experiment",
+        "",
+        "Mean over the seeds, with several seeds `mean ± std (min–max)` (sample standard deviation). Speedup "
+        f"and scaling efficiency in total tokens/s against `{base['experiment']}` ({base['world_size']} "
+        "device(s)); strong scaling: global batch fixed, weak: batch per device fixed.",
+        "",
+    ]
+    columns = ["experiment", "scaling", "world_size", "seeds"]
+    return lines + markdown_table(
+        [*columns, *STATISTICS, "flags"],
+        [
+            [fmt(s[c]) for c in columns] + [fmt_spread(s, f) for f in STATISTICS] + [experiment_flags(s)]
+            for s in summaries
+        ],
+    )
+
+
+def fmt_spread(summary: dict[str, Any], figure: str) -> str:
+    """mean, and with several seeds `mean ± std (min–max)`."""
+    mean = fmt(summary[f"{figure}_mean"])
+    if summary["seeds"] == 1 or summary[f"{figure}_std"] is None:
+        return mean
+    low, high = fmt(summary[f"{figure}_min"]), fmt(summary[f"{figure}_max"])
+    return f"{mean} ± {fmt(summary[f'{figure}_std'])} ({low}–{high})"
