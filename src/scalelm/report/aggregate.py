@@ -442,8 +442,8 @@ def aggregate(
     summaries = repeats.by_experiment(rows)
     since = trend = reference = None
     if history_db:
-        study, new = history_store.record_runs(history_db, runs, out_dir)
-        print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study!r})")
+        study_id, new = history_store.record_runs(history_db, runs, out_dir)
+        print(f"results history {history_db}: {new} new run(s) of {len(runs)} (study {study_id!r})")
         recorded = history_store.read_rows(history_db)  # once, for the comparison, the trend and the limits it gives
         since, trend = history_compare.since_previous(recorded, runs), history_compare.trend(recorded, runs)
 

@@ -7,7 +7,8 @@ a month or a cluster later can be compared with what came before.
     python -m scalelm.report.history export [--db FILE] > runs.jsonl
     python -m scalelm.report.history import FILE... [--db FILE]
 
-A study is one aggregation (its id: the time it was recorded and its results directory). `compare A B` sets study B
+A study is one aggregation (its study id: the time it was recorded, its results directory and the runs' study name,
+where they were trained for one). `compare A B` sets study B
 (default: the latest) against study A (default: the one before it), figure by figure (scalelm.report.history_compare:
 Welch's t-test, the tolerance, the machine's spread where one seed a side allows no test, what changed between the two
 environments); it exits 1 on a regression: significant, or with one seed beyond the spread, never a disturbed run's
@@ -110,9 +111,9 @@ def list_runs(db: str | Path, experiment: str | None, since: datetime | None) ->
             f"{f' since {since.isoformat()}' if since else ''}",
             file=sys.stderr,
         )
-    for study in sorted({r["study"] for r in rows}):
-        print(study)
-        for r in (r for r in rows if r["study"] == study):
+    for study_id in sorted({r["study"] for r in rows}):
+        print(study_id)
+        for r in (r for r in rows if r["study"] == study_id):
             f, env = r["figures"], r["environment"]
             disturbed = "  disturbed" if contaminated(f) else ""
             print(
@@ -124,7 +125,8 @@ def list_runs(db: str | Path, experiment: str | None, since: datetime | None) ->
 
 # ------------------------------------------------------------------------------------------------ the command
 def choose(db: str | Path, a: str | None, b: str | None) -> tuple[str, str]:
-    """Studies by id or by a unique part of it; B defaults to the latest, A to the one before B."""
+    """Studies by their study id or a unique part of it (a study name is one); B defaults to the latest, A to the one
+    before B."""
     known = studies(db)
 
     def find(part: str) -> str:

@@ -46,7 +46,7 @@ def since_previous(
     current = [r for r in rows if r["key"] in keys]
     if not current:
         return None
-    first = min(r["study"] for r in current)
+    first = min(r["study"] for r in current)  # study ids sort as they were recorded
     earlier = sorted({r["study"] for r in rows if r["study"] < first})
     if not earlier:
         return None
@@ -78,7 +78,7 @@ def reference(
     if not means:
         return None, f"no earlier study of {experiment} with these settings on this site and device in {db}{left_out}"
     last = sorted(means)[-n:]
-    value = statistics.median(statistics.fmean(means[study]) for study in last)
+    value = statistics.median(statistics.fmean(means[study_id]) for study_id in last)
     return value, f"median of the last {len(last)} stud{'y' if len(last) == 1 else 'ies'} (n {n}){left_out}"
 
 

@@ -36,7 +36,7 @@ BUSY_TIMEOUT_S = 120.0
 HISTORY_FORMAT = 1
 COLUMNS_OF_RUNS = {
     "key": "TEXT PRIMARY KEY",  # experiment, seed, settings and attempt: a run is recorded once
-    "study": "TEXT NOT NULL",  # the aggregation that recorded it
+    "study": "TEXT NOT NULL",  # the study id: the aggregation that recorded it (time, results directory, name)
     "recorded": "TEXT NOT NULL",  # an ISO 8601 time with its UTC offset
     "experiment": "TEXT NOT NULL",
     "seed": "INTEGER NOT NULL",
@@ -310,11 +310,11 @@ def run_key(run: RunSummary) -> str:
 
 
 def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path) -> tuple[str, int]:
-    """Append an aggregation's runs as one study; returns the study's id and how many runs were new. The id names
-    the runs' study where they were trained for one (the workflow's `study`)."""
+    """Append an aggregation's runs as one study; returns its study id and how many runs were new. The id (the time,
+    the results directory) ends in the runs' study name where they were trained for one (the workflow's `study`)."""
     now = datetime.now(timezone.utc).isoformat(timespec="microseconds")  # ids sort as the studies were recorded
-    labels = sorted({str(run.record.config.get("study")) for run in runs if run.record.config.get("study")})
-    study = " ".join([now, str(Path(results_dir).resolve()), *(f"({label})" for label in labels)])
+    names = sorted({str(run.record.config.get("study")) for run in runs if run.record.config.get("study")})
+    study_id = " ".join([now, str(Path(results_dir).resolve()), *(f"({name})" for name in names)])
     rows = []
     for run in runs:
         figures, record = run.figures, run.record
@@ -322,7 +322,7 @@ def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path)
         rows.append(
             {
                 "key": run_key(run),
-                "study": study,
+                "study": study_id,
                 "recorded": now,
                 "experiment": figures["experiment"],
                 "seed": figures["seed"],
@@ -334,7 +334,7 @@ def record_runs(db: str | Path, runs: list[RunSummary], results_dir: str | Path)
                 "environment": fingerprint(run),
             }
         )
-    return study, insert(db, rows)
+    return study_id, insert(db, rows)
 
 
 def read_rows(db: str | Path, clause: str = "", args: tuple = ()) -> list[dict[str, Any]]:

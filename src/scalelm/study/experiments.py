@@ -136,21 +136,21 @@ def typed_value(value: Any) -> Any:
     return value
 
 
-def training_config(study: StudySettings, name: str, seed: int, run_dir: str) -> Config:
-    spec = study.experiments[name]
-    settings = deep_merge(study.training, spec.training)
-    settings = deep_merge(
-        settings,
+def training_config(settings: StudySettings, name: str, seed: int, run_dir: str) -> Config:
+    spec = settings.experiments[name]
+    merged = deep_merge(settings.training, spec.training)
+    merged = deep_merge(
+        merged,
         {
             "run_dir": run_dir,
-            "study": study.study,
+            "study": settings.study,
             "seed": seed,
-            "data": {"prepared_dir": study.data.prepared_dir},
+            "data": {"prepared_dir": settings.data.prepared_dir},
             "parallel": {"strategy": spec.strategy},
         },
     )
     try:
-        return from_dict(settings)
+        return from_dict(merged)
     except ConfigError as err:
         raise ConfigError(f"experiments.{name}: {err}") from None
 
@@ -197,15 +197,15 @@ def model_settings(training: dict[str, Any]) -> dict[str, Any]:
     return model if isinstance(model, dict) else {}
 
 
-def check_shared_mixture(study: StudySettings) -> None:
+def check_shared_mixture(settings: StudySettings) -> None:
     """A `model.moe` in the study-wide `training:` makes a mixture of every experiment that does not give its own
     (a mapping, or null to stay dense). Without the mixture's shape (experts) it is a tuning of the mixtures that
     would turn the dense experiments, the baseline among them, into mixtures of a defaulted shape: refused, naming
     them."""
-    shared = model_settings(study.training).get("moe")
+    shared = model_settings(settings.training).get("moe")
     if not isinstance(shared, dict) or "experts" in shared:
         return
-    converted = [name for name, spec in study.experiments.items() if "moe" not in model_settings(spec.training)]
+    converted = [name for name, spec in settings.experiments.items() if "moe" not in model_settings(spec.training)]
     if converted:
         keys = ", ".join(map(str, shared)) or "{}"
         raise ConfigError(
@@ -216,14 +216,14 @@ def check_shared_mixture(study: StudySettings) -> None:
         )
 
 
-def load_matrix(study: StudySettings, site: SiteConfig | None = None) -> list[Experiment]:
+def load_matrix(settings: StudySettings, site: SiteConfig | None = None) -> list[Experiment]:
     matrix = []
-    seeds = check_seeds(study.seeds)
-    check_shared_mixture(study)
-    for name, spec in study.experiments.items():
+    seeds = check_seeds(settings.seeds)
+    check_shared_mixture(settings)
+    for name, spec in settings.experiments.items():
         for seed in seeds:
-            run_dir = str(RunDir.of(study.results, name, seed).path)
-            training = with_site_defaults(training_config(study, name, seed, run_dir), site or SiteConfig())
+            run_dir = str(RunDir.of(settings.results, name, seed).path)
+            training = with_site_defaults(training_config(settings, name, seed, run_dir), site or SiteConfig())
             layout = layout_of(name, training, spec.nodes, spec.procs_per_node)
             try:
                 check_launcher(spec.launcher, spec.nodes, keys=("launcher", "nodes"))

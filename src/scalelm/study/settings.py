@@ -102,7 +102,8 @@ class StudySettings:
     # the results history (SQLite); None: <results>/history.sqlite. Never among the study's outputs nor in a directory
     # the workflow replaces (scalelm.study.workflow.Study.check_history_location)
     history: str | None = None
-    # a name for this measurement of the matrix: a new one trains every run afresh and adds a study to the history
+    # the study name, a name for this measurement of the matrix: a new one trains every run afresh and adds a study to
+    # the history (whose study id ends in it)
     # (docs/usage.md, "Measuring again"); None: the runs of the results directory as they are
     study: str | None = None
     machine: MachineSettings = field(default_factory=MachineSettings)
