@@ -9,6 +9,7 @@ import torch
 import yaml
 
 import drills
+import scalelm.config
 from conftest import run_dir_of, run_train, train_here
 from scalelm.config import ModelConfig, OptimConfig
 from scalelm.errors import CheckpointError
@@ -75,7 +76,9 @@ def test_a_checkpoint_is_resumed_only_by_its_run_and_never_holds_non_finite_weig
     checkpointer = Checkpointer(tmp_path, ENV, keep=2, origin=ORIGIN)
     with torch.no_grad():
         next(model.parameters())[0] = float("inf")
-    refused = r"non-finite loss or weights at step 3 on rank\(s\) \[0\]; not checkpointing, the last good checkpoint"
+    refused = (
+        r"non-finite loss or weights at step 3 on rank\(s\) \[0\]; not checkpointing, the run has no checkpoint yet"
+    )
     with pytest.raises(CheckpointError, match=refused):
         checkpointer.save(model, optimizer, scheduler, TrainerState(step=3, model_shape=shape))
     model, optimizer, scheduler = parts(16)
@@ -84,6 +87,9 @@ def test_a_checkpoint_is_resumed_only_by_its_run_and_never_holds_non_finite_weig
     assert not any(tmp_path.iterdir())
 
     saved = checkpointer.save(model, optimizer, scheduler, TrainerState(step=3, model_shape=shape))
+    kept = rf"non-finite loss or weights at step 4 .*, the last good checkpoint stays in {saved}\. Lower optim.lr or"
+    with pytest.raises(CheckpointError, match=kept):
+        checkpointer.save(model, optimizer, scheduler, TrainerState(step=4, model_shape=shape), torch.tensor(math.nan))
     renamed = saved.rename(tmp_path / "step_00000009")
     with pytest.raises(CheckpointError, match=rf"{renamed} holds step 3, not the step its name says"):
         checkpointer.resume(*parts(16), shape)
@@ -102,16 +108,35 @@ def test_a_checkpoint_is_resumed_only_by_its_run_and_never_holds_non_finite_weig
         checkpointer.resume(*parts(16), shape)
 
 
-def test_a_gradient_norm_that_overflows_stops_the_run_at_its_log_line_naming_the_steps(tiny_config):
-    """A load-balancing loss weighted 1e30 overflows the gradients' norm while the loss and the weights stay finite
-    (AdamW normalises the step): a silent failure, unless every step's norm is checked (without a sync per step)."""
+def test_a_gradient_norm_that_overflows_stops_the_run_at_its_log_line_naming_the_steps(tiny_config, monkeypatch):
+    """A load-balancing loss weighted 1e30 (past the limit training refuses, lifted here) overflows the gradients'
+    norm while the loss and the weights stay finite (AdamW normalises the step): a silent failure, unless every
+    step's norm is checked (without a sync per step)."""
     from conftest import train_here
     from scalelm.train.engine import TrainingError
 
+    monkeypatch.setattr(scalelm.config, "ROUTER_COEF_LIMIT", math.inf)
     config = tiny_config("overflow", model__moe={"experts": 2, "top_k": 1, "aux_loss_coef": 1e30})
     refused = r"non-finite gradient norm at 2 of the 2 steps up to step 2 \(the last: inf\): the gradients overflow;"
     with pytest.raises(TrainingError, match=rf"{refused} .* Lower optim.lr, or model.moe.aux_loss_coef \(1e\+30\)"):
         train_here(config, "train.max_steps=4", "train.log_every=2")
+
+
+def test_an_overflow_names_the_router_weights_that_are_set_and_no_checkpoint_before_the_first(tiny_config, monkeypatch):
+    """Issue 66: a z-loss weighted 1e30 (lifted past the limit) stops the run at its first step naming the z-loss's
+    weight, not the aux loss's that its balance leaves out, and no checkpoints directory, which does not exist yet."""
+    from conftest import train_here
+    from scalelm.train.engine import TrainingError
+
+    monkeypatch.setattr(scalelm.config, "ROUTER_COEF_LIMIT", math.inf)
+    config = tiny_config("z", model__moe={"experts": 2, "top_k": 1, "balance": "none", "z_loss_coef": 1e30})
+    with pytest.raises(TrainingError) as stopped:
+        train_here(config, "train.max_steps=2")
+    message = str(stopped.value)
+    assert "up to step 1 (the last: inf)" in message and message.endswith(
+        "; the run has no checkpoint yet. Lower optim.lr, or model.moe.z_loss_coef (1e+30)"
+    )
+    assert "aux_loss_coef" not in message and not (run_dir_of(config) / "checkpoints").exists()
 
 
 def test_non_finite_weights_are_never_checkpointed_and_the_good_run_is_kept(tiny_config, tmp_path):

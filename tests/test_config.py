@@ -78,6 +78,47 @@ def test_bad_values_name_the_key(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    "moe, key, value",
+    [
+        ("z_loss_coef: 1e30", "z_loss_coef", "1e\\+30"),  # overflowed the gradients at step 1
+        ("z_loss_coef: 1e300", "z_loss_coef", "1e\\+300"),  # no float32: a RuntimeError in the backward
+        ("aux_loss_coef: 1e300", "aux_loss_coef", "1e\\+300"),
+        ("balance: bias, bias_rate: 1e300", "bias_rate", "1e\\+300"),
+    ],
+)
+def test_a_router_coefficient_beyond_float32s_reach_is_refused_by_name_before_the_run(moe, key, value):
+    """Issue 66: a router coefficient above ROUTER_COEF_LIMIT is refused at load, naming it and its value, rather
+    than failing in the training (blaming optim.lr, or with a traceback); the limit itself is accepted."""
+    with pytest.raises(ConfigError, match=rf"^model.moe.{key} must be at most 1000, got {value}: .*; lower it$"):
+        load_config(None, [f"model.moe={{experts: 4, {moe}}}"])
+    limit = load_config(None, ["model.moe={experts: 4, aux_loss_coef: 1000, z_loss_coef: 1000}"]).model.moe
+    assert (limit.aux_loss_coef, limit.z_loss_coef) == (1000, 1000)
+
+
+def test_a_coefficient_its_balance_does_not_use_is_refused_unless_at_its_default():
+    """Issue 66: bias_rate under balance=aux, aux_loss_coef under balance=bias or none would train nothing and still
+    tell the run apart (its identity holds them): refused by name with the balance. At their defaults they are
+    accepted under every balance, and the identity keeps them as before."""
+    from scalelm.config import identity_settings
+
+    for balance, key, value in (
+        ("aux", "bias_rate", 0.01),
+        ("bias", "aux_loss_coef", 0.3),
+        ("none", "aux_loss_coef", 0.0),
+    ):
+        used = {"bias_rate": "bias", "aux_loss_coef": "aux"}[key]
+        refused = rf"model.moe.{key}={value} acts under model.moe.balance={used} only, and the balance is {balance}: "
+        with pytest.raises(ConfigError, match=rf"^{refused}remove {key} .*or set model.moe.balance={used}$"):
+            load_config(None, [f"model.moe={{experts: 4, balance: {balance}, {key}: {value}}}"])
+    for balance in ("aux", "bias", "none"):
+        spelt = load_config(
+            None, [f"model.moe={{experts: 4, balance: {balance}, aux_loss_coef: 0.01, bias_rate: 0.001}}"]
+        )
+        moe = identity_settings(spelt.to_dict())["model"]["moe"]
+        assert moe["aux_loss_coef"] == 0.01 and "bias_rate" not in moe  # (an added setting, at its default)
+
+
 def test_a_misspelt_strategy_is_refused_where_layouts_are_checked():
     """Strategies and degrees are the layout's (scalelm.parallel.dims): checked with it, by the trainer, the workflow
     and the planner alike, not a second time by the settings' loader."""

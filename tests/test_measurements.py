@@ -4,6 +4,7 @@ import copy
 import json
 import mmap
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from conftest import board_scalars, run_dir_of, run_train
 from scalelm.config import ModelConfig, MoEConfig
 from scalelm.data.prepared import load_prepared
 from scalelm.measure import peak
-from scalelm.measure.comm import CommProfile, clip, union_seconds
+from scalelm.measure.comm import CommProfile, clip, union_seconds, without_profiler_notices
 from scalelm.measure.experts import ExpertLoad
 from scalelm.measure.hostload import HostLoad
 from scalelm.measure.instruments import Instruments
@@ -37,6 +38,21 @@ def intervals(times: list[float], every: int = 3) -> list[dict]:
         {"step": every * (i + 1), "step_time_s": t, "tokens_per_step": 1000, "world_size": 2, "data_share": t / 100}
         for i, t in enumerate(times)
     ]
+
+
+def test_the_profiler_prints_nothing_between_the_step_lines(capfd):
+    """Kineto announces each profile's start and stop on stderr (`USDT: ... profiler_start`), which landed in the
+    middle of a training's step lines (issue 69): the communication profile runs without them, and what else was
+    written to stderr meanwhile is kept."""
+    profiled = CommProfile(2, 2, 0, torch.device("cpu"), True)
+    for step in (1, 2):
+        with profiled.step(step):
+            torch.ones(8) @ torch.ones(8)
+    with without_profiler_notices():
+        os.write(2, b"USDT: a notice\na warning of another thread\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err and err == "a warning of another thread\n", err
+    assert profiled.result is not None
 
 
 def test_steady_state_leaves_out_the_warmup_and_reports_the_median_and_its_spread():
@@ -471,6 +487,49 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     assert [bool(r.get("layout_overhead_s")) for r in result["per_rank"]] == [True, False, False, False]
     assert step["small_seconds_spread"][0] <= step["small_seconds_max"] <= step["small_seconds_spread"][1]
     assert "all_reduce      job  4 ranks" in "".join(outputs) and f"written to {out}" in "".join(outputs)
+
+
+@pytest.mark.parametrize(
+    "moe, message",
+    [
+        ('{"experts": 0}', r"model.moe.experts must be a positive integer, got 0"),
+        ('{"experts": 4, "d_ff": 0}', r"model.moe.d_ff must be positive or null \(model.d_ff\), got 0"),
+        ('{"experts": 4, "bias_rate": -1}', r"model.moe.bias_rate must be positive .*, got -1"),
+        ('{"experts": 4, "top_k": 5}', r"model.moe.top_k=5 exceeds model.moe.experts=4: .*lower top_k or add experts"),
+        ('{"experts": 4, "every": 3}', r"model.moe.every=3 leaves all of model.n_layers=2 blocks dense"),  # --config's
+        ('{"experts": 4, "z_loss_coef": 1e30}', r"model.moe.z_loss_coef must be at most 1000, got 1e\+30"),
+    ],
+)
+def test_the_baseline_refuses_a_mixture_that_training_refuses_naming_the_setting_before_measuring(
+    tiny_config, tmp_path, capsys, monkeypatch, moe, message
+):
+    """Issue 66: the baseline's --moe goes through training's own checks in --config's model (in one process too),
+    and a mixture training refuses is refused by name, before anything is measured (it once measured for 27 s on 2
+    ranks, then crashed on a shape and wrote nothing)."""
+    from scalelm.measure import baseline
+
+    monkeypatch.setattr(baseline, "measure", lambda args: pytest.fail("measured a mixture training refuses"))
+    out = tmp_path / "baseline.json"
+    with pytest.raises(SystemExit) as exit_:
+        baseline.main([f"--out={out}", f"--config={tiny_config()}", f"--moe={moe}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: --moe {moe}: " in err and re.search(message, err), err
+    assert not out.exists()
+
+
+def test_the_baseline_in_one_process_says_its_mixture_is_unused(tiny_config, tmp_path, capsys, monkeypatch):
+    """Issue 66: one process measures no layout's overheads, the mixture's dispatch among them: it says so."""
+    from scalelm.measure import baseline
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stop before measuring")
+
+    monkeypatch.setattr(baseline, "measure_alone", stop)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    options = [f"--out={tmp_path / 'baseline.json'}", f"--config={tiny_config()}", '--moe={"experts": 4}']
+    with pytest.raises(RuntimeError, match="stop before measuring"):
+        baseline.main(options)
+    assert "note: --moe is unused in one process: " in capsys.readouterr().out
 
 
 def test_the_baselines_all_to_all_sends_uneven_splits_that_every_rank_agrees_on():

@@ -1,3 +1,4 @@
+import math
 import warnings
 from dataclasses import replace
 
@@ -553,3 +554,25 @@ def test_the_chunked_loss_under_fsdps_bf16_policy_gives_the_plain_loss_and_fp32_
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
     for name, grad in grads.items():
         assert (grad - reference[name]).abs().max() <= 2e-2 * reference[name].abs().max(), name
+
+
+def test_router_coefficients_at_their_limit_train_finitely():
+    """Issue 66: ROUTER_COEF_LIMIT, the most training accepts for a router's loss weight, keeps every step's
+    gradients and their norm finite in fp32 (AdamW squares them), where 1e30, which training refuses, overflows."""
+    from scalelm.config import ROUTER_COEF_LIMIT
+
+    def norms(coefficient: float) -> list[float]:
+        torch.manual_seed(0)
+        moe = MoEConfig(4, top_k=2, aux_loss_coef=coefficient, z_loss_coef=coefficient)
+        model = TransformerLM(replace(MOE, moe=moe), vocab_size=32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        found = []
+        for batch in torch.randint(0, 32, (10, 4, 9), generator=torch.Generator().manual_seed(1)):
+            model(batch[:, :-1], batch[:, 1:]).backward()
+            found.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return found
+
+    assert all(math.isfinite(norm) for norm in norms(ROUTER_COEF_LIMIT))
+    assert not math.isfinite(norms(1e30)[0])

@@ -656,6 +656,99 @@ def test_bad_input_is_a_clear_error(capsys, args, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def refused(capsys, args: list[str]) -> str:
+    """The planner's one error line for `args` (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "machine, message",
+    [
+        (
+            ["--gpus-per-node", str(10**9)],
+            r"--gpus-per-node 1,000,000,000 is not one node's: a node \(one host\) holds at most 1,024 GPUs or "
+            "processes here; give one node's count, and the nodes as --nodes",
+        ),
+        (["--gpus-per-node", "2000"], r"--gpus-per-node 2,000 is not one node's"),
+        (
+            ["--nodes", "40000", "--gpus-per-node", "8"],
+            r"the machine's 40,000 nodes x 8 GPUs = 320,000 GPUs \(--nodes x --gpus-per-node\) exceed the 262,144 the "
+            r"planner plans for \(more than the largest machines built\); give the machine the job runs on",
+        ),
+        (
+            ["--nodes", str(10**9), "--gpus-per-node", "4"],
+            r"the machine's 1,000,000,000 nodes x 4 GPUs = 4,000,000,000 GPUs \(--nodes x --gpus-per-node\) exceed",
+        ),
+    ],
+)
+def test_an_absurd_gpu_count_is_refused_by_name_not_planned(capsys, machine, message):
+    """Issue 66: a node of more GPUs than any host, or a machine beyond the largest built, is refused naming the
+    flags and the count, at once: not planned for minutes (or for ever) and then blamed on memory."""
+    assert re.fullmatch(f"error: {message}.*\n", refused(capsys, [*COURSE, *machine, "--gpu-memory-gb", "40"]))
+
+
+@pytest.mark.parametrize(
+    "speeds, name, value",
+    [
+        (
+            ["--matmul-tflops", "1e308", "--elementwise-gbps", "1e308", "--busbw-intra-gbps", "1e308"],
+            "matmul_tflops",
+            "1e+308",
+        ),
+        (
+            ["--matmul-tflops", "1e-300", "--elementwise-gbps", "1000", "--busbw-intra-gbps", "80"],
+            "matmul_tflops",
+            "1e-300",
+        ),
+        (
+            ["--matmul-tflops", "150", "--elementwise-gbps", "2e6", "--busbw-intra-gbps", "80"],
+            "elementwise_gbps",
+            "2000000.0",
+        ),
+        (
+            ["--matmul-tflops", "150", "--elementwise-gbps", "1000", "--busbw-intra-gbps", "1e-4"],
+            "busbw_intra_gbps",
+            "0.0001",
+        ),
+    ],
+)
+def test_a_hand_typed_speed_outside_any_machines_range_is_refused_by_its_flag(capsys, speeds, name, value):
+    """Issue 66: every speed 1e308 ended in a ZeroDivisionError traceback, a matmul rate of 1e-300 recommended a layout
+    at 0 tokens/s: a speed flag outside SPEED_RANGE is refused, naming the flag, its value and the range."""
+    unit = "TFLOP/s" if name == "matmul_tflops" else "GB/s"
+    flag = "--" + name.replace("_", "-")
+    message = rf"the machine's {name} must be positive, from 0.001 to 1,000,000 {unit} per GPU \({flag}\), got {re.escape(value)}"
+    assert re.fullmatch(
+        f"error: {message}\n", refused(capsys, [*COURSE, "--gpus-per-node", "4", "--gpu-memory-gb", "80", *speeds])
+    )
+
+
+def test_a_slow_machines_recommendation_never_shows_0_tokens_per_second(capsys):
+    """Issue 66: at the slow end of the speeds' range a large model trains under a token a second: the table and the
+    recommendation show it (two significant digits), not 0."""
+    model = [
+        "--set",
+        "model.n_layers=48",
+        "--set",
+        "model.d_model=2048",
+        "--set",
+        "model.n_heads=16",
+        "--vocab-size",
+        "1000",
+    ]
+    speeds = ["--matmul-tflops", "0.001", "--elementwise-gbps", "0.001", "--busbw-intra-gbps", "0.001"]
+    plan_main([*model, "--gpus-per-node", "4", "--gpu-memory-gb", "80", *speeds])
+    out = capsys.readouterr().out
+    shown = re.search(r"recommended: .* on this machine \(([\d.,]+);", out).group(1)
+    assert 0 < float(shown) < 1, out
+    chosen = next(line for line in out.splitlines() if " * " in line)
+    assert chosen.split()[-1] == shown  # the table's tokens/s column
+
+
 def test_a_configured_layout_is_planned_beside_the_ladder(capsys):
     layouts = plan_json(capsys, *COURSE, *JURECA, "--set", "parallel.strategy=fsdp_tp", "--set", "parallel.tp=2")
     assert layouts["configured"]["layout"] == "1x4x2x1" and layouts["configured"]["strategy"] == "fsdp_tp"

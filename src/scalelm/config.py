@@ -22,6 +22,13 @@ from scalelm.files import atomic_write_text
 from scalelm.settings_yaml import dump_settings, from_mapping, load_error, parse_settings, plain, read_settings, shown
 
 SEED_LIMIT = 2**32  # the streams derived from a seed (seed x 1,000,003 + epoch, ...) stay within 64 bits
+# The most a router coefficient (model.moe's aux_loss_coef, z_loss_coef, bias_rate) may be. A loss weight multiplies
+# its loss's gradients, which AdamW's second moment and the gradient norm square in fp32 (finite below about 1.8e19;
+# bf16 has fp32's range): 1,000 times the language model's own weight is far beyond any use (Switch weighs its
+# aux loss 0.01, ST-MoE its z-loss 0.001) and far below where a step overflows (1e30 does at the first step, 1e300
+# is not even a float32). A bias moved by as much each step stays finite too.
+ROUTER_COEF_LIMIT = 1e3
+BALANCE_OF = {"aux_loss_coef": "aux", "bias_rate": "bias"}  # the one model.moe.balance that uses each coefficient
 # a study's name: part of a directory's name in each run directory (scalelm.train.rundir) and a key of the history
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -86,6 +93,15 @@ class MoEConfig:
 
     def is_moe_block(self, index: int) -> bool:
         return (index + 1) % self.every == 0
+
+    def loss_weights(self) -> dict[str, float]:
+        """The router's losses that join the training loss, their coefficients by name: aux_loss_coef under
+        balance: aux, z_loss_coef; those that are 0 left out."""
+        weights = {
+            "aux_loss_coef": self.aux_loss_coef if self.balance == "aux" else 0.0,
+            "z_loss_coef": self.z_loss_coef,
+        }
+        return {key: weight for key, weight in weights.items() if weight}
 
 
 @dataclass
@@ -264,7 +280,7 @@ class ParallelConfig:
 @dataclass
 class Config:
     run_dir: str = setting("runs/default", identity=False)
-    # the study the run measures for (the workflow's `study`): a run trained for another is trained afresh, its
+    # the study name the run measures for (the workflow's `study`): a run trained for another is trained afresh, its
     # earlier attempt set aside in previous/, never restored or resumed (scalelm.train.rundir): a measurement again
     study: str | None = setting(None, identity=True, added=True)
     seed: int = setting(1, identity=True)
@@ -491,6 +507,27 @@ def check_moe(moe: MoEConfig, n_layers: int) -> None:
             f"model.moe.bias_rate must be positive (each step's move of an expert's routing bias under "
             f"model.moe.balance=bias, e.g. 0.001), got {moe.bias_rate}"
         )
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_rate"):
+        if getattr(moe, key) > ROUTER_COEF_LIMIT:
+            raise ConfigError(
+                f"model.moe.{key} must be at most {ROUTER_COEF_LIMIT:g}, got {getattr(moe, key)}: more is far beyond "
+                "any use (usual values: aux_loss_coef 0.01, z_loss_coef 0.001, bias_rate 0.001) and, far enough, "
+                "overflows float32 in the training; lower it"
+            )
+    check_balance(moe)
+
+
+def check_balance(moe: MoEConfig) -> None:
+    """A coefficient that model.moe.balance does not use, refused unless at its default: it would change nothing
+    trained, yet tell the run apart from the same run without it (a run's identity holds every coefficient)."""
+    defaults = MoEConfig.__dataclass_fields__
+    for key, balance in BALANCE_OF.items():
+        value, default = getattr(moe, key), defaults[key].default
+        if balance != moe.balance and value != default:
+            raise ConfigError(
+                f"model.moe.{key}={value} acts under model.moe.balance={balance} only, and the balance is "
+                f"{moe.balance}: remove {key} (or leave it at its default, {default}), or set model.moe.balance={balance}"
+            )
 
 
 def check_speed_settings(train: TrainConfig) -> None:

@@ -257,8 +257,6 @@ def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh
     read, permutations and all-to-alls, the experts as DTensors), against the same mixture without; `fsdp`, each
     block and the model FSDP units over `mesh` as training shards them: the hooks, DTensors and copies in and out of
     the gathered weights that a sharded step pays beside its collectives (those over one rank: copies)."""
-    from dataclasses import replace
-
     import torch
 
     from scalelm.parallel.data import apply_fsdp
@@ -276,7 +274,7 @@ def layout_overheads(config, vocab: int, tokens: int, device: torch.device, mesh
     if not compiled:
         overheads["tp"] = excess(lambda m: apply_tp(m, mesh, loss_parallel=False, sequence_parallel=False))
     if moe is not None:
-        overheads["ep"] = excess(lambda m: apply_ep(m, mesh), replace(config, model=replace(config.model, moe=moe)))
+        overheads["ep"] = excess(lambda m: apply_ep(m, mesh), with_mixture(config, moe))
     return {
         "layout_overhead_s": {name: median for name, (_, median, _) in sorted(overheads.items())},
         "layout_overhead_s_spread": {name: [low, high] for name, (low, _, high) in sorted(overheads.items())},
@@ -596,6 +594,7 @@ def open_health_reader(device: torch.device) -> Callable[[], dict[str, Any]] | N
             "sm_clock_max_mhz": read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
             "reasons": read(reasons),
             "temperature_c": read(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+            "power_limit_w": read(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
         }
 
     return sample
@@ -604,10 +603,11 @@ def open_health_reader(device: torch.device) -> Callable[[], dict[str, Any]] | N
 def worst_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The worst of `samples` (open_health_reader's): the most uncorrected ECC errors since the driver loaded, the
     lowest SM clock among the samples of a busy GPU (an idle one lowers its clock by design) against its maximum,
-    every reason the clock was held back, and the highest temperature (absent where NVML reports none)."""
+    every reason the clock was held back, the highest temperature and the lowest power limit enforced (each absent
+    where NVML reports none)."""
 
     def known(key: str, among: list[dict[str, Any]] = samples) -> list[Any]:
-        return [sample[key] for sample in among if sample[key] is not None]
+        return [sample[key] for sample in among if sample.get(key) is not None]
 
     busy = [sample for sample in samples if not (sample["reasons"] or 0) & IDLE_REASON] or samples
     reasons = 0
@@ -624,6 +624,8 @@ def worst_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if known("temperature_c"):
         health["temperature_c_max"] = max(known("temperature_c"))
+    if known("power_limit_w"):  # a card capped below its rating clocks lower under the same work
+        health["power_limit_w"] = min(known("power_limit_w"))
     return health
 
 
@@ -738,10 +740,13 @@ def measure_alone(
     all_cores: bool,
     mesh=None,
     moe=None,
+    small_step: bool = True,
 ) -> dict[str, Any]:
     """This rank's products, elementwise bandwidth and model steps, alone on its device, with its GPU's health
     sampled while they run; with `all_cores` (a CPU's first rank) also the step with every core as a thread; with
-    `mesh` (this rank alone: the first rank's) also the layouts' overheads (`layout_overheads`, with `moe`)."""
+    `mesh` (this rank alone: the first rank's) also the layouts' overheads (`layout_overheads`, with `moe`). Without
+    `small_step`, no step at a quarter of the tokens: compiled, that is a second cold compile (a minute or more of
+    gpt2_small on a GPU)."""
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -755,8 +760,9 @@ def measure_alone(
             "elementwise_gbps": elementwise_gbps(m * vocab, device),
         }
         figures |= timed("model_step_s", model_step_seconds(config, vocab, m, device, compiled))
-        figures |= timed("model_step_small_s", model_step_seconds(config, vocab, small, device, compiled))
-        figures["model_step_small_tokens"] = small
+        if small_step:
+            figures |= timed("model_step_small_s", model_step_seconds(config, vocab, small, device, compiled))
+            figures["model_step_small_tokens"] = small
         if mesh is not None:
             figures |= layout_overheads(config, vocab, m, device, mesh, compiled, moe)
         if all_cores:
@@ -789,6 +795,12 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(dist.new_subgroups(group_size=1)[0], device.type)
+        elif args.moe is not None:
+            print(
+                "note: --moe is unused in one process: its mixture's dispatch is timed among the layouts' overheads, "
+                "which only a baseline of two processes or more measures (torchrun --nproc-per-node=2 or more)",
+                flush=True,
+            )
         for rank in range(env.world_size):  # one at a time: no two share a device or a core
             if dist.is_initialized():
                 dist.barrier()
@@ -907,15 +919,31 @@ def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
     return lines
 
 
-def mixture(text: str, parser: argparse.ArgumentParser):
-    """--moe's model.moe settings (a JSON mapping), typed as training types them."""
-    from scalelm.config import MoEConfig
+def mixture(text: str, config_path: Path | None, parser: argparse.ArgumentParser):
+    """--moe's model.moe settings (a JSON mapping), typed and checked as training types and checks them, in the model
+    of the settings at `config_path` (`with_mixture`): a mixture training refuses is refused by name before anything
+    is measured."""
+    from scalelm.config import MoEConfig, load_config, validate
+    from scalelm.errors import ConfigError
     from scalelm.settings_yaml import from_mapping
 
     try:
-        return from_mapping(MoEConfig, json.loads(text), "--moe.")
+        moe = from_mapping(MoEConfig, json.loads(text), "--moe.")
     except json.JSONDecodeError as err:
         parser.error(f'--moe must be a JSON mapping of model.moe\'s settings ({{"experts": 4}}), got {text!r}: {err}')
+    config = load_config(config_path)
+    try:
+        validate(with_mixture(config, moe))
+    except ConfigError as err:
+        parser.error(f"--moe {text}: {err}")
+    return moe
+
+
+def with_mixture(config, moe):
+    """`config` with the mixture `moe` in its model: the expert-parallel experiment's model whose dispatch is timed."""
+    from dataclasses import replace
+
+    return replace(config, model=replace(config.model, moe=moe))
 
 
 @friendly_errors
@@ -938,7 +966,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.min_bytes < 4 or args.max_bytes < args.min_bytes or args.iterations < 1:
         parser.error("--min-bytes must be 4 or more, --max-bytes at least --min-bytes, --iterations 1 or more")
     if args.moe is not None:
-        args.moe = mixture(args.moe, parser)
+        args.moe = mixture(args.moe, args.config, parser)
     check_file_output(args.out)  # before the measurements: they would be lost
     result = measure(args)
     if result is not None:

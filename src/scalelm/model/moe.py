@@ -204,8 +204,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config.experts, d_model, model.expert_width())
         # the aux and z losses' weights in the training loss: their coefficients, shared by the model's mixtures
         count = sum(config.is_moe_block(i) for i in range(model.n_layers))
-        self.aux_weight = config.aux_loss_coef / count if config.balance == "aux" else 0.0
-        self.z_weight = config.z_loss_coef / count
+        weights = config.loss_weights()
+        self.aux_weight = weights.get("aux_loss_coef", 0.0) / count
+        self.z_weight = weights.get("z_loss_coef", 0.0) / count
         self.bias_rate = config.bias_rate if config.balance == "bias" else None
         if self.bias_rate is not None:  # (only then: the state of the other mixtures, their checkpoints, unchanged)
             self.register_buffer("expert_bias", torch.zeros(config.experts))

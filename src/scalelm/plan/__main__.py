@@ -27,7 +27,7 @@ from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.model.architecture import parameter_counts
 from scalelm.plan.comm import INTER, INTRA, totals
-from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, smallest_fsdp, smallest_machine
+from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, rate, smallest_fsdp, smallest_machine
 from scalelm.plan.memory import PARTS, Workload
 from scalelm.plan.steptime import Speeds
 from scalelm.site import load_site
@@ -164,7 +164,7 @@ def table(plans: list[LayoutPlan]) -> str:
                 f"{step.compute_s:.4g}",
                 f"{sum(step.communication_s.values()):.4g}",
                 f"{step.bubble_s:.4g}",
-                f"{plan.tokens_per_s:,.0f}",
+                rate(plan.tokens_per_s),
             ]
             rows[-1] += [f"{step.all_to_all_s:.4g}"] if mixture else []
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]

@@ -31,6 +31,11 @@ from scalelm.plan.steptime import Speeds, StepTime, predict
 LADDER = ("single", "ddp", "fsdp_no_reshard", "fsdp", "hsdp", "tp", "pp", "fsdp_tp", "3d", "cp", "ep")
 GB = 1e9
 LARGEST_MACHINE_NODES = 4096  # how far the search for a machine that would hold the model goes
+# the largest machine planned: beyond the largest built (about 200,000 GPUs), and planned in seconds (each layout's
+# traffic is worked out group by group of ranks); a node is one host, with up to 16 GPUs (or, planning for CPUs, a
+# process per core at most)
+MAX_GPUS = 2**18
+MAX_GPUS_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,17 @@ class Machine:
         for flag, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
             if value < 1:
                 raise ConfigError(f"the machine's {flag[2:]} must be at least 1 ({flag}), got {value}")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ConfigError(
+                f"--gpus-per-node {self.gpus_per_node:,} is not one node's: a node (one host) holds at most "
+                f"{MAX_GPUS_PER_NODE:,} GPUs or processes here; give one node's count, and the nodes as --nodes"
+            )
+        if self.gpus > MAX_GPUS:
+            raise ConfigError(
+                f"the machine's {self.nodes:,} nodes x {self.gpus_per_node:,} GPUs = {self.gpus:,} GPUs (--nodes x "
+                f"--gpus-per-node) exceed the {MAX_GPUS:,} the planner plans for (more than the largest machines "
+                "built); give the machine the job runs on"
+            )
         if self.gpu_memory_gb <= 0:
             raise ConfigError(f"--gpu-memory-gb must be one GPU's memory in GB (positive), got {self.gpu_memory_gb}")
         if not 0 <= self.headroom < 1:
@@ -230,10 +246,10 @@ def recommend_fastest(plans: list[LayoutPlan], machine: Machine) -> LayoutPlan |
         return None
     choice = whole[0]
     choice.recommended = True
-    against = f"; {whole[1].name} {whole[1].tokens_per_s:,.0f}" if len(whole) > 1 else ""
+    against = f"; {whole[1].name} {rate(whole[1].tokens_per_s)}" if len(whole) > 1 else ""
     choice.reason = (
         f"it fits and should train the most tokens per second on this machine "
-        f"({choice.tokens_per_s:,.0f}{against}; the step-time model of docs/plan.md)"
+        f"({rate(choice.tokens_per_s)}{against}; the step-time model of docs/plan.md)"
     )
     return choice
 
@@ -302,7 +318,7 @@ def smallest_fsdp(work: Workload, machine: Machine) -> int | None:
         return plan_layout(work, Candidate("fsdp", dims, "fsdp"), sized).fits
 
     g = machine.gpus_per_node
-    return first_fitting([*range(1, g + 1), *range(2 * g, LARGEST_MACHINE_NODES * g + 1, g)], fits)
+    return first_fitting([*range(1, g + 1), *range(2 * g, largest_nodes(g) * g + 1, g)], fits)
 
 
 def smallest_machine(work: Workload, machine: Machine) -> tuple[int, LayoutPlan] | None:
@@ -312,8 +328,14 @@ def smallest_machine(work: Workload, machine: Machine) -> tuple[int, LayoutPlan]
         plans, _ = plan_machine(work, replace(machine, nodes=nodes))
         return next((plan for plan in plans if plan.recommended), None)
 
-    nodes = first_fitting(list(range(machine.nodes + 1, LARGEST_MACHINE_NODES + 1)), lambda n: chosen(n) is not None)
+    largest = largest_nodes(machine.gpus_per_node)
+    nodes = first_fitting(list(range(machine.nodes + 1, largest + 1)), lambda n: chosen(n) is not None)
     return (nodes, chosen(nodes)) if nodes else None
+
+
+def largest_nodes(gpus_per_node: int) -> int:
+    """The most nodes of `gpus_per_node` the searches for a machine that would hold the model try: within MAX_GPUS."""
+    return min(LARGEST_MACHINE_NODES, MAX_GPUS // gpus_per_node)
 
 
 def first_fitting(sizes: list[int], fits) -> int | None:
@@ -333,3 +355,8 @@ def first_fitting(sizes: list[int], fits) -> int | None:
 
 def gb(value: float) -> str:
     return f"{value / GB:,.2f}"
+
+
+def rate(tokens_per_s: float) -> str:
+    """Tokens per second as the plan shows them: whole numbers, but two significant digits below 1 (never 0)."""
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 1 else f"{tokens_per_s:.2g}"

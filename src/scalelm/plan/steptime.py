@@ -68,6 +68,10 @@ DRIFT = "waiting for the last rank at each collective"  # the step's collectives
 # a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
 ENDS = ("median", "fast", "slow")
 BUS_AT = {"median": "busbw_gbps", "fast": "busbw_gbps_max", "slow": "busbw_gbps_min"}
+# what a hand-typed speed (`Speeds.given`) may be, in its unit (TFLOP/s, GB/s), per GPU: wider than any device's
+# (an H200's 990 dense bf16 TFLOP/s and 4,800 GB/s, NVLink's 900 GB/s) and any laptop core's, so that a value outside
+# is a typo or a unit off by a thousand or more; within it every step time is a finite, positive number of seconds
+SPEED_RANGE = (1e-3, 1e6)
 
 
 @dataclass(frozen=True)
@@ -160,12 +164,18 @@ class Speeds:
         cls, matmul_tflops: float, elementwise_gbps: float, intra_gbps: float, inter_gbps: float | None
     ) -> Speeds:
         """A machine not yet measured, as its user knows it: one bus bandwidth per link for every operation."""
+        given = {
+            "matmul_tflops": matmul_tflops,
+            "elementwise_gbps": elementwise_gbps,
+            "busbw_intra_gbps": intra_gbps,
+            "busbw_inter_gbps": inter_gbps,
+        }
+        for name, value in given.items():
+            if value is not None:
+                check_given_speed(name, value)
         curves = {INTRA: {op: [(1, intra_gbps)] for op in OPS}}
         if inter_gbps:
             curves[INTER] = {op: [(1, inter_gbps)] for op in OPS}
-        for flag, value in (("--busbw-intra-gbps", intra_gbps), ("--busbw-inter-gbps", inter_gbps)):
-            if value is not None and value <= 0:
-                raise ConfigError(f"{flag} must be a positive bus bandwidth in GB/s, got {value}")
         return cls(matmul_tflops, elementwise_gbps, curves, source="the command line")
 
     def bus_gbps(self, link: str, op: str, size: int) -> float:
@@ -219,6 +229,17 @@ class Speeds:
             return self.host_speedup / ranks_on_host
         share = min(threads, (self.cpus or threads * ranks_on_host) / ranks_on_host)
         return share / self.threads
+
+
+def check_given_speed(name: str, value: float) -> None:
+    """A hand-typed speed within SPEED_RANGE, else refused naming its flag (--matmul-tflops for matmul_tflops)."""
+    low, high = SPEED_RANGE
+    if not low <= value <= high:
+        unit = "TFLOP/s" if name.endswith("tflops") else "GB/s"
+        raise ConfigError(
+            f"the machine's {name} must be positive, from {low:g} to {high:,.0f} {unit} per GPU "
+            f"(--{name.replace('_', '-')}), got {value}"
+        )
 
 
 def crowding(threads: int, ranks_on_host: int, cpus: int) -> float:

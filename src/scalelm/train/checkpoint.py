@@ -189,12 +189,21 @@ class Checkpointer:
     """A run's checkpoints: saved when due (every `every` steps, and at each epoch's end), `keep` of them kept,
     resumed from the newest that is complete, of this run's lineage and within its steps."""
 
-    def __init__(self, directory: str | Path, env: DistEnv, keep: int, origin: Origin, every: int | None = None):
+    def __init__(
+        self,
+        directory: str | Path,
+        env: DistEnv,
+        keep: int,
+        origin: Origin,
+        every: int | None = None,
+        lower: str = "optim.lr",
+    ):
         self.directory = Path(directory)
         self.env = env
         self.keep = keep
         self.origin = origin
         self.every = every
+        self.lower = lower  # the settings a run whose weights overflow may lower (scalelm.train.engine)
         self.latest_path: Path | None = None  # the newest checkpoint of this run, saved or resumed from
         self.latest_step = -1
         self.rng_restored = False  # each rank's generators as saved: only from a checkpoint of this world size
@@ -248,9 +257,15 @@ class Checkpointer:
         bad = ranks_where(~torch.cat(flags).all() if flags else torch.tensor(False), self.env)
         if bad:
             raise CheckpointError(
-                f"non-finite loss or weights at step {step} on rank(s) {bad}; not checkpointing, the last good "
-                f"checkpoint stays in {self.directory}. Lower optim.lr or set optim.grad_clip"
+                f"non-finite loss or weights at step {step} on rank(s) {bad}; not checkpointing, {self.kept()}. "
+                f"Lower {self.lower} or set optim.grad_clip"
             )
+
+    def kept(self) -> str:
+        """What a run stopped now keeps: its last good checkpoint, where it has one (saved or resumed from)."""
+        if self.latest_path is None:
+            return "the run has no checkpoint yet"
+        return f"the last good checkpoint stays in {self.latest_path}"
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.directory)[: -self.keep]:

@@ -51,6 +51,13 @@ class TrainingError(ScaleLMError):
     pass
 
 
+def overflow_settings(config: Config) -> str:
+    """What a run whose loss, weights or gradients overflow may lower: optim.lr, and each router loss weight that adds
+    a loss to the training loss (model.moe), with its value."""
+    weights = config.model.moe.loss_weights() if config.model.moe is not None else {}
+    return ", or ".join(["optim.lr", *(f"model.moe.{key} ({weight})" for key, weight in weights.items())])
+
+
 def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
     """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
     keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
@@ -163,7 +170,9 @@ class Engine:
         run_identity = identity(config, data.checksums(), env.world_size, env.here)
         run_origin = origin(config, run_identity, batches, self.run_dir, env.here)
         checkpoints = config.checkpoint
-        self.checkpointer = Checkpointer(self.run_dir.checkpoints, env, checkpoints.keep, run_origin, checkpoints.every)
+        self.checkpointer = Checkpointer(
+            self.run_dir.checkpoints, env, checkpoints.keep, run_origin, checkpoints.every, overflow_settings(config)
+        )
         resumed = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.shape)
         if resumed and not self.checkpointer.rng_restored:  # saved by another world size: fresh, distinct streams
             torch.manual_seed(seeds.dropout_after_resume(resumed.step, parallel.dp_rank))
@@ -298,22 +307,17 @@ class Engine:
         divisors = torch.tensor([self.parallel.loss_ranks, world, world], device=values.device)
         loss, norm, nonfinite_norms = (summed[:3] / divisors).tolist()
         experts = self.experts.interval(summed[3:].tolist()) if self.experts is not None else {}
-        kept = f"the last good checkpoint stays in {self.checkpointer.directory}"
+        kept, lower = self.checkpointer.kept(), self.checkpointer.lower
         if not math.isfinite(loss):
             bad = ranks_where(~self.interval.loss_sum.isfinite(), self.env)
             raise TrainingError(
                 f"non-finite training loss ({loss}) at step {self.state.step} on rank(s) {bad}; {kept}. Lower "
-                "optim.lr or set optim.grad_clip"
+                f"{lower} or set optim.grad_clip"
             )
         if nonfinite_norms:
-            coefficient = (
-                f", or model.moe.aux_loss_coef ({self.config.model.moe.aux_loss_coef})"
-                if self.experts is not None
-                else ""
-            )
             raise TrainingError(
                 f"non-finite gradient norm at {round(nonfinite_norms)} of the {steps} steps up to step "
-                f"{self.state.step} (the last: {norm}): the gradients overflow; {kept}. Lower optim.lr{coefficient}"
+                f"{self.state.step} (the last: {norm}): the gradients overflow; {kept}. Lower {lower}"
             )
         self.interval.logged(loss)
         state = self.state
