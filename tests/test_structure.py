@@ -1,7 +1,7 @@
 """The package's rooms and floors, read from the code's own imports (every `import scalelm...`, at module level and
 inside functions): a room is the first level under scalelm (`train`, `measure`, ...; a top-level module is a room
-of its own: `config`, `site`, ...). The rooms form no circle, and every import goes to the same or a lower floor
-but for the one arrow listed in `UPWARD`."""
+of its own: `config`, `site`, ...). The rooms form no circle, nor do the modules inside a room, and every import goes
+to the same or a lower floor but for the one arrow listed in `UPWARD`."""
 
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -
     return [f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names]
 
 
-def arrows() -> list[Arrow]:
+def arrows(across_rooms: bool = True) -> list[Arrow]:
     """Every import of a scalelm module by another room's module (the package's root, which only holds the version,
-    is no room)."""
+    is no room); with `across_rooms` False, those inside one room instead."""
     found: dict[Arrow, None] = {}  # one arrow per imported module, though a statement names several of its names
     for path in sorted(PACKAGE.rglob("*.py")):
         module = module_name(path)
@@ -87,7 +87,7 @@ def arrows() -> list[Arrow]:
                 if target.split(".")[0] != "scalelm" or target == "scalelm" or module == "scalelm":
                     continue
                 arrow = Arrow(module, node.lineno, target)
-                if arrow.source_room != arrow.target_room:
+                if (arrow.source_room != arrow.target_room) == across_rooms and arrow.module != arrow.target:
                     found[arrow] = None
     return list(found)
 
@@ -146,6 +146,20 @@ def test_the_rooms_form_no_circle():
         steps = set(zip(cycle, cycle[1:]))
         imports = [str(a) for a in found if (a.source_room, a.target_room) in steps]
         raise AssertionError(f"the rooms import in a circle: {' -> '.join(cycle)}, by\n  " + "\n  ".join(imports))
+
+
+def test_the_modules_inside_a_room_form_no_circle():
+    """A circle inside a room (train: consolidate -> engine -> evaluation -> consolidate, once, closed by an import
+    inside a function) is as much a tangle as one between rooms: each module of it needs the others to be read."""
+    found = arrows(across_rooms=False)
+    edges: dict[str, set[str]] = {}
+    for arrow in found:
+        edges.setdefault(arrow.module, set()).add(arrow.target)
+    cycle = find_cycle(edges)
+    if cycle:
+        steps = set(zip(cycle, cycle[1:]))
+        imports = [str(a) for a in found if (a.module, a.target) in steps]
+        raise AssertionError(f"the modules import in a circle: {' -> '.join(cycle)}, by\n  " + "\n  ".join(imports))
 
 
 def test_every_import_goes_to_the_same_or_a_lower_floor_but_one():

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from scalelm.config import Config
 from scalelm.errors import CheckpointError, ScaleLMError
 from scalelm.files import UnsafeFileError, load_pickle, load_tensors, partial_of, publish, remove, sha256
 from scalelm.model.dtensors import local_shard
@@ -357,6 +358,16 @@ def require_usable(path: Path) -> None:
     problem = verify(path)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
+
+
+def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
+    keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
+    shape = {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
+    if config.model.moe is not None:  # (absent for a dense model, as in the checkpoints from before mixtures)
+        moe = config.model.moe
+        shape["moe"] = {"experts": moe.experts, "every": moe.every, "d_ff": config.model.expert_width()}
+    return shape
 
 
 def check_shape(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:

@@ -29,6 +29,7 @@ from scalelm.train.checkpoint import (
     check_shape,
     complete_checkpoints,
     load_weights,
+    model_shape,
     read_trainer,
     require_usable,
     trainer_state,
@@ -39,8 +40,6 @@ from scalelm.train.rundir import RunDir, check_run_output, lineage, read_identit
 
 def consolidate(run: RunDir, out: Path | None = None) -> dict[str, Any]:
     """The newest complete checkpoint of `run` as one model file (default: the run's model.pt) and `<out>.json`."""
-    from scalelm.train.engine import model_shape  # here: the engine imports the evaluation, which imports this
-
     out = Path(out or run.model)
     check_out(run, out)
     found = complete_checkpoints(run.checkpoints)

@@ -38,7 +38,7 @@ from scalelm.parallel.env import DistEnv, global_reduce
 from scalelm.parallel.runtime import ModelOptions, Parallel, pipeline_of
 from scalelm.plan.memory import Workload
 from scalelm.train import provenance
-from scalelm.train.checkpoint import Checkpointer, Origin, TrainerState, ranks_where
+from scalelm.train.checkpoint import Checkpointer, Origin, TrainerState, model_shape, ranks_where
 from scalelm.train.evaluation import Validator
 from scalelm.train.metrics import MetricsLogger
 from scalelm.train.preemption import Preempted, StopFlag, StopRequested
@@ -56,16 +56,6 @@ def overflow_settings(config: Config) -> str:
     a loss to the training loss (model.moe), with its value."""
     weights = config.model.moe.loss_weights() if config.model.moe is not None else {}
     return ", or ".join(["optim.lr", *(f"model.moe.{key} ({weight})" for key, weight in weights.items())])
-
-
-def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
-    """The settings a checkpoint's tensors depend on; resuming with others is an error, not a silent mismatch."""
-    keys = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "norm", "tie_weights")
-    shape = {**{k: getattr(config.model, k) for k in keys}, "vocab_size": vocab_size}
-    if config.model.moe is not None:  # (absent for a dense model, as in the checkpoints from before mixtures)
-        moe = config.model.moe
-        shape["moe"] = {"experts": moe.experts, "every": moe.every, "d_ff": config.model.expert_width()}
-    return shape
 
 
 def total_steps(config: Config, batches: TrainBatches) -> int:
