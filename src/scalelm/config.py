@@ -11,6 +11,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,8 +42,27 @@ def check_study_name(name: str | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The values a setting takes (`holds`), declared on its field (`setting(bound=...)`) and checked for every
+    setting by `check_bounds`; `says` what it must be, in the error's words ("positive", "in [0, 1)")."""
+
+    holds: Callable[[Any], bool]
+    says: str
+
+
+POSITIVE = Bound(lambda value: value > 0, "positive")
+POSITIVE_INTEGER = Bound(lambda value: value > 0, "a positive integer")
+NOT_NEGATIVE = Bound(lambda value: value >= 0, "0 or positive")
+
+
 def setting(
-    default: Any, *, identity: bool, lightning_refuses: tuple[Any, str] | None = None, added: bool = False
+    default: Any,
+    *,
+    identity: bool,
+    lightning_refuses: tuple[Any, str] | None = None,
+    added: bool = False,
+    bound: Bound | None = None,
 ) -> Any:
     """A setting's field, declaring what it is beside its default. `identity`: whether it changes what is trained,
     and so belongs to a run's identity (`identity_settings`): a run rerun with other values of the rest (where it
@@ -51,21 +71,36 @@ def setting(
     refuses by name, and why (`refusals`); every other train.* setting acts in both engines (tests/test_engines.py).
     A layout's options act with their degree (parallel.sequence_parallel with tp, ...). `added`: a setting added
     after runs were recorded, whose default changes nothing they trained: left out of the identity at its default,
-    so that those runs keep theirs and resume."""
+    so that those runs keep theirs and resume. `bound`: the values it takes (`Bound`); a setting whose default is None
+    may also be null."""
     metadata: dict[str, Any] = {"identity": identity}
     if added:
         metadata["added"] = True
+    if bound is not None:
+        metadata["bound"] = bound
     if lightning_refuses is not None:
         metadata["refused_by"] = {"lightning": lightning_refuses}
     return field(default=default, metadata=metadata)
 
 
+BIAS_RATE = Bound(
+    lambda value: value > 0,
+    "positive (each step's move of an expert's routing bias under model.moe.balance=bias, e.g. 0.001)",
+)
+MIN_LR_RATIO = Bound(lambda value: 0.0 <= value <= 1.0, "in [0, 1] (the cosine floor as a fraction of the peak rate)")
+GRAD_CLIP = Bound(lambda value: value > 0, "a positive gradient norm, or null for no clipping")
+HANG_FACTOR = Bound(
+    lambda value: value == 0 or value >= 2,
+    "0 (no watchdog) or at least 2 (a step that long over the median is overdue)",
+)
+
+
 @dataclass
 class DataConfig:
     prepared_dir: str = setting("data/prepared", identity=False)  # written by `python -m scalelm.data.prepare`
-    seq_len: int = setting(32, identity=True)
+    seq_len: int = setting(32, identity=True, bound=POSITIVE)
     # distance between training windows; None = seq_len, 1 = the course's overlap
-    stride: int | None = setting(None, identity=True)
+    stride: int | None = setting(None, identity=True, bound=POSITIVE)
     # copy the prepared data to memory (shm: /dev/shm) or node-local disk (local: stage_dir, else $TMPDIR) before
     # training (scalelm.data.stage); None: the site's choice (site.yaml `stage`), none without one
     stage: Literal["none", "shm", "local"] | None = setting(None, identity=False)
@@ -78,18 +113,30 @@ class MoEConfig:
     each token to its top_k experts (equal scores to the lower index, in every layout) and every token is computed
     (dropless: no capacity limit), so that every layout computes the same function."""
 
-    experts: int = setting(dataclasses.MISSING, identity=True)  # required: a mixture's shape is never defaulted
-    top_k: int = setting(2, identity=True)
-    every: int = setting(1, identity=True)  # block i is a mixture where (i + 1) % every == 0: 1 every block, 2 odd
-    d_ff: int | None = setting(None, identity=True)  # each expert's hidden width; None: model.d_ff
+    experts: int = setting(
+        dataclasses.MISSING, identity=True, bound=POSITIVE_INTEGER
+    )  # required: a mixture's shape is never defaulted
+    top_k: int = setting(2, identity=True, bound=POSITIVE_INTEGER)
+    every: int = setting(
+        1, identity=True, bound=POSITIVE_INTEGER
+    )  # block i is a mixture where (i + 1) % every == 0: 1 every block, 2 odd
+    d_ff: int | None = setting(
+        None, identity=True, bound=Bound(lambda v: v > 0, "positive or null (model.d_ff)")
+    )  # each expert's hidden width; None: model.d_ff
     # how the router is kept balanced (scalelm.model.moe): aux, the load-balancing loss in the training loss with
     # aux_loss_coef; bias, DeepSeek-V3's auxiliary-loss-free per-expert bias moved by bias_rate after every step;
     # none. The balance is measured in every case
     balance: Literal["aux", "bias", "none"] = setting("aux", identity=True, added=True)
-    aux_loss_coef: float = setting(0.01, identity=True)  # the load-balancing loss's weight under balance: aux
-    bias_rate: float = setting(1e-3, identity=True, added=True)  # under balance: bias, each step's move of a bias
+    aux_loss_coef: float = setting(
+        0.01, identity=True, bound=Bound(lambda v: v >= 0, "0 (no load-balancing loss) or positive")
+    )  # the load-balancing loss's weight under balance: aux
+    bias_rate: float = setting(
+        1e-3, identity=True, added=True, bound=BIAS_RATE
+    )  # under balance: bias, each step's move of a bias
     # the router z-loss's weight (ST-MoE: the mean squared log-sum-exp of the router's scores); 0: none
-    z_loss_coef: float = setting(0.0, identity=True, added=True)
+    z_loss_coef: float = setting(
+        0.0, identity=True, added=True, bound=Bound(lambda v: v >= 0, "0 (no router z-loss) or positive")
+    )
 
     def is_moe_block(self, index: int) -> bool:
         return (index + 1) % self.every == 0
@@ -106,12 +153,14 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    d_model: int = setting(128, identity=True)
-    n_heads: int = setting(4, identity=True)
-    n_layers: int = setting(2, identity=True)
-    d_ff: int = setting(2048, identity=True)
-    dropout: float = setting(0.1, identity=True)
-    max_seq_len: int = setting(1024, identity=True)  # size of the positional table; data.seq_len must not exceed it
+    d_model: int = setting(128, identity=True, bound=POSITIVE)
+    n_heads: int = setting(4, identity=True, bound=POSITIVE)
+    n_layers: int = setting(2, identity=True, bound=POSITIVE)
+    d_ff: int = setting(2048, identity=True, bound=POSITIVE)
+    dropout: float = setting(0.1, identity=True, bound=Bound(lambda v: 0.0 <= v < 1.0, "in [0, 1)"))
+    max_seq_len: int = setting(
+        1024, identity=True, bound=POSITIVE
+    )  # size of the positional table; data.seq_len must not exceed it
     norm: Literal["post", "pre"] = setting("post", identity=True)
     tie_weights: bool = setting(False, identity=True)
     moe: MoEConfig | None = setting(None, identity=True, added=True)  # None: every block dense
@@ -122,14 +171,16 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(2e-3, identity=True)
-    weight_decay: float = setting(0.01, identity=True)
+    lr: float = setting(2e-3, identity=True, bound=POSITIVE)
+    weight_decay: float = setting(0.01, identity=True, bound=NOT_NEGATIVE)
     betas: tuple[float, float] = setting((0.9, 0.999), identity=True)
     schedule: Literal["constant", "cosine"] = setting("constant", identity=True)
-    warmup_steps: int = setting(0, identity=True)
-    min_lr_ratio: float = setting(0.0, identity=True)  # cosine floor, as a fraction of the peak learning rate
+    warmup_steps: int = setting(0, identity=True, bound=Bound(lambda v: v >= 0, "0 (no warm-up) or a number of steps"))
+    min_lr_ratio: float = setting(
+        0.0, identity=True, bound=MIN_LR_RATIO
+    )  # cosine floor, as a fraction of the peak learning rate
     # max global gradient norm; None logs the norm without clipping
-    grad_clip: float | None = setting(None, identity=True)
+    grad_clip: float | None = setting(None, identity=True, bound=GRAD_CLIP)
 
 
 @dataclass
@@ -137,9 +188,9 @@ class BatchConfig:
     # per_device: `size` sequences per device per step, the global batch grows with the world size (the course).
     # global: `size` sequences per optimizer step whatever the world size, split across ranks.
     mode: Literal["per_device", "global"] = setting("per_device", identity=True)
-    size: int = setting(512, identity=True)
+    size: int = setting(512, identity=True, bound=POSITIVE)
     # per-device micro-batch; smaller than the per-device share -> accumulation
-    micro_size: int | None = setting(None, identity=True)
+    micro_size: int | None = setting(None, identity=True, bound=POSITIVE)
     # per_device mode: scale lr with the world size
     lr_scaling: Literal["none", "linear", "sqrt"] = setting("none", identity=True)
 
@@ -164,16 +215,16 @@ class BatchConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = setting(10, identity=True)
+    epochs: int = setting(10, identity=True, bound=POSITIVE)
     # stop after this many optimizer steps (smoke runs, benchmarks)
-    max_steps: int | None = setting(None, identity=True)
-    log_every: int = setting(50, identity=False)
+    max_steps: int | None = setting(None, identity=True, bound=POSITIVE)
+    log_every: int = setting(50, identity=False, bound=POSITIVE)
     # steps between validation runs; validation also runs after every epoch
-    eval_every: int | None = setting(None, identity=False)
+    eval_every: int | None = setting(None, identity=False, bound=POSITIVE)
     # sequences per evaluation batch, at most eval_batch_tokens tokens
-    eval_batch_size: int = setting(256, identity=False)
+    eval_batch_size: int = setting(256, identity=False, bound=POSITIVE)
     # an evaluation batch's logits are tokens x vocabulary: long sequences take fewer sequences per batch
-    eval_batch_tokens: int = setting(16384, identity=False)
+    eval_batch_tokens: int = setting(16384, identity=False, bound=POSITIVE)
     # auto: bf16 on CUDA, fp32 on CPU. bf16 on one GPU is autocast: its matrix products in bf16, the residual stream
     # and norms in fp32. bf16_params (CUDA): the parameters cast to bf16 for the forward by FSDP's policy (on one GPU
     # a mesh of one rank), so every activation is bf16, over fp32 master weights, gradients and AdamW state (what
@@ -183,11 +234,15 @@ class TrainConfig:
     )
     # one device's dense peak TFLOP/s for MFU; None: the table for known GPUs, a measurement on CPU
     # (scalelm.measure.peak)
-    peak_tflops: float | None = setting(None, identity=False)
+    peak_tflops: float | None = setting(None, identity=False, bound=POSITIVE)
     # seconds between samples of CPU, RSS and GPU utilisation (scalelm.measure.sampler, one sampler per node); 0: none
-    monitor_interval_s: float = setting(1.0, identity=False)
+    monitor_interval_s: float = setting(
+        1.0, identity=False, bound=Bound(lambda v: v >= 0, "0 (no monitor) or a number of seconds")
+    )
     # the last steps run under torch's profiler to time the collectives (scalelm.measure.comm); 0: none
-    comm_profile_steps: int = setting(2, identity=False)
+    comm_profile_steps: int = setting(
+        2, identity=False, bound=Bound(lambda v: v >= 0, "0 (no profile) or a number of steps")
+    )
     # also log to Weights & Biases, offline, in <run_dir>/wandb (scalelm.train.wandb_offline)
     wandb: bool = setting(False, identity=False)
     deterministic: bool = setting(False, identity=False)
@@ -221,8 +276,8 @@ class TrainConfig:
     )
     # a step running longer than max(hang_factor x the median step, hang_floor_s) stops the job with an autopsy of
     # its ranks (scalelm.hang.watchdog) instead of hanging; hang_factor 0: no watchdog
-    hang_factor: float = setting(20.0, identity=False)
-    hang_floor_s: float = setting(120.0, identity=False)
+    hang_factor: float = setting(20.0, identity=False, bound=HANG_FACTOR)
+    hang_floor_s: float = setting(120.0, identity=False, bound=Bound(lambda v: v > 0, "a positive number of seconds"))
     # what runs the loop: scalelm's trainer, or PyTorch Lightning's Trainer with its DDP strategy over the same
     # model, data order, optimizer and records (scalelm.train.lightning_engine; pip install 'scalelm[lightning]')
     engine: Literal["scalelm", "lightning"] = setting("scalelm", identity=False)
@@ -231,8 +286,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     # steps between checkpoints; one is also written after every epoch and at the end
-    every: int | None = setting(500, identity=False)
-    keep: int = setting(2, identity=False)
+    every: int | None = setting(500, identity=False, bound=POSITIVE)
+    keep: int = setting(2, identity=False, bound=POSITIVE)
 
 
 @dataclass
@@ -258,8 +313,10 @@ class ParallelConfig:
     # interleaved_1f1b (pp_virtual_stages stages per rank, a smaller bubble for more point-to-point traffic)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = setting("1f1b", identity=True)
     # pp: the pieces each replica's batch is pipelined in; None: 2 x pp
-    pp_microbatches: int | None = setting(None, identity=True)
-    pp_virtual_stages: int = setting(1, identity=True)  # pp: stages per rank, 2 or more for interleaved_1f1b
+    pp_microbatches: int | None = setting(None, identity=True, bound=POSITIVE)
+    pp_virtual_stages: int = setting(
+        1, identity=True, bound=POSITIVE
+    )  # pp: stages per rank, 2 or more for interleaved_1f1b
     # tp: norms, residual dropout and additions split along the sequence
     sequence_parallel: bool = setting(False, identity=True)
     loss_parallel: bool = setting(False, identity=True)  # tp: output projection and cross-entropy split by vocabulary
@@ -269,8 +326,10 @@ class ParallelConfig:
     cpu_offload: bool = setting(False, identity=True)  # fsdp, CUDA only
     # CPU: freed allocations below this many MiB stay in malloc's heap for the next step (fewer page faults), larger
     # ones go back to the system; None: 1024, with FSDP 4 (its buffers would fragment the heap: parallel/hostmemory.py)
-    host_reuse_below_mb: float | None = setting(None, identity=False)
-    timeout_s: int = setting(600, identity=False)  # collective timeout: a lost rank fails the job instead of hanging it
+    host_reuse_below_mb: float | None = setting(None, identity=False, bound=POSITIVE)
+    timeout_s: int = setting(
+        600, identity=False, bound=POSITIVE
+    )  # collective timeout: a lost rank fails the job instead of hanging it
 
     def reshards(self, pp: int) -> bool:
         """Whether FSDP frees gathered weights after each forward in a layout with `pp` pipeline stages."""
@@ -283,7 +342,9 @@ class Config:
     # the study name the run measures for (the workflow's `study`): a run trained for another is trained afresh, its
     # earlier attempt set aside in previous/, never restored or resumed (scalelm.train.rundir): a measurement again
     study: str | None = setting(None, identity=True, added=True)
-    seed: int = setting(1, identity=True)
+    seed: int = setting(
+        1, identity=True, bound=Bound(lambda v: 0 <= v < SEED_LIMIT, f"an integer from 0 to {SEED_LIMIT - 1}")
+    )
     device: Literal["auto", "cpu", "cuda"] = setting("auto", identity=True)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -404,43 +465,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def validate(config: Config) -> None:
     """Checks across settings that the types alone cannot express."""
     check_study_name(config.study)
-    positive = {
-        "data.seq_len": config.data.seq_len,
-        "model.d_model": config.model.d_model,
-        "model.n_heads": config.model.n_heads,
-        "model.n_layers": config.model.n_layers,
-        "model.d_ff": config.model.d_ff,
-        "model.max_seq_len": config.model.max_seq_len,
-        "batch.size": config.batch.size,
-        "train.epochs": config.train.epochs,
-        "train.log_every": config.train.log_every,
-        "train.eval_batch_size": config.train.eval_batch_size,
-        "train.eval_batch_tokens": config.train.eval_batch_tokens,
-        "checkpoint.keep": config.checkpoint.keep,
-        "parallel.timeout_s": config.parallel.timeout_s,
-        "parallel.pp_virtual_stages": config.parallel.pp_virtual_stages,
-    }
-    optional_positive = {
-        "data.stride": config.data.stride,
-        "batch.micro_size": config.batch.micro_size,
-        "train.max_steps": config.train.max_steps,
-        "train.eval_every": config.train.eval_every,
-        "checkpoint.every": config.checkpoint.every,
-        "train.peak_tflops": config.train.peak_tflops,
-        "parallel.host_reuse_below_mb": config.parallel.host_reuse_below_mb,
-        "parallel.pp_microbatches": config.parallel.pp_microbatches,
-    }
     for key, value in {"run_dir": config.run_dir, "data.prepared_dir": config.data.prepared_dir}.items():
         if not value.strip():  # it would mean the current directory, and never on purpose
             raise ConfigError(
                 f"{key} is empty (an unset variable in --set {key}=$VAR?): give the directory, e.g. {key}=runs/trial"
             )
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    for key, value in optional_positive.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key} must be positive or null, got {value}")
+    check_bounds(config)
     if config.model.d_model % config.model.n_heads:
         raise ConfigError(
             f"model.d_model ({config.model.d_model}) must be divisible by model.n_heads ({config.model.n_heads})"
@@ -450,24 +480,6 @@ def validate(config: Config) -> None:
             f"data.seq_len ({config.data.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
         )
-    if config.train.comm_profile_steps < 0:
-        raise ConfigError(
-            f"train.comm_profile_steps must be 0 (no profile) or a number of steps, got {config.train.comm_profile_steps}"
-        )
-    if config.train.monitor_interval_s < 0:
-        interval = config.train.monitor_interval_s
-        raise ConfigError(f"train.monitor_interval_s must be 0 (no monitor) or a number of seconds, got {interval}")
-    if config.train.hang_factor != 0 and config.train.hang_factor < 2:
-        raise ConfigError(
-            "train.hang_factor must be 0 (no watchdog) or at least 2 (a step that long over the median is overdue), "
-            f"got {config.train.hang_factor}"
-        )
-    if config.train.hang_floor_s <= 0:
-        raise ConfigError(f"train.hang_floor_s must be a positive number of seconds, got {config.train.hang_floor_s}")
-    if not 0.0 <= config.model.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {config.model.dropout}")
-    if not 0 <= config.seed < SEED_LIMIT:
-        raise ConfigError(f"seed must be an integer from 0 to {SEED_LIMIT - 1}, got {config.seed}")
     check_optim(config.optim)
     if config.model.moe is not None:
         check_moe(config.model.moe, config.model.n_layers)
@@ -479,13 +491,23 @@ def validate(config: Config) -> None:
     check_speed_settings(config.train)
 
 
+def check_bounds(settings: Any, prefix: str = "") -> None:
+    """Every setting against the bound its field declares (`setting(bound=...)`), sections unfolded (a mixture's
+    too): the first outside it refused by name."""
+    for item in dataclasses.fields(settings):
+        value, dotted = getattr(settings, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, f"{dotted}.")
+            continue
+        bound = item.metadata.get("bound")
+        if bound is None or value is None or bound.holds(value):
+            continue
+        nullable = item.default is None and "null" not in bound.says
+        raise ConfigError(f"{dotted} must be {bound.says}{' or null' if nullable else ''}, got {value}")
+
+
 def check_moe(moe: MoEConfig, n_layers: int) -> None:
     """A mixture of experts' settings against each other and the model's blocks."""
-    for key in ("experts", "top_k", "every"):
-        if getattr(moe, key) <= 0:
-            raise ConfigError(f"model.moe.{key} must be a positive integer, got {getattr(moe, key)}")
-    if moe.d_ff is not None and moe.d_ff <= 0:
-        raise ConfigError(f"model.moe.d_ff must be positive or null (model.d_ff), got {moe.d_ff}")
     if moe.top_k > moe.experts:
         raise ConfigError(
             f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}: a token goes to top_k distinct "
@@ -495,17 +517,6 @@ def check_moe(moe: MoEConfig, n_layers: int) -> None:
         raise ConfigError(
             f"model.moe.every={moe.every} leaves all of model.n_layers={n_layers} blocks dense (block i is a mixture "
             "where (i + 1) % every == 0); lower every, or drop model.moe"
-        )
-    if moe.aux_loss_coef < 0:
-        raise ConfigError(
-            f"model.moe.aux_loss_coef must be 0 (no load-balancing loss) or positive, got {moe.aux_loss_coef}"
-        )
-    if moe.z_loss_coef < 0:
-        raise ConfigError(f"model.moe.z_loss_coef must be 0 (no router z-loss) or positive, got {moe.z_loss_coef}")
-    if moe.bias_rate <= 0:
-        raise ConfigError(
-            f"model.moe.bias_rate must be positive (each step's move of an expert's routing bias under "
-            f"model.moe.balance=bias, e.g. 0.001), got {moe.bias_rate}"
         )
     for key in ("aux_loss_coef", "z_loss_coef", "bias_rate"):
         if getattr(moe, key) > ROUTER_COEF_LIMIT:
@@ -633,24 +644,9 @@ def resolve_precision(precision: str, device_type: str) -> str:
 
 def check_optim(optim: OptimConfig) -> None:
     """AdamW's and the schedule's constraints, here rather than at the first step of a run."""
-    if optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be positive, got {optim.lr}")
-    if optim.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay must be 0 or positive, got {optim.weight_decay}")
     for i, beta in enumerate(optim.betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"optim.betas[{i}] must be in [0, 1), got {beta} (AdamW's usual values: [0.9, 0.999])")
-    if optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps must be 0 (no warm-up) or a number of steps, got {optim.warmup_steps}")
-    if not 0.0 <= optim.min_lr_ratio <= 1.0:
-        raise ConfigError(
-            f"optim.min_lr_ratio must be in [0, 1] (the cosine floor as a fraction of the peak rate), got "
-            f"{optim.min_lr_ratio}"
-        )
-    if optim.grad_clip is not None and optim.grad_clip <= 0:
-        raise ConfigError(
-            f"optim.grad_clip must be a positive gradient norm, or null for no clipping, got {optim.grad_clip}"
-        )
 
 
 def dump_config(config: Config, path: str | Path) -> None:
