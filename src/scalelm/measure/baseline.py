@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from scalelm.errors import friendly_errors
 from scalelm.files import atomic_write_text, check_file_output
+from scalelm.measure import nvml
 from scalelm.plan.steptime import RING_RANKS
 from scalelm.site import OPS, SCOPES
 
@@ -566,18 +567,10 @@ def open_health_reader(device: torch.device) -> Callable[[], dict[str, Any]] | N
     mask, each figure None where NVML does not answer it); None off CUDA. Raises where NVML cannot be opened."""
     if device.type != "cuda":
         return None
-    import pynvml
-
     from scalelm.measure.monitor import device_uuid
 
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid(device))
-
-    def read(query: Callable[[], Any]) -> Any:
-        try:
-            return query()
-        except Exception:  # NVMLError_NotSupported, a binding without the query, and the like
-            return None
+    pynvml, handle = nvml.handle(device_uuid(device))
+    read = nvml.read
 
     def reasons() -> int:  # "clocks event reasons" in newer bindings, "throttle reasons" in older ones
         query = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from scalelm.measure import nvml
+
 POWERCAP = Path("/sys/class/powercap")
 POWER_SAMPLE_S = 0.1  # where NVML has power but no energy counter
 NVML_RELIABLE_S = 1.0  # NVML's power is a one-second average (Ampere on), its sensor sampled part of the time
@@ -127,10 +129,7 @@ def gpu_counter(uuid: str) -> Counter:
     """The counter of the GPU named by its NVML UUID: the energy counter, else power integrated."""
     if uuid.startswith("MIG-"):
         raise OSError("a MIG slice: NVML counts its whole GPU's energy, which other slices' jobs share")
-    import pynvml  # nvidia-ml-py
-
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    pynvml, handle = nvml.handle(uuid)
     try:
         return NvmlEnergy(pynvml, handle)
     except pynvml.NVMLError:

@@ -28,19 +28,15 @@ from typing import Any
 
 import psutil
 
+from scalelm.measure import nvml
+
 
 class GpuSampler:
     """NVML readings of the node's GPUs, by UUID (each rank's `device_uuid`) or NVML index."""
 
     def __init__(self, devices: list[str]):
-        import pynvml  # nvidia-ml-py; imported only where there are GPUs
-
-        self.nvml = pynvml
-        pynvml.nvmlInit()
-        self.handles = [
-            pynvml.nvmlDeviceGetHandleByIndex(int(d)) if d.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(d)
-            for d in devices
-        ]
+        self.nvml = nvml.binding()
+        self.handles = [nvml.handle(d)[1] for d in devices]
         self.devices = devices
 
     def sample(self) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import torch
 
 import scalelm
 from scalelm.launch.container import EMULATED_ENV
+from scalelm.measure import nvml
 from scalelm.measure.hostload import machine_id
 from scalelm.parallel.env import all_gather_object
 from scalelm.version import git_commit, installed, installed_closure, lock_facts
@@ -60,10 +61,7 @@ def cpu_model() -> str | None:
 def driver_version() -> str | None:
     """The NVIDIA driver's version, from NVML; None where NVML cannot say (no driver, no library)."""
     try:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
+        version = nvml.binding().nvmlSystemGetDriverVersion()
     except Exception:  # NVMLError, ImportError, an old binding: a fact missing, not a failed run
         return None
     return version.decode() if isinstance(version, bytes) else str(version)
