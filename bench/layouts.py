@@ -173,17 +173,21 @@ def finish(rows: list[dict[str, Any]], markdown: str, path: Path | None) -> None
         path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
+def row_cells(r: dict[str, Any]) -> str:
+    """A run's common cells, as every bench table of layouts starts its row: the layout, its speed, its memory beside
+    the plan's, its communication share."""
+    plan = r["plan_mb_per_rank"]
+    return (
+        f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+        f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.1f} ({plan['state']:,.1f}) | "
+        f"{r['peak_mb_per_rank']:,.0f} ({plan['total']:,.0f}) | {percent(r['comm_share'])} |"
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = "| model | layout | dp_r x dp_s x tp x pp (x cp) | procs | tokens/s | per device | state MiB/rank (planned) "
     lines = [head + "| peak MiB/rank (planned) | comm |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        plan = r["plan_mb_per_rank"]
-        lines.append(
-            f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.1f} ({plan['state']:,.1f}) | "
-            f"{r['peak_mb_per_rank']:,.0f} ({plan['total']:,.0f}) | {percent(r['comm_share'])} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + [row_cells(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

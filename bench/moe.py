@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 from argtypes import count, output_file
-from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, run_layout
+from layouts import LAYOUTS, MODELS, VOCAB, figures_line, finish, percent, row_cells, run_layout
 from scalelm.config import from_dict
 from scalelm.model import moe as moe_module
 from scalelm.model.architecture import parameter_counts
@@ -129,13 +129,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
-        plan = r["plan_mb_per_rank"]
         share = "; ".join(shares(layer, s) for layer, s in r["token_share"].items()) if r["token_share"] else "-"
         lines.append(
-            f"| {r['model']} | {r['layout']} | {r['degrees']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_device']:,.0f} | {r['state_mb_per_rank']['total']:,.1f} ({plan['state']:,.1f}) | "
-            f"{r['peak_mb_per_rank']:,.0f} ({plan['total']:,.0f}) | {percent(r['comm_share'])} | "
-            f"{percent(r['all_to_all_share'])} | {figure(r['aux_loss'])} | {figure(r['load_last'])}, "
+            f"{row_cells(r)} {percent(r['all_to_all_share'])} | {figure(r['aux_loss'])} | {figure(r['load_last'])}, "
             f"{figure(r['load_run'])} | {share} | {figure(r['other_cores'])} |"
         )
     return "\n".join(lines)
