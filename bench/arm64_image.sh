@@ -4,9 +4,9 @@
 #
 #   sudo bash bench/arm64_image.sh [OUT_DIR]      (default /tmp/scalelm-arm64; about an hour on 2 cores, cold)
 #
-# 1. a real Apptainer (scripts/apptainer/setup.sh) and arm64 emulation (scripts/apptainer/emulation.sh on arm64,
+# 1. a real Apptainer (.ci/apptainer/setup.sh) and arm64 emulation (.ci/apptainer/emulation.sh on arm64,
 #    undone at the end: the script says what it registers);
-# 2. the base images for amd64 and arm64 (scripts/apptainer/make-base-image.sh [--arch arm64]), then the project's
+# 2. the base images for amd64 and arm64 (.ci/apptainer/make-base-image.sh [--arch arm64]), then the project's
 #    image on each (`scalelm container build [--arch arm64]`); the arm64 one's SIF header and labels read back;
 # 3. `apptainer test` of the arm64 image (python -m scalelm.selftest, emulated);
 # 4. the same 2-rank DDP training of a tiny model (the shipped WikiText-2 sample, 8 steps, a checkpoint at 4 and 8)
@@ -41,17 +41,17 @@ step() {  # step NAME COMMAND...: run it, its output in logs/NAME.log, its secon
 had_wrappers=0
 [[ -x /usr/local/bin/apptainer ]] && had_wrappers=1
 cleanup() {
-    bash scripts/apptainer/emulation.sh off arm64 || true
-    [[ $had_wrappers -eq 1 ]] || bash scripts/apptainer/teardown.sh || true
+    bash .ci/apptainer/emulation.sh off arm64 || true
+    [[ $had_wrappers -eq 1 ]] || bash .ci/apptainer/teardown.sh || true
 }
 trap cleanup EXIT
-step setup bash scripts/apptainer/setup.sh
-step emulation bash scripts/apptainer/emulation.sh on arm64
+step setup bash .ci/apptainer/setup.sh
+step emulation bash .ci/apptainer/emulation.sh on arm64
 cat "$logs/emulation.log" >&2
 
 squash=(--build-option=--mksquashfs-args "--build-option=-comp zstd -Xcompression-level 3")
 for arch in amd64 arm64; do
-    step "base_$arch" bash scripts/apptainer/make-base-image.sh --arch "$arch" "$out/base-$arch.sif"
+    step "base_$arch" bash .ci/apptainer/make-base-image.sh --arch "$arch" "$out/base-$arch.sif"
     step "image_$arch" python -m scalelm.launch.container build --definition containers/scalelm.def \
         --out "$out/scalelm-$arch.sif" --base-image "$out/base-$arch.sif" --no-fakeroot --arch "$arch" "${squash[@]}"
 done

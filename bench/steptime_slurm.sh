@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The step-time model against the two-node Slurm test cluster (docs/plan.md, "Its error on this machine"): the local
-# default's matrix on nodes n1 and n2 (scripts/slurm/), the machine's baseline per node count, one job at a time
+# default's matrix on nodes n1 and n2 (.ci/slurm/), the machine's baseline per node count, one job at a time
 # (exclusive nodes, --jobs 1, the login node's wiring check before: no timed run shares the cores, which n1, n2 and
 # the login node share), 60 steps a run. Prints the
 # summary's "Step time" section. Needs root and scripts/setup.sh's environment.
@@ -12,9 +12,9 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${1:-/tmp/scalelm-steptime}
 STATE=${SCALELM_SLURM_STATE_DIR:-/tmp/scalelm-steptime-slurm}
 
-bash "$REPO/scripts/slurm/install.sh"
-bash "$REPO/scripts/slurm/start.sh" --nodes 2 --gpus-per-node 4 --cpus-per-node 4 --state-dir "$STATE"
-trap 'bash "$REPO/scripts/slurm/stop.sh" --state-dir "$STATE"' EXIT
+bash "$REPO/.ci/slurm/install.sh"
+bash "$REPO/.ci/slurm/start.sh" --nodes 2 --gpus-per-node 4 --cpus-per-node 4 --state-dir "$STATE"
+trap 'bash "$REPO/.ci/slurm/stop.sh" --state-dir "$STATE"' EXIT
 # shellcheck disable=SC1091
 source "$STATE/cluster.env"
 

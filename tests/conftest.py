@@ -157,11 +157,41 @@ def board_scalars(run_dir: Path, tag: str, board: str = "tensorboard") -> list[t
 
 
 LONG = ("slow", "slurm", "apptainer")  # the marks of a test that takes about 30 s or more
+# what trains or starts processes: a test that calls one, itself, through a fixture it uses or through a function of
+# its module, is marked `trains` (`bash scripts/test.sh --fast` leaves those out)
+STARTS_WORK = {"train_here", "run_train", "run_forked", "drills", "snakemake", "subprocess", "run_script", "spawn"}
+
+
+def names_called(code, scope: dict, depth: int = 2) -> set[str]:
+    """The global names `code` (and the functions nested in it) refers to, and those of the functions of `scope`
+    (its module) it calls, `depth` calls deep."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= names_called(const, scope, depth)
+    if depth:
+        for name in list(names):
+            function = scope.get(name)
+            if callable(function) and hasattr(function, "__code__"):
+                names |= names_called(function.__code__, function.__globals__, depth - 1)
+    return names
+
+
+def starts_work(item) -> bool:
+    functions = [getattr(item, "function", None)]
+    for definitions in getattr(item, "_fixtureinfo").name2fixturedefs.values():
+        functions += [definition.func for definition in definitions]
+    codes = [(f.__code__, f.__globals__) for f in functions if f is not None and hasattr(f, "__code__")]
+    return any(STARTS_WORK & names_called(code, scope) for code, scope in codes)
 
 
 def pytest_collection_modifyitems(items):
-    """The files with the most long tests first, each file's tests in their order: scripts/test.sh runs every file
-    whole on one of two pytest-xdist workers (`--dist loadfile`: a file's module fixtures, such as the Slurm tier's
-    cluster, start once), and a long file started last would leave the other worker idle at the end."""
+    """Each test that trains or starts processes marked `trains`. Then the files with the most long tests first, each
+    file's tests in their order: scripts/test.sh runs every file whole on one of two pytest-xdist workers
+    (`--dist loadfile`: a file's module fixtures, such as the Slurm tier's cluster, start once), and a long file
+    started last would leave the other worker idle at the end."""
+    for item in items:
+        if starts_work(item):
+            item.add_marker("trains")
     weight = Counter(item.path for item in items if any(item.get_closest_marker(mark) for mark in LONG))
     items.sort(key=lambda item: -weight[item.path])

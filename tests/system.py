@@ -1,4 +1,5 @@
-"""Tiers that need real system services (a Slurm cluster, an Apptainer runtime) brought up by scripts/.
+"""Tiers that need real system services (a Slurm cluster, an Apptainer runtime) brought up by the test machine's
+harness in .ci/ (.ci/slurm, .ci/apptainer).
 
 Under CI they must run: a missing prerequisite fails the test. Elsewhere they skip, saying why.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+HARNESS = Path(__file__).resolve().parents[1] / ".ci"
 
 
 def in_ci() -> bool:
@@ -21,17 +22,17 @@ def in_ci() -> bool:
 def require_root(tier: str) -> None:
     if os.geteuid() == 0:
         return
-    message = f"the {tier} tier needs root to install and start its services (scripts/{tier}/)"
+    message = f"the {tier} tier needs root to install and start its services (.ci/{tier}/)"
     if in_ci():
         pytest.fail(message + "; CI must run it")
     pytest.skip(message)
 
 
 def run_script(tier: str, name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """scripts/<tier>/<name>; a failure fails the test with the script's output."""
+    """.ci/<tier>/<name>; a failure fails the test with the script's output."""
     result = subprocess.run(
-        ["bash", str(SCRIPTS / tier / name), *args], capture_output=True, text=True, timeout=timeout
+        ["bash", str(HARNESS / tier / name), *args], capture_output=True, text=True, timeout=timeout
     )
     if result.returncode != 0:
-        raise AssertionError(f"scripts/{tier}/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(f".ci/{tier}/{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

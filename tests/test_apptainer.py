@@ -1,4 +1,4 @@
-"""The image: built by the workflow from containers/scalelm.def on a real Apptainer (scripts/apptainer/), tested,
+"""The image: built by the workflow from containers/scalelm.def on a real Apptainer (.ci/apptainer/), tested,
 and used by the training jobs of the tiny matrix. Runs as root; under CI it must run."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from system import require_root, run_script
 from test_workflow import WORKFLOW_PARTS, edit_yaml, snakemake
 
 pytestmark = pytest.mark.apptainer
-# the wrapper (scripts/apptainer/wrapper.sh) shows /var/tmp to the runtime at the same path
+# the wrapper (.ci/apptainer/wrapper.sh) shows /var/tmp to the runtime at the same path
 BASE_IMAGE = Path("/var/tmp/scalelm/test-base.sif")
 
 
@@ -202,14 +202,14 @@ def test_arm64_emulation_is_turned_on_proven_and_left_as_found(base_image, tmp_p
 
     env = {**os.environ, "SCALELM_BINFMT_DIR": str(tmp_path)}  # no handler there: no emulation
     refused = subprocess.run(
-        ["bash", str(REPO / "scripts/apptainer/make-base-image.sh"), "--arch", "arm64", str(tmp_path / "b.sif")],
+        ["bash", str(REPO / ".ci/apptainer/make-base-image.sh"), "--arch", "arm64", str(tmp_path / "b.sif")],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
     assert refused.returncode != 0 and not (tmp_path / "b.sif").exists()
-    assert "cannot run arm64 binaries: run scripts/apptainer/emulation.sh on arm64 first" in refused.stderr
+    assert "cannot run arm64 binaries: run .ci/apptainer/emulation.sh on arm64 first" in refused.stderr
 
     binfmt = Path("/proc/sys/fs/binfmt_misc")
     before = (binfmt.is_mount(), sorted(p.name for p in binfmt.iterdir()) if binfmt.is_mount() else [])
@@ -230,7 +230,7 @@ def test_arm64_emulation_is_turned_on_proven_and_left_as_found(base_image, tmp_p
     # the downloads, which need no emulation: torch's aarch64 CPU build and its wheels for aarch64, judged by
     # aarch64's markers (x86_64's would add GBs of CUDA wheels)
     fetched = subprocess.run(
-        ["bash", str(REPO / "scripts/apptainer/make-base-image.sh"), "--arch", "arm64", "--download-only"],
+        ["bash", str(REPO / ".ci/apptainer/make-base-image.sh"), "--arch", "arm64", "--download-only"],
         capture_output=True,
         text=True,
         env=env,

@@ -1,4 +1,4 @@
-"""scripts/apptainer/ at the level of their logic (issue 66): with stand-ins for the downloads, and QEMU's emulation
+""".ci/apptainer/ at the level of their logic (issue 66): with stand-ins for the downloads, and QEMU's emulation
 in a private binfmt_misc, so that they need no network, no Apptainer and change nothing on this machine. The real
 runtime, downloads and emulation are the apptainer tier's (tests/test_apptainer.py)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO
 
-SCRIPTS = REPO / "scripts" / "apptainer"
+SCRIPTS = REPO / ".ci" / "apptainer"
 
 
 def stand_in(directory: Path, name: str, text: str) -> None:
@@ -271,3 +271,21 @@ def test_emulation_off_leaves_what_was_there_before_and_what_another_registered(
     assert [rc for _, rc, _ in other] == [0] * 5, other
     assert f"{binfmt} stays mounted while it holds other handlers: qemu-{qb}" in other[2][0]
     assert f"unmounted {binfmt}" in other[4][0], other
+
+
+def test_the_image_scripts_and_the_package_name_architectures_from_one_list():
+    """Issue 69: .ci/apptainer/common.sh reads the package's architectures.tsv, as scalelm.launch.container does: the
+    same QEMU name for every architecture (by Debian's name too), this host's architecture the package's name of it,
+    and an unknown one refused."""
+    from scalelm.launch.container import QEMU_NAMES, node_architecture
+
+    def common(call: str) -> subprocess.CompletedProcess:
+        script = f"source {SCRIPTS / 'common.sh'}; {call}"
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+
+    for arch, machine in QEMU_NAMES.items():
+        assert common(f"qemu_name {arch}").stdout.strip() == machine
+    assert common("qemu_name ppc64el").stdout.strip() == QEMU_NAMES["ppc64le"]  # Debian's name of it
+    assert common("host_arch").stdout.strip() == node_architecture()
+    assert common("qemu_name vax").returncode != 0
+

@@ -303,7 +303,7 @@ def test_another_architectures_image_runs_only_where_emulation_is_allowed_and_pr
     )
     with pytest.raises(container.ContainerError, match=refused):
         container.check_architecture("apptainer", "img.sif", "x86_64", binfmt=binfmt)
-    missing = r"cannot run the arm64 image img.sif .*\(no enabled QEMU handler .*qemu-aarch64 with the F flag\)\. As root: `scripts/apptainer/emulation.sh on arm64`"
+    missing = r"cannot run the arm64 image img.sif .*\(no enabled QEMU handler .*qemu-aarch64 with the F flag\)\. As root: `.ci/apptainer/emulation.sh on arm64`"
     with pytest.raises(container.ContainerError, match=missing):
         container.check_architecture("apptainer", "img.sif", "x86_64", allow_emulation=True, binfmt=binfmt)
     handler, usable = (

@@ -1,5 +1,5 @@
 """The Slurm profile on a real Slurm (Debian's slurm-wlm, slurmdbd accounting, two nodes n1/n2 with their own
-hostnames and addresses, fake GPUs), brought up by scripts/slurm/. Runs as root; under CI it must run."""
+hostnames and addresses, fake GPUs), brought up by .ci/slurm/. Runs as root; under CI it must run."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def build(
 ) -> Path:
     """Build the image; `arch` (amd64, arm64): the architecture to build for, default this machine's. Another one is
     built under emulation (`check_emulation`): a docker://, oras:// or library:// base is fetched for it, a local
-    base image must be one (scripts/apptainer/make-base-image.sh --arch)."""
+    base image must be one (.ci/apptainer/make-base-image.sh --arch)."""
     from spython.main import Client
 
     if not definition.is_file():
@@ -201,7 +201,7 @@ def build(
         if base_arch not in (None, arch):
             raise ContainerError(
                 f"base image {base} is built for {base_arch}, not {arch}: give a base image for {arch} "
-                f"(scripts/apptainer/make-base-image.sh --arch {arch}, or a multi-architecture docker:// image)"
+                f"(.ci/apptainer/make-base-image.sh --arch {arch}, or a multi-architecture docker:// image)"
             )
     if arch != node:  # the definition's %post runs the base image's programs
         check_emulation(arch, f"build an image for {arch} on this {platform.machine()} machine")
@@ -255,8 +255,15 @@ def check_image(image: str) -> None:
         )
 
 
-# `uname -m` -> the architecture names SIF headers use (Go's)
-SIF_ARCHITECTURES = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
+def architecture_table() -> list[tuple[str, str]]:
+    """(architecture, machine) of architectures.tsv, the one list of the names that the test machine's image scripts
+    read too: SIF's (Go's) name and `uname -m`'s."""
+    text = (Path(__file__).parent / "architectures.tsv").read_text()
+    return [tuple(line.split("\t")[:2]) for line in text.splitlines() if line and not line.startswith("#")]
+
+
+# `uname -m` (and the architecture's own name: macOS says arm64) -> the architecture names SIF headers use
+SIF_ARCHITECTURES = {name: arch for arch, machine in architecture_table() for name in (machine, arch)}
 
 
 def image_architecture(runtime: str, image: str) -> str | None:
@@ -279,11 +286,11 @@ def node_architecture(machine: str | None = None) -> str:
 
 # where the kernel finds the interpreter of another architecture's binaries (QEMU user-mode emulation)
 BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
-QEMU_NAMES = {arch: machine for machine, arch in SIF_ARCHITECTURES.items() if machine != "arm64"}
+QEMU_NAMES = dict(architecture_table())
 
 
 def qemu_handler(arch: str, binfmt: Path = BINFMT_DIR) -> Path:
-    """Where Debian's qemu-user-static registers `arch` (scripts/apptainer/emulation.sh)."""
+    """Where Debian's qemu-user-static registers `arch` (.ci/apptainer/emulation.sh)."""
     return binfmt / f"qemu-{QEMU_NAMES.get(arch, arch)}"
 
 
@@ -303,7 +310,7 @@ def check_emulation(arch: str, purpose: str, binfmt: Path = BINFMT_DIR) -> None:
         raise ContainerError(
             f"cannot {purpose}: this machine does not run {arch} binaries (no enabled QEMU handler "
             f"{qemu_handler(arch, binfmt)} with the F flag). As root: "
-            f"`scripts/apptainer/emulation.sh on {arch}` (Debian's qemu-user-static, registered in binfmt_misc)"
+            f"`.ci/apptainer/emulation.sh on {arch}` (Debian's qemu-user-static, registered in binfmt_misc)"
         )
 
 

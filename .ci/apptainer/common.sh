@@ -1,9 +1,11 @@
 # shellcheck shell=bash disable=SC2034,SC2016
-# Shared settings for scripts/apptainer/*.sh (sourced, not executed).
+# Shared settings for .ci/apptainer/*.sh (sourced, not executed).
 
 SCALELM_CACHE_DIR="${SCALELM_CACHE_DIR:-/var/cache/scalelm}"
 SCALELM_APPTAINER_ROOT="${SCALELM_APPTAINER_ROOT:-$SCALELM_CACHE_DIR/apptainer-root}"
 SCALELM_APPTAINER_BINDIR="${SCALELM_APPTAINER_BINDIR:-/usr/local/bin}"
+# the test machine's wheel cache, where the host's torch wheel lies (make-base-image.sh, the wrappers' binds)
+SCALELM_WHEEL_CACHE="${SCALELM_WHEEL_CACHE:-/opt/wheels}"
 # First subordinate id of root inside the rootfs (/etc/subuid, /etc/subgid). With
 # `unshare -U -r --map-auto`, namespace id N (1..65536) is host id SUBID_START+N-1.
 SCALELM_SUBID_START=200000
@@ -13,18 +15,13 @@ WRAPPER_MARK="scalelm host-side Apptainer wrapper"
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
-# Architectures by Debian's and Go's (SIF headers') name: amd64, arm64, ppc64le, s390x, riscv64.
-host_arch() {
-    local a
-    a=$(dpkg --print-architecture 2>/dev/null) || a=$(uname -m | sed 's/^x86_64$/amd64/; s/^aarch64$/arm64/')
-    [[ "$a" == ppc64el ]] && a=ppc64le
-    echo "$a"
+# Architectures by Go's (SIF headers') name, from the package's one list of them (architecture, machine, Debian's).
+ARCHITECTURES="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/src/scalelm/launch/architectures.tsv"
+host_arch() {  # the architecture of this host's `uname -m`
+    awk -F'\t' -v m="$(uname -m)" '!/^#/ && $2 == m {print $1; found=1} END {exit !found}' "$ARCHITECTURES"
 }
-qemu_name() {  # qemu_name ARCH: QEMU's (and `uname -m`'s) name of it
-    case "$1" in
-        amd64) echo x86_64 ;; arm64) echo aarch64 ;; ppc64le|ppc64el) echo ppc64le ;; s390x|riscv64) echo "$1" ;;
-        *) return 1 ;;
-    esac
+qemu_name() {  # qemu_name ARCH: QEMU's (and `uname -m`'s) name of ARCH, given by Go's or Debian's name
+    awk -F'\t' -v a="$1" '!/^#/ && ($1 == a || $3 == a) {print $2; found=1} END {exit !found}' "$ARCHITECTURES"
 }
 
 need_root() { [[ $(id -u) -eq 0 ]] || die "run as root (debootstrap, mount namespaces)"; }

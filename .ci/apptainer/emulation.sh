@@ -1,10 +1,10 @@
 #!/bin/bash
 # Run another architecture's binaries on this host through QEMU user-mode emulation (binfmt_misc), for building
-# and proving an image for that architecture (scripts/apptainer/make-base-image.sh --arch, bench/arm64_image.sh).
+# and proving an image for that architecture (.ci/apptainer/make-base-image.sh --arch, bench/arm64_image.sh).
 #
-#   scripts/apptainer/emulation.sh on ARCH      register QEMU for ARCH (arm64, ppc64le, ...), saying what it changes
-#   scripts/apptainer/emulation.sh off ARCH     undo what `on` changed, and only that
-#   scripts/apptainer/emulation.sh status ARCH  exit 0 when ARCH's binaries run here (natively or emulated)
+#   .ci/apptainer/emulation.sh on ARCH      register QEMU for ARCH (arm64, ppc64le, ...), saying what it changes
+#   .ci/apptainer/emulation.sh off ARCH     undo what `on` changed, and only that
+#   .ci/apptainer/emulation.sh status ARCH  exit 0 when ARCH's binaries run here (natively or emulated)
 #
 # `on` installs Debian's qemu-user-static on the host if missing, mounts binfmt_misc on /proc/sys/fs/binfmt_misc if
 # it is not mounted, and registers the handler Debian ships for ARCH (its `F` flag opens the interpreter once, so

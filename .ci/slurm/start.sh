@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Start a throw-away real Slurm cluster on this machine for scalelm's test tier.
 #
-# Usage: scripts/slurm/start.sh [--nodes 1|2] [--gpus-per-node N] [--cpus-per-node N]
+# Usage: .ci/slurm/start.sh [--nodes 1|2] [--gpus-per-node N] [--cpus-per-node N]
 #                               [--mem-per-node MB] [--state-dir DIR] [--no-accounting]
 #
 # Each node n1[,n2] runs its own slurmd in a network namespace (own hostname via a UTS
 # namespace, own IP 10.77.0.1X on bridge slmbr0 = 10.77.0.1, no default route). Controller,
 # slurmdbd and MariaDB (loopback only) run on the host. Fake GPUs: gres gpu backed by empty
-# files. Writes STATE_DIR/cluster.env (KEY=VALUE) for tests. Run scripts/slurm/install.sh first
-# and scripts/slurm/stop.sh to tear everything down. Needs root.
+# files. Writes STATE_DIR/cluster.env (KEY=VALUE) for tests. Run .ci/slurm/install.sh first
+# and .ci/slurm/stop.sh to tear everything down. Needs root.
 set -euo pipefail
 
 SLM_SCRIPT=start.sh
@@ -51,7 +51,7 @@ STATE=$(cd "$STATE" && pwd)
 need=(slurmctld slurmd sinfo sbatch munged munge unmunge ip nsenter unshare setsid setpriv)
 [[ $ACCOUNTING -eq 1 ]] && need+=(slurmdbd sacctmgr mariadbd mariadb-install-db mariadb mariadb-admin)
 for b in "${need[@]}"; do
-    command -v "$b" >/dev/null || slm_die "'$b' not found: run scripts/slurm/install.sh first"
+    command -v "$b" >/dev/null || slm_die "'$b' not found: run .ci/slurm/install.sh first"
 done
 
 T0=$(date +%s.%N)
@@ -149,7 +149,7 @@ printf '%s' "$hosts_lines" >> /etc/hosts
 if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     slm_log "munge: reusing the running munged"
 else
-    [[ -s /etc/munge/munge.key ]] || slm_die "/etc/munge/munge.key missing: run scripts/slurm/install.sh"
+    [[ -s /etc/munge/munge.key ]] || slm_die "/etc/munge/munge.key missing: run .ci/slurm/install.sh"
     if [[ ! -d /run/munge ]]; then
         install -d -o munge -g munge -m 0755 /run/munge
         touch "$STATE/created-run-munge"    # stop.sh removes it again

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Set up a real Apptainer runtime on a Debian bookworm host (run as root; idempotent).
 #
-#   scripts/apptainer/setup.sh [--rebuild] [--force]
+#   .ci/apptainer/setup.sh [--rebuild] [--force]
 #
 # 1. Bootstraps a Debian sid minbase root filesystem with apptainer, squashfuse, fuse2fs, e2fsprogs
 #    (and gocryptfs, which only silences an INFO line) into $SCALELM_APPTAINER_ROOT
@@ -11,7 +11,7 @@
 # 2. Writes root:200000:65536 to the rootfs's /etc/subuid and /etc/subgid, and regular-file
 #    /etc/hosts and /etc/resolv.conf (bind-mounted from the host on each call).
 # 3. Installs the wrappers `apptainer` and `singularity` into $SCALELM_APPTAINER_BINDIR (default /usr/local/bin);
-#    see scripts/apptainer/wrapper.sh for what each call does.
+#    see .ci/apptainer/wrapper.sh for what each call does.
 #
 # Options: --rebuild  rebuild the rootfs even when a ready one exists
 #          --force    overwrite an `apptainer`/`singularity` in the bin dir that is not one of our wrappers

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian (bookworm) packages needed for the throw-away Slurm test cluster.
 # Idempotent: returns immediately when everything is already installed.
-# Usage: scripts/slurm/install.sh
+# Usage: .ci/slurm/install.sh
 set -euo pipefail
 
 PKGS=(slurm-wlm slurmdbd munge mariadb-server mariadb-client iproute2 util-linux procps bridge-utils)

@@ -2,24 +2,24 @@
 # Make a local base image (stand-in for the CUDA PyTorch image, which cannot be pulled here):
 # Debian bookworm minbase + python3 (3.11) + pip + venv + `python` + the local torch CPU wheel (+ numpy).
 #
-#   scripts/apptainer/make-base-image.sh [--rebuild] [--arch ARCH] OUT.sif
-#   scripts/apptainer/make-base-image.sh [--arch ARCH] --download-only
+#   .ci/apptainer/make-base-image.sh [--rebuild] [--arch ARCH] OUT.sif
+#   .ci/apptainer/make-base-image.sh [--arch ARCH] --download-only
 #
 # --arch: the image's architecture (Debian's name: amd64, arm64), default this host's. Another one is built under
-# QEMU emulation (scripts/apptainer/emulation.sh on ARCH first) with that architecture's torch from PyPI
+# QEMU emulation (.ci/apptainer/emulation.sh on ARCH first) with that architecture's torch from PyPI
 # (SCALELM_TORCH_VERSION, default 2.10.0: the newest CPU build PyPI has for aarch64; 2.11 on bundle CUDA 13, GBs a
 # CPU stand-in does not use), its .debs, wheels and image cached apart (debs-bookworm-ARCH, wheelhouse-ARCH,
 # base-images/base-ARCH-KEY.sif). --download-only: fetch torch and its wheels for ARCH into the caches and stop
 # (no emulation, no Apptainer needed: for a build without PyPI later, so a download that fails is an error).
 #
-# Needs the wrappers from scripts/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
+# Needs the wrappers from .ci/apptainer/setup.sh. Steps: mmdebstrap bookworm into a staging dir
 # (.debs cached in $SCALELM_CACHE_DIR/debs-bookworm), torch's dependencies downloaded by the host's pip into
 # $SCALELM_CACHE_DIR/wheelhouse, `pip install` of the wheel in a chroot (no network needed then),
 # clean-up (empty /dev: device nodes break `Bootstrap: localimage` under a user namespace; ownership
 # shifted into the wrapper's subuid range so the image keeps it), then `apptainer build OUT.sif DIR`.
 # The result is cached in $SCALELM_CACHE_DIR/base-images/ keyed by the inputs; a hit is a plain copy.
 #
-# Environment: SCALELM_TORCH_WHEEL (default: the torch 2.13.0 CPU wheel in /opt/wheels; another architecture's
+# Environment: SCALELM_TORCH_WHEEL (default: the torch 2.13.0 CPU wheel in $SCALELM_WHEEL_CACHE, /opt/wheels; another architecture's
 #   is downloaded to $SCALELM_CACHE_DIR/wheels-ARCH),
 #   SCALELM_BASE_PIP_EXTRA (default "numpy"), SCALELM_EXTRA_CA_DIR (host CA certificates added to the image,
 #   default /usr/local/share/ca-certificates: this machine's TLS-intercepting proxy), SCALELM_MKSQUASHFS_ARGS (default "-comp zstd -Xcompression-level 3";
@@ -49,12 +49,12 @@ ARCH=${ARCH:-$HOST_ARCH}
 QEMU_ARCH=$(qemu_name "$ARCH") || die "unknown architecture $ARCH: amd64, arm64, ppc64le, s390x or riscv64"
 need_root
 APPTAINER="$SCALELM_APPTAINER_BINDIR/apptainer"
-[[ $download_only -eq 1 || -x "$APPTAINER" ]] || die "no $APPTAINER: run scripts/apptainer/setup.sh first"
+[[ $download_only -eq 1 || -x "$APPTAINER" ]] || die "no $APPTAINER: run .ci/apptainer/setup.sh first"
 suffix=""   # this host's architecture keeps the caches' plain names
 if [[ "$ARCH" != "$HOST_ARCH" ]]; then
     suffix="-$ARCH"
     [[ $download_only -eq 1 ]] || bash "$here/emulation.sh" status "$ARCH" \
-        || die "this $HOST_ARCH host cannot run $ARCH binaries: run scripts/apptainer/emulation.sh on $ARCH first"
+        || die "this $HOST_ARCH host cannot run $ARCH binaries: run .ci/apptainer/emulation.sh on $ARCH first"
 fi
 # pip's options for wheels of the image's platform (none: the host's own)
 platform_opts=()
@@ -64,7 +64,7 @@ platform_opts=()
 if [[ -n "${SCALELM_TORCH_WHEEL:-}" ]]; then
     WHEEL=$SCALELM_TORCH_WHEEL
 elif [[ -z "$suffix" ]]; then
-    WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+    WHEEL=$SCALELM_WHEEL_CACHE/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 else
     torch_dir="$SCALELM_CACHE_DIR/wheels$suffix"
     mkdir -p "$torch_dir"
@@ -104,20 +104,7 @@ fi
 wh="$SCALELM_CACHE_DIR/wheelhouse$suffix"
 mkdir -p "$wh"
 # torch's requirements for the image's machine: pip would judge their markers (platform_machine) by the host's
-mapfile -t deps < <(python3 - "$WHEEL" "$QEMU_ARCH" <<'EOF'
-import sys, zipfile
-from email.parser import Parser
-from pip._vendor.packaging.requirements import Requirement
-target = {"platform_machine": sys.argv[2], "platform_system": "Linux", "sys_platform": "linux", "extra": ""}
-with zipfile.ZipFile(sys.argv[1]) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
-        req = Requirement(line)
-        if req.marker is None or req.marker.evaluate(target):
-            req.marker = None
-            print(req)
-EOF
-)
+mapfile -t deps < <(python3 "$here/torch_requirements.py" "$WHEEL" "$QEMU_ARCH")
 index_opt=--no-index
 pip_log=$(mktemp)
 # shellcheck disable=SC2086

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stop the throw-away Slurm cluster started by scripts/slurm/start.sh.
+# Stop the throw-away Slurm cluster started by .ci/slurm/start.sh.
 #
-# Usage: scripts/slurm/stop.sh [--state-dir DIR] [--purge]
+# Usage: .ci/slurm/stop.sh [--state-dir DIR] [--purge]
 #
 # Kills only the daemons start.sh recorded in DIR/pids (checking each PID still runs the
 # recorded program) plus any process left inside the cluster's own network namespaces,

@@ -1,6 +1,6 @@
 #!/bin/bash
 # scalelm host-side Apptainer wrapper (installed as `apptainer` and `singularity` by
-# scripts/apptainer/setup.sh; this file is the template).
+# .ci/apptainer/setup.sh; this file is the template).
 #
 # The real Apptainer (Debian sid package) lives in a sid root filesystem because it needs a newer
 # glibc than the host has. Each call:
@@ -17,19 +17,22 @@
 # Environment:
 #   SCALELM_APPTAINER_ROOT   rootfs to use (default: the one setup.sh installed)
 #   SCALELM_APPTAINER_BINDS  extra host paths (colon-separated) bound at the same path
+#   SCALELM_APPTAINER_DEFAULT_BINDS  the machine's own directories bound at the same path (default
+#                            /work:/tmp:/var/tmp:/opt/wheels: the test machine's)
 #   SCALELM_APPTAINER_TOOL   program to run in the rootfs instead of the runtime (debugging, e.g. bash)
 set -euo pipefail
 
 ROOT="${SCALELM_APPTAINER_ROOT:-@ROOT@}"
 TOOL="${SCALELM_APPTAINER_TOOL:-@TOOL@}"   # override only for debugging (e.g. bash)
-DEFAULT_BINDS="/work:/tmp:/var/tmp:/opt/wheels"
+# the test machine's own directories (its work tree, temporary files, wheel cache), bound at the same path
+DEFAULT_BINDS="${SCALELM_APPTAINER_DEFAULT_BINDS:-/work:/tmp:/var/tmp:/opt/wheels}"
 
 die() { echo "scalelm-apptainer-wrapper: $*" >&2; exit 255; }
 
 if [[ "${_SCALELM_APPTAINER_STAGE:-}" != inner ]]; then
-    [[ $(id -u) -eq 0 ]] || die "must run as root (it sets up mount namespaces); see scripts/apptainer/setup.sh"
+    [[ $(id -u) -eq 0 ]] || die "must run as root (it sets up mount namespaces); see .ci/apptainer/setup.sh"
     [[ -x "$ROOT/usr/bin/apptainer" && -e "$ROOT/.scalelm-apptainer-ready" ]] \
-        || die "no apptainer rootfs at $ROOT; run scripts/apptainer/setup.sh"
+        || die "no apptainer rootfs at $ROOT; run .ci/apptainer/setup.sh"
     self="$(readlink -f "${BASH_SOURCE[0]}")"
     export _SCALELM_APPTAINER_STAGE=inner
     exec /usr/bin/unshare --mount --propagation private -- /bin/bash "$self" "$@"
@@ -93,7 +96,7 @@ for a in "$@" "${APPTAINER_BIND:-}" "${SINGULARITY_BIND:-}"; do
 done
 
 mount -t proc -o nosuid,nodev,noexec proc "$ROOT/proc"
-# Another architecture's programs run through the host's QEMU handlers (scripts/apptainer/emulation.sh), which
+# Another architecture's programs run through the host's QEMU handlers (.ci/apptainer/emulation.sh), which
 # apptainer looks for here before it builds or runs such an image: the one (init namespace's) registry, shown again
 if mountpoint -q /proc/sys/fs/binfmt_misc; then mount -t binfmt_misc binfmt_misc "$ROOT/proc/sys/fs/binfmt_misc"; fi
 mount --rbind /sys "$ROOT/sys"

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Undo scripts/apptainer/setup.sh (run as root).
+# Undo .ci/apptainer/setup.sh (run as root).
 #
-#   scripts/apptainer/teardown.sh           remove the `apptainer`/`singularity` wrappers (only ours)
-#   scripts/apptainer/teardown.sh --purge   also delete the rootfs and every cache under $SCALELM_CACHE_DIR
+#   .ci/apptainer/teardown.sh           remove the `apptainer`/`singularity` wrappers (only ours)
+#   .ci/apptainer/teardown.sh --purge   also delete the rootfs and every cache under $SCALELM_CACHE_DIR
 #                                           that these scripts made (.deb caches, base-image cache, wheelhouse);
 #                                           emulation (emulation.sh) is undone by `emulation.sh off ARCH`
 set -euo pipefail
