@@ -1,49 +1,63 @@
 """The GPU proof kit, part 3: the paths the probe and the smoke test do not cover, in one call that fits a cold lent
-GPU (../shared/notes/gpu-review-3.md, findings 1-5 and 15; docs/gpu.md gives the command and its limit).
+GPU (docs/gpu.md gives the command, its limit and what each check proves).
 
-    PYTHONPATH=src:. python3 bench/gpu_paths.py --out "$OUT"            # one CUDA GPU, no network: about 8 minutes
+    PYTHONPATH=src:. python3 bench/gpu_paths.py --out "$OUT"            # one CUDA GPU, no network: at most 10 minutes
     PYTHONPATH=src:. python3 bench/gpu_paths.py --out DIR --cpu         # the same checks on CPU, tiny shapes (CI)
     PYTHONPATH=src:. python3 bench/gpu_paths.py --out DIR --cpu --rehearse --only A Z --budget 3   # the runner's drill
 
 What comes back: the machine returns at most 8 files of at most 16 MiB from its output folder, so everything is
 written under a working folder (--work, under /tmp: caches, data, runs, logs) and --out receives two files only,
 rewritten (atomically) as the call goes: paths.json (every check's status and figures, written after each check and
-after each variant inside one) and logs.tgz (the logs and tracebacks, at most 15 MiB: the largest are cut first,
-keeping their head and tail, and paths.json says which). A call cut off keeps both as they were.
+after each variant inside one; the farm's record) and logs.tgz (the logs and tracebacks, at most 15 MiB: the largest
+are cut first, keeping their head and tail, and paths.json says which). A call cut off keeps both as they were.
 
-It fits cold: the checks run cheapest proof first (RUN_ORDER), each in its own process group under a limit from its
-cold estimate on an H200 (CHECKS; their sum, with a minute's margin, within 9 minutes: --budget), and a check that
-ends early leaves its time to the later ones. At its limit a check's whole group is ended (SIGTERM, then SIGKILL), so
-no training of it goes on beside the next one; so is anything it left running when it ended. A check that cannot get
-its time is SKIPPED. The last line counts each status; the exit status is 1 when any check failed or was skipped.
+It fits cold. At t = 0 a compile farm starts (FARM: one process per distinct graph set, each in a process group of its
+own, through the checks' own code and their Inductor cache: E's configured model then its compiled optimizer, E's
+bf16_params then its compiled optimizer, D's stack), while the light checks run beside it (A, J, B, C, F); the farm
+is ended (its groups killed, what it wrote kept for logs.tgz) before E, which times a quiet GPU with the most time,
+loading the farm's graphs; then H, G, D; I last. Each check runs in its own process group under a limit at least its
+cold estimate on an H100 (CHECKS: start-up, cold compiles and cache loads at COMPILE_S and CACHED_S, the rest; their
+sum, with MARGIN_S, within one command's COMMAND_S: --budget), and a check that ends early leaves its time to the
+later ones. At its limit a check's whole group is ended (SIGTERM, then SIGKILL), so no training of it goes on beside
+the next one; so is anything it left running when it ended. A check that cannot get its time is SKIPPED. The last
+line counts each status; the exit status is 1 when any check failed or was skipped. A check that compiled records
+what torch.compile did in its process (seconds, unique graphs, recompiles, the caches' hits).
 
     A versions     torch, CUDA, cuDNN, NCCL, SDPA's priority order; which Flight Recorder dump functions exist
     J moe          config.yaml's one-GPU `moe` experiment, 10 steps on the GPU against the same on the CPU in fp32
     B nccl         a 1-rank NCCL group beside gloo: each recorder's entries, sequence numbers under
                    cuda:nccl,cpu:gloo, the watchdog ending a hung step (exit 76) and naming the collective
-    F lightning    Lightning against scalelm's engine through the CLI: losses, tokens/s, run.json
-    C ring         ring attention on one device against SDPA: error, time, peak memory, host syncs, dropout,
-                   selective vs no checkpointing, graph breaks under compile
-    H baseline     the machine baseline on the gpt2 shapes: output product unpadded vs padded, health
-    G world8       one rank of 8-rank layouts through the fake backend: peak memory against the plan
-    D stack        selective checkpointing -> compile -> FSDP2 on a 1-rank mesh against eager autocast
+    C ring         ring attention on one device against SDPA: error, time, peak memory, host syncs (CUDA's sync
+                   debug mode on a GPU, which sees inside the ring's operator), dropout, selective vs no
+                   checkpointing, graph breaks under compile
+    F lightning    Lightning against scalelm's engine through the CLI on learnable data: the loss's fall and the
+                   gradient norms alike, tokens/s (beside the farm: a figure)
+    E levers       the MFU levers interleaved in one process (bench/gpu_mfu.py), CUDA events: the pair
+                   (configured, bf16_params) first, then each lever within E's budget
+    H baseline     the machine baseline on the gpt2 shapes (the compiled step at one shape): output product
+                   unpadded vs padded, health
+    G world8       one rank of 8-rank layouts through the fake backend, eager: peak memory against the plan
+    D stack        selective checkpointing -> compile -> FSDP2 on a 1-rank mesh (2 blocks of width 768) against
+                   eager autocast on one batch it learns: the loss's fall and the first step's gradients alike
     I share        several NCCL ranks on the one GPU (SCALELM_SHARE_GPU): a 2-rank smoke of all_reduce, uneven
-                   all_to_all_single and batch_isend_irecv, then moe_ep, cp, ddp and fsdp over 2 ranks against one
-                   process, 10 eager steps each
-    E levers       the MFU levers interleaved in one process (bench/gpu_mfu.py), CUDA events, 100 steps each
+                   all_to_all_single and batch_isend_irecv, NCCL's log read for two nodes over sockets, then
+                   moe_ep, cp, ddp and fsdp over 2 ranks (two layouts at a time) against one process, 10 eager
+                   steps each on learnable data; never timed
 
 No compiled run evaluates: E, D and H step without evaluating, and the CLI runs (F, I) are eager (an evaluation
-compiles nothing more since scalelm.train.evaluation runs the blocks eagerly). No run writes a gpt2_small checkpoint:
-the CLI runs train the course model, whose final checkpoint stays in --work.
+compiles nothing more since scalelm.train.evaluation runs the blocks eagerly) and evaluate splits of a few windows.
+No run writes a gpt2_small checkpoint: the CLI runs train the course model, whose final checkpoint stays in --work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,8 +65,10 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,44 +83,95 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 VOCAB = 33_278  # WikiText-2's (bench/throughput.py's), without importing the training stack into every process
 
-WINDOW_S = 540  # what one call may take: a 15-minute lease less 2-4 minutes of start-up, and room for one rerun
-MARGIN_S = 60  # of WINDOW_S, for the runner itself (start-up, ending process groups, writing what comes back)
+# One call on a cold lent machine: one command after the machine's start, within the session's device time
+LEASE_S = 900  # a session's device time: the machine's start, every command, every idle wait
+MACHINE_START_S = 240  # the machine's start: 1-2 minutes, 2-4 when an H100's start fails over to an H200
+COMMAND_S = 600  # one command's limit (the device tool's most): docs/gpu.md runs this script with it
+MARGIN_S = 60  # of COMMAND_S, for the runner itself: its own cold torch import before the checks' clock starts, the
+# farm's end and each killed check's (SIGTERM, grace, SIGKILL), writing what comes back
 CPU_FACTOR = 4  # a check's limit on a CPU (CI, beside other work), against its GPU estimate
 MIN_START_S = 10  # no check starts with less than this left (or its own limit, if smaller)
 KILL_GRACE_S = {"cuda": 5.0, "cpu": 1.0}  # between SIGTERM and SIGKILL to a check's process group
+# E's budget ends this long before its limit, so that it writes its record and exits on its own: its last round may
+# overrun its estimate, and the runner's SIGTERM (then SIGKILL after KILL_GRACE_S) would leave only its progress
+E_MARGIN_S = {"cuda": 2 * KILL_GRACE_S["cuda"], "cpu": 2 * KILL_GRACE_S["cpu"]}
+DEADLINE_ENV = "SCALELM_GPU_PATHS_DEADLINE"  # a check's end by the runner's limit (seconds since the epoch)
 POLL_S = {"cuda": 2.0, "cpu": 0.5}  # how often a running check's progress is copied into paths.json
 LOGS_CAP = 15 * 2**20  # logs.tgz's members at most (headers included), under the machine's 16 MiB per file
 LOG_SUFFIXES = (".log", ".json", ".jsonl", ".txt", ".yaml")
 MARKER = ".scalelm-gpu-paths"  # in --work: a folder this script may clear
 DEFAULT_WORK = Path("/tmp/scalelm-gpu-paths")
 BF16_BOUND, FP32_BOUND = 3e-2, 1e-4  # worst relative difference of step losses: bf16 on a GPU (docs/gpu.md), fp32
+# Runs compared (D, F, I) train on learnable data (bench/throughput.py's patterned_tokens), where the loss falls by
+# several nats: on uniformly random ids every model, broken or not, stays near ln V, and 3% of it hides any layout.
+# The fall must agree: |fall - reference's fall| <= FALL_RELATIVE x the reference's fall + FALL_ABSOLUTE. 5% is about
+# what bf16 moves a fall of a few nats over 10-20 steps (a run whose gradients are half wrong falls 20-50% less), the
+# 0.02 nats the rounding of two logged losses where the fall is small (a CPU's few steps). Adam's step is nearly blind
+# to a gradient's scale, so the fall cannot see a mis-scaled layout: the gradients are compared too.
+FALL_RELATIVE, FALL_ABSOLUTE = 0.05, 0.02
+MIN_FALL = 0.1  # nats: a reference that falls less has learnt nothing to compare with
+GRAD_NORM_BOUND = {"bf16": 0.05, "fp32": 1e-3}  # relative difference of gradient norms (logged, or per parameter)
+GRAD_COSINE_BOUND = {"bf16": 0.99, "fp32": 1 - 1e-6}  # cosine of one step's gradient to the reference's, per parameter
+EVAL_TOKENS = 512  # each evaluation split of the CLI runs' data: 4 windows at seq_len 128
+
+# Cold estimates on one H100 (16 cores, nothing cached). Where they come from: review 4's table of cold estimates per
+# check (finding 1: a first torch.compile of gpt2_small takes 1-3 minutes, a first torch import from a cold disk
+# 10-20 s and up to 30), the H200 lease's step times (docs/benchmarks.md), and the CPU rehearsal's shape of each
+# check. Estimates, not measurements: the first lease's `wall_s`, `compile` and `farm` figures in paths.json re-size
+# them. docs/gpu.md's cold budget has the same figures (a test compares them).
+FIRST_IMPORT_S = 20  # the machine's first torch import, CUDA context and cuDNN/NCCL load, from a cold disk (A)
+START_S = 8  # a later process's start: torch from the page cache, its CUDA context
+COMPILE_S = {  # one graph set compiled cold: dynamo, AOT autograd, Inductor and Triton's kernels on the machine's cores
+    "gpt2_small": 90,  # its blocks and head, forward and backward (the low middle of review 4's 1-3 minutes)
+    "adamw": 45,  # AdamW's step compiled over gpt2_small's 148 tensors: one foreach graph, fewer and larger kernels
+    "stack": 60,  # D's checkpointed block under FSDP2 and the head, forward and backward (2 blocks of width 768)
+}
+CACHED_S = 15  # a graph set the farm compiled, loaded from the FX-graph and AOT caches: dynamo still traces it
+
+
+@dataclass(frozen=True)
+class Cold:
+    """What a check or a farm process costs on a cold machine by the estimates above: its processes' start-up, the
+    graph sets it compiles itself, those it loads from the farm's cache, and the rest of its work."""
+
+    start_s: float
+    compiles: tuple[str, ...] = ()
+    cached: int = 0
+    work_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.start_s + sum(COMPILE_S[kind] for kind in self.compiles) + self.cached * CACHED_S + self.work_s
 
 
 @dataclass(frozen=True)
 class Check:
     run: Callable[[Ctx], dict]
-    seconds: float  # its limit: a cold estimate on one H200 (the review's table), first compile included
+    seconds: float  # its limit on one GPU, at least its cold estimate
+    cold: Cold
 
 
 CHECKS: dict[str, Check] = {}
-# cheapest proof first; H before E and G before D, so that their first compiles fill the shared Inductor cache
+# the light checks beside the compile farm (the farm's graphs are the later checks'), then E with the most time on a
+# quiet GPU, then H, G and D (H and D load the farm's graphs), I last (it takes whatever the others left)
 RUN_ORDER = (
     "A.versions",
     "J.moe",
     "B.nccl",
-    "F.lightning",
     "C.ring",
+    "F.lightning",
+    "E.levers",
     "H.baseline",
     "G.world8",
     "D.stack",
     "I.share",
-    "E.levers",
 )
+BESIDE_FARM = RUN_ORDER[:5]  # light on the GPU and its memory: they run while the farm compiles
 
 
-def check(name: str, seconds: float):
+def check(name: str, seconds: float, cold: Cold):
     def register(fn):
-        CHECKS[name] = Check(fn, seconds)
+        CHECKS[name] = Check(fn, seconds, cold)
         return fn
 
     return register
@@ -120,6 +187,11 @@ class Ctx:
     def __init__(self, device: torch.device, work: Path, cache: Path, name: str = ""):
         self.device, self.work, self.cache, self.name = device, work, cache, name
         self.last_progress: dict | None = None
+        self.deadline: float | None = None  # when the runner ends this check (time.time()'s clock); None: unknown
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the runner ends this check, if it said (DEADLINE_ENV)."""
+        return None if self.deadline is None else self.deadline - time.time()
 
     @property
     def cuda(self) -> bool:
@@ -128,6 +200,10 @@ class Ctx:
     @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.cuda else torch.float32
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.cuda else "fp32"
 
     @property
     def bound(self) -> float:
@@ -141,13 +217,15 @@ class Ctx:
         atomic_write_text(progress_file(self.work, self.name), json.dumps(figures, default=str))
 
     def prepared(self) -> Path:
-        """Random WikiText-2-sized prepared data, made once and kept across calls."""
+        """Learnable prepared data of WikiText-2's vocabulary (each token a fixed function of the one before), made
+        once and kept across calls; its evaluation splits a few windows, so that a run's final evaluation costs
+        nothing (no setting skips it)."""
         from bench.throughput import make_prepared
 
-        final = self.cache / "prepared"
+        final = self.cache / "prepared-patterned"
         if not final.exists():
             with atomic_path(final) as partial:  # a check cut off while writing leaves no half of it
-                make_prepared(partial)
+                make_prepared(partial, patterned=True, eval_tokens=EVAL_TOKENS)
         return final
 
     def sync(self) -> None:
@@ -201,21 +279,121 @@ def worst_relative(losses: list[float], expected: list[float]) -> float:
     return worst if worst == worst else float("inf")  # NaN compares false: never within a bound
 
 
-def wait_all(processes: dict[str, subprocess.Popen], timeout: float) -> dict[str, int | str]:
-    """Each process's exit status ("timeout" past `timeout` s); once one fails, the others are killed (a rank whose
-    peer died would wait for it until the process group's timeout)."""
+def train_record(run: Path) -> dict[str, list[float]]:
+    """A CLI run's logged training intervals: each one's loss (the mean of its steps') and gradient norm (its last
+    step's, before clipping)."""
+    from scalelm.train.record import read_metrics
+
+    train = [r for r in read_metrics(run) if r["kind"] == "train"]
+    return {"losses": [r["loss"] for r in train], "grad_norms": [r["grad_norm"] for r in train]}
+
+
+def falls(losses: list[float]) -> dict[str, float]:
+    """How far the loss has fallen from its first value by the middle of the run and by its end."""
+    return {"middle": losses[0] - losses[len(losses) // 2], "end": losses[0] - losses[-1]}
+
+
+def fall_agreement(losses: list[float], expected: list[float]) -> dict:
+    """The loss's fall against the reference's (FALL_RELATIVE), by the middle and by the end: a fall that saturates
+    by the end cannot hide a run that fell at another pace. Alike only where the reference learnt (MIN_FALL)."""
+    if len(losses) != len(expected) or len(losses) < 2:
+        return {"alike": False, "why": f"{len(losses)} losses against the reference's {len(expected)}"}
+    mine, theirs = falls(losses), falls(expected)
+    excess = {k: abs(mine[k] - theirs[k]) - (FALL_RELATIVE * theirs[k] + FALL_ABSOLUTE) for k in mine}
+    learnt = theirs["end"] >= MIN_FALL
+    return {
+        "fall": mine,
+        "reference": theirs,
+        "excess": excess,
+        "alike": learnt and all(e <= 0 for e in excess.values()),
+    }
+
+
+def relative_differences(values: list[float], expected: list[float]) -> list[float]:
+    """|a - b| / |b| of each pair (infinite where b is 0 and a is not, or either is not finite)."""
+    differences = []
+    for a, b in zip(values, expected):
+        difference = abs(a - b) / abs(b) if b else (0.0 if a == b else float("inf"))
+        differences.append(difference if difference == difference else float("inf"))  # NaN: never within a bound
+    return differences
+
+
+def norm_agreement(norms: list[float], expected: list[float], precision: str) -> dict:
+    """The logged gradient norms against the reference's: the first (the same weights on the same batch: numerics
+    only) and the median over the run (a spike a step early or late is bf16's noise; a layout's error is in every
+    step), each within GRAD_NORM_BOUND."""
+    bound = GRAD_NORM_BOUND[precision]
+    if len(norms) != len(expected) or not norms:
+        return {"alike": False, "why": f"{len(norms)} norms against the reference's {len(expected)}"}
+    differences = relative_differences(norms, expected)
+    first, median = differences[0], statistics.median(differences)
+    return {"first": first, "median": median, "bound": bound, "alike": first <= bound and median <= bound}
+
+
+def run_agreement(run: dict, reference: dict, precision: str) -> dict:
+    """How a run trained against its reference (each a `train_record`): the loss's fall and the gradient norms, and in
+    fp32 every step's loss within FP32_BOUND too (in bf16 the step losses' worst relative difference is a figure: 3%
+    of a loss that falls towards 0 is bf16's noise)."""
+    fall = fall_agreement(run["losses"], reference["losses"])
+    norms = norm_agreement(run["grad_norms"], reference["grad_norms"], precision)
+    worst = worst_relative(run["losses"], reference["losses"])
+    steps_alike = precision == "bf16" or worst <= FP32_BOUND
+    return {
+        "fall": fall,
+        "grad_norms": norms,
+        "worst_relative": worst,
+        "alike": fall["alike"] and norms["alike"] and steps_alike,
+    }
+
+
+def gradient_agreement(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], precision: str) -> dict:
+    """One step's gradients against the reference's, parameter by parameter: the worst cosine (a direction wrong)
+    and the worst relative difference of norms (a scale wrong), each named; a parameter without a gradient, or with
+    one the reference lacks, is named too."""
+    unmatched = sorted(set(grads) ^ set(expected))
+    cosines, norms = {}, {}
+    for name in sorted(set(grads) & set(expected)):
+        mine, theirs = grads[name].double().flatten(), expected[name].double().flatten()
+        cosine = F.cosine_similarity(mine, theirs, dim=0).item()
+        cosines[name] = cosine if cosine == cosine else -1.0
+        norms[name] = relative_differences([mine.norm().item()], [theirs.norm().item()])[0]
+    low = min(cosines, key=cosines.get, default=None)
+    far = max(norms, key=norms.get, default=None)
+    cosine_bound, norm_bound = GRAD_COSINE_BOUND[precision], GRAD_NORM_BOUND[precision]
+    alike = not unmatched and low is not None and cosines[low] >= cosine_bound and norms[far] <= norm_bound
+    return {
+        "parameters": len(cosines),
+        "unmatched": unmatched,
+        "worst_cosine": [low, cosines.get(low)],
+        "worst_norm_difference": [far, norms.get(far)],
+        "bounds": {"cosine": cosine_bound, "norm": norm_bound},
+        "alike": alike,
+    }
+
+
+def wait_all(
+    processes: dict[str, subprocess.Popen], timeout: float, landed: Callable[[str, int | str], None] | None = None
+) -> dict[str, int | str]:
+    """Each process's exit status ("timeout" past `timeout` s), handed to `landed` as each ends; once one fails, the
+    others are killed (a rank whose peer died would wait for it until the process group's timeout)."""
     deadline, codes = time.monotonic() + timeout, {}
+
+    def record(name: str, code: int | str) -> None:
+        codes[name] = code
+        if landed is not None:
+            landed(name, code)
+
     while len(codes) < len(processes):
         for name, process in processes.items():
             if name not in codes and process.poll() is not None:
-                codes[name] = process.returncode
+                record(name, process.returncode)
         failed = any(code != 0 for code in codes.values())
         if failed or time.monotonic() > deadline:
             for name, process in processes.items():
                 if name not in codes:
                     process.kill()
                     process.wait()
-                    codes[name] = "killed" if failed else "timeout"
+                    record(name, "killed" if failed else "timeout")
         if len(codes) < len(processes):
             time.sleep(0.1)
     return codes
@@ -224,7 +402,7 @@ def wait_all(processes: dict[str, subprocess.Popen], timeout: float) -> dict[str
 # --- A ---------------------------------------------------------------------------------------------------------------
 
 
-@check("A.versions", 15)
+@check("A.versions", 30, Cold(FIRST_IMPORT_S, work_s=5))  # the versions and one SDPA choice
 def versions(ctx: Ctx) -> dict:
     import torch.distributed as dist
 
@@ -282,7 +460,7 @@ def _version_of(package: str) -> str | None:
 # --- B ---------------------------------------------------------------------------------------------------------------
 
 
-@check("B.nccl", 35)
+@check("B.nccl", 35, Cold(2 * START_S, work_s=15))  # it and its hung child; the watchdog's 2 s floor x 2
 def nccl(ctx: Ctx) -> dict:
     """A 1-rank group with NCCL for CUDA tensors and gloo for host ones (what parallel.cpu_offload starts; gloo
     alone on CPU): each Flight Recorder's entries, the sequence numbers per backend, then a hung step ended by the
@@ -384,7 +562,7 @@ def moe_settings(ctx: Ctx) -> list[str]:
     ]
 
 
-@check("J.moe", 30)
+@check("J.moe", 35, Cold(START_S, work_s=22))  # 11 eager steps on the GPU, 11 fp32 steps on the CPU
 def moe(ctx: Ctx) -> dict:
     """The one-GPU `moe` experiment built through scalelm's own path (Parallel.build: the expert product whatever
     scalelm.model.moe implements) and stepped by the training's own step, against the same model, seed and batches
@@ -409,13 +587,12 @@ def moe(ctx: Ctx) -> dict:
         began = time.perf_counter()
         losses = torch.stack([stepper.step(batches) for _ in range(steps)]).float().cpu().tolist()
         seconds = time.perf_counter() - began
-        with HostSyncs() as syncs:
-            stepper.step(batches)
+        step_ctx = ctx if label == "device" else Ctx(device, ctx.work, ctx.cache)
         runs[label] = {
             "losses": losses,
             "seconds": round(seconds, 2),
             "peak_mb": ctx.peak_mb() if label == "device" else None,
-            "host_syncs_per_step": syncs.count,
+            "host_syncs_per_step": host_syncs(step_ctx, lambda: stepper.step(batches)),
         }
     worst = worst_relative(runs["device"]["losses"], runs["cpu_fp32"]["losses"])
     figures = {**runs, "worst_relative": worst, "bound": ctx.bound, "grouped_mm": hasattr(torch, "_grouped_mm")}
@@ -451,15 +628,10 @@ def cli_command(ctx: Ctx, run: Path, settings: list[str]) -> list[str]:
     return command
 
 
-def train_losses(run: Path) -> list[float]:
-    from scalelm.train.record import read_metrics
-
-    return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
-
-
-@check("F.lightning", 35)
+@check("F.lightning", 45, Cold(3 * START_S, work_s=20))  # it and two CLI runs of 60 eager steps, one by one
 def lightning(ctx: Ctx) -> dict:
-    """Lightning's engine against scalelm's through the CLI: the same losses, run.json, tokens/s."""
+    """Lightning's engine against scalelm's through the CLI on learnable data: the loss's fall and the logged
+    gradient norms alike (`run_agreement`), run.json, tokens/s."""
     if importlib.util.find_spec("lightning") is None:
         raise NotApplicable("lightning is not installed")
     from scalelm.train.record import read_metrics
@@ -482,14 +654,14 @@ def lightning(ctx: Ctx) -> dict:
         train = [r for r in read_metrics(run) if r["kind"] == "train"]
         steady = train[1:] or train  # the first interval pays start-up
         figures[engine] = {
-            "losses": [r["loss"] for r in train],
+            **train_record(run),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "mfu": [r.get("mfu") for r in steady][-1],
             "peak_mem_mb": max(r["peak_mem_mb"] or 0 for r in train),
             "run_json": (run / "run.json").exists(),
         }
-    figures["worst_relative"] = worst_relative(figures["lightning"]["losses"], figures["scalelm"]["losses"])
-    if not figures["worst_relative"] <= ctx.bound or not figures["lightning"]["run_json"]:
+    figures["agreement"] = run_agreement(figures["lightning"], figures["scalelm"], ctx.precision)
+    if not figures["agreement"]["alike"] or not figures["lightning"]["run_json"]:
         raise AssertionError(f"Lightning's run differs from scalelm's: {figures}")
     return figures
 
@@ -505,7 +677,9 @@ def ring_shapes(ctx: Ctx) -> dict[str, tuple[int, int, int, int]]:
 
 
 class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operations that read a number back to the host or copy between devices."""
+    """Counts the operations that read a number back to the host or copy between devices, as the dispatcher sees them:
+    not inside a custom operator (the ring's), whose implementation runs with the mode popped (CPU only: on CUDA
+    `host_syncs` asks CUDA itself)."""
 
     def __init__(self):
         super().__init__()
@@ -523,7 +697,46 @@ class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@check("C.ring", 45)
+SYNC_WARNING = "called a synchronizing"  # CUDA's sync debug mode's warning (c10/cuda); its prototype notice is not one
+
+
+def synchronising_calls(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The first line of each synchronising call CUDA's sync debug mode warned of, among other warnings."""
+    return [str(w.message).splitlines()[0] for w in caught if SYNC_WARNING in str(w.message)]
+
+
+@contextlib.contextmanager
+def cuda_sync_warnings(set_mode: Callable[[str], None] | None = None):
+    """The synchronising calls made in the body, into the list it yields: CUDA's sync debug mode ("warn") sees every
+    one in the CUDA runtime, inside custom operators and the backward's threads too (torch replays their warnings in
+    the caller), unlike a dispatch mode. The mode is restored even if the body fails. (`set_mode`: a stand-in for
+    torch.cuda.set_sync_debug_mode, for CPU tests.)"""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every call, not once per place
+        set_mode("warn")
+        try:
+            yield found
+        finally:
+            set_mode("default")
+            found += synchronising_calls(caught)
+
+
+def host_syncs(ctx: Ctx, fn: Callable[[], object]) -> int:
+    """How many times fn() makes the host wait for the device: on CUDA, the synchronising calls CUDA warns of (the
+    queued work finished first, so that none is counted that fn did not make); on a CPU, `HostSyncs`' count."""
+    if ctx.cuda:
+        ctx.sync()
+        with cuda_sync_warnings() as syncs:
+            fn()
+        return len(syncs)
+    with HostSyncs() as counted:
+        fn()
+    return counted.count
+
+
+@check("C.ring", 45, Cold(START_S, work_s=32))  # kernels at two shapes, three dynamo traces (no Inductor)
 def ring(ctx: Ctx) -> dict:
     """Ring attention on one device at gpt2's and cp_long's shapes: over no group (one causal block), and the blocks
     of a load-balanced cp-4 ring computed in turn (the half blocks a real ring runs), against SDPA; on sm90 flash
@@ -578,9 +791,8 @@ def ring_at(ctx: Ctx, shape: tuple[int, int, int, int]) -> dict:
         figures["ring_cp4_flash_ms"] = round(ctx.timed_ms(steps["ring_cp4"], 5), 3)
         ring_blocks.PREFER_CUDNN_ON_SM90 = True
     for label in ("ring", "ring_dropout"):
-        with HostSyncs() as syncs:
-            steps[label]()
-        figures[f"{label}_host_syncs"] = syncs.count
+        figures[f"{label}_host_syncs"] = host_syncs(ctx, steps[label])
+    figures["host_syncs_seen_by"] = "cuda sync debug mode" if ctx.cuda else "dispatch mode"
     return figures
 
 
@@ -636,12 +848,12 @@ def ring_checkpointing_memory(ctx: Ctx) -> dict:
 # --- H ---------------------------------------------------------------------------------------------------------------
 
 
-@check("H.baseline", 45)
+@check("H.baseline", 45, Cold(START_S, cached=1, work_s=20))  # the configured step: farm.configured's graphs
 def machine_baseline(ctx: Ctx) -> dict:
     """scalelm.measure.baseline's one-rank part on gpt2_small's shapes and batch (32): the output product unpadded and
-    padded (the padded one is what training runs), the model step compiled as the experiment is (the compile E's
-    configured variant then finds in the shared cache), and the GPU's health sampled during the work against an idle
-    reading."""
+    padded (the padded one is what training runs), the model step compiled as the experiment is, at that one shape
+    (the step at a quarter of the tokens would be a second cold compile; eager on a CPU, it runs there), and the GPU's
+    health sampled during the work against an idle reading."""
     from scalelm.config import load_config
     from scalelm.measure import baseline
 
@@ -651,23 +863,23 @@ def machine_baseline(ctx: Ctx) -> dict:
     config.data.prepared_dir = str(ctx.work / "no-prepared-data")  # no manifest: WikiText-2's vocabulary
     config.train.compile = ctx.cuda
     outputs = baseline.matmul_rates(baseline.output_shapes(config), ctx.device, ctx.dtype)
-    alone = baseline.measure_alone(
-        config, baseline.gemm_shapes(config, ctx.device.type), VOCAB, ctx.device, all_cores=False
-    )
+    shapes = baseline.gemm_shapes(config, ctx.device.type)
+    alone = baseline.measure_alone(config, shapes, VOCAB, ctx.device, all_cores=False, small_step=not ctx.cuda)
     return {"output_products": outputs, "alone": alone, "idle_health": baseline.gpu_health(ctx.device)}
 
 
 # --- D ---------------------------------------------------------------------------------------------------------------
 
 
-def gpt2_config(ctx: Ctx, dropout: float = 0.0):
+def gpt2_config(ctx: Ctx, dropout: float = 0.0, n_layers: int | None = None):
+    """gpt2_small's model on a GPU (`n_layers` blocks of it, if given), a tiny one of the same kind on a CPU."""
     from scalelm.config import ModelConfig
 
     if ctx.cuda:
         return ModelConfig(
             d_model=768,
             n_heads=12,
-            n_layers=12,
+            n_layers=n_layers or 12,
             d_ff=3072,
             dropout=dropout,
             max_seq_len=1024,
@@ -679,35 +891,121 @@ def gpt2_config(ctx: Ctx, dropout: float = 0.0):
     )
 
 
-def batches(ctx: Ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def one_batch(ctx: Ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch of learnable tokens (bench/throughput.py's patterned_tokens: rows entering one cycle at different
+    points), `steps` times: the model learns it, so the loss falls by several nats (on fresh uniformly random batches
+    every model, broken or not, sits near ln V)."""
+    from bench.throughput import patterned_tokens
+
     rows, seq = (16, 1024) if ctx.cuda else (4, 64)
     generator = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, VOCAB, (rows, seq + 1), generator=generator).to(ctx.device) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    tokens = patterned_tokens(rows * (seq + 1), generator).view(rows, seq + 1).to(ctx.device)
+    return [(tokens[:, :-1], tokens[:, 1:])] * steps
 
 
-def train_losses_of(ctx: Ctx, model, data, autocast: bool) -> list[float]:
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (a DTensor's gathered), in fp32 on the CPU, by its name (checkpointing,
+    compile and FSDP2 keep the plain model's names)."""
+    found = {}
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None:
+            grad = parameter.grad
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            found[name] = grad.detach().float().cpu()
+    return found
+
+
+def train_losses_of(ctx: Ctx, model, data, autocast: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Each step's loss, and the first step's `gradients`. (The CPU's tiny model at gpt2_small's learning rate would
+    barely move in its 3 steps.)"""
     from scalelm.config import OptimConfig
     from scalelm.optim import build_optimizer
 
-    optimizer = build_optimizer(model, OptimConfig(), 3e-4)
-    losses = []
-    for inputs, targets in data:
+    optimizer = build_optimizer(model, OptimConfig(), 3e-4 if ctx.cuda else 1e-2)
+    losses, first = [], {}
+    for step, (inputs, targets) in enumerate(data):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and ctx.cuda):
             loss = model(inputs, targets)
         loss.backward()
+        if step == 0:
+            first = gradients(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return [float(x) for x in torch.stack(losses).cpu()]
+    return [float(x) for x in torch.stack(losses).cpu()], first
 
 
-@check("D.stack", 45)
-def stack(ctx: Ctx) -> dict:
-    """gpt2_small's blocks as Parallel.parallelize builds them for FSDP: selective checkpointing, then compile, then
-    FSDP2 on a 1-rank mesh, against the plain model under autocast (eager: one compile in the check, which G's
-    already made for the shared cache), over the same batches."""
+@check("D.stack", 45, Cold(START_S, cached=1, work_s=15))  # its stack from farm.stack; 2 x 20 steps
+def stack(ctx: Ctx, broken: Callable[[torch.nn.Module], None] | None = None) -> dict:
+    """gpt2_small's blocks (2 of them: the check proves the order and the agreement, not the scale) as
+    Parallel.parallelize builds them for FSDP (`stacked_model`) against the plain model under autocast, eager, on one
+    batch both learn: the loss's fall alike (and in fp32 every step's loss), the first step's gradients alike
+    parameter by parameter. `broken` (tests only) changes the layout's model before it trains: a deliberately broken
+    layout, which must fail."""
     import torch._dynamo
+
+    from scalelm.model.transformer import TransformerLM
+
+    config, steps = stack_config(ctx), 20 if ctx.cuda else 3
+    data = one_batch(ctx, steps)
+    initial = initial_weights(config)
+
+    reference = TransformerLM(config, VOCAB).to(ctx.device)
+    reference.load_state_dict(initial)
+    ctx.reset_peak()
+    expected, expected_grads = train_losses_of(ctx, reference, data, autocast=True)
+    reference_peak = ctx.peak_mb()
+    del reference
+    ctx.progress({"expected": expected, "reference_peak_mb": reference_peak})
+
+    model = stacked_model(ctx, config, initial)
+    if broken is not None:
+        broken(model)
+    torch._dynamo.utils.counters.clear()
+    ctx.reset_peak()
+    losses, grads = train_losses_of(ctx, model, data, autocast=False)
+    agreement = {
+        "fall": fall_agreement(losses, expected),
+        "gradients": gradient_agreement(grads, expected_grads, ctx.precision),
+        "worst_relative": worst_relative(losses, expected),  # in bf16 a figure (`run_agreement`)
+    }
+    steps_alike = ctx.cuda or agreement["worst_relative"] <= FP32_BOUND
+    agreement["alike"] = agreement["fall"]["alike"] and agreement["gradients"]["alike"] and steps_alike
+    figures = {
+        "compiled": ctx.cuda,
+        "blocks": config.n_layers,
+        "steps": steps,
+        "losses": losses,
+        "expected": expected,
+        "agreement": agreement,
+        "peak_mb": ctx.peak_mb(),
+        "reference_peak_mb": reference_peak,
+        "graphs": dict(torch._dynamo.utils.counters["stats"]),
+        "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+    }
+    ctx.progress(figures)
+    if not agreement["alike"]:
+        raise AssertionError(f"the stacked layout trains unlike the plain model: {figures}")
+    return figures
+
+
+def stack_config(ctx: Ctx):
+    """D's model: 2 of gpt2_small's blocks on a GPU, the tiny one on a CPU."""
+    return gpt2_config(ctx, n_layers=2)
+
+
+def initial_weights(config) -> dict[str, torch.Tensor]:
+    """The weights both of D's models start from."""
+    from scalelm.model.transformer import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(config, VOCAB).state_dict()
+
+
+def stacked_model(ctx: Ctx, config, initial: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """D's layout as Parallel.parallelize builds it for FSDP, with `initial`'s weights: selective checkpointing, then
+    compile (on a GPU only: Inductor's C++ compile of every graph would double the CPU run in CI), then FSDP2 on a
+    1-rank mesh. The farm's process for D builds it here too (`warm_stack`), so that D loads what that compiled."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -716,56 +1014,50 @@ def stack(ctx: Ctx) -> dict:
     from scalelm.parallel.compile import apply_compile
     from scalelm.parallel.data import apply_fsdp, materialise
 
-    compile_too = ctx.cuda  # inductor's C++ compile of every graph would double the CPU run in CI
-    config, steps = gpt2_config(ctx), 20 if ctx.cuda else 3
-    data = batches(ctx, steps)
-    torch.manual_seed(0)
-    initial = TransformerLM(config, VOCAB).state_dict()
-
-    reference = TransformerLM(config, VOCAB).to(ctx.device)
-    reference.load_state_dict(initial)
-    ctx.reset_peak()
-    expected = train_losses_of(ctx, reference, data, autocast=True)
-    reference_peak = ctx.peak_mb()
-    del reference
-    ctx.progress({"expected": expected, "reference_peak_mb": reference_peak})
-
     start_group(ctx)
     mesh = init_device_mesh(ctx.device.type, (1,), mesh_dim_names=("dp_shard",))
     with torch.device("meta"):
         model = TransformerLM(config, VOCAB)
     apply_activation_checkpointing(model, "selective")
-    if compile_too:
+    if ctx.cuda:
         apply_compile(model, ctx.device)
     model = apply_fsdp(model, mesh, ctx.dtype, True, False)
     materialise(model, ctx.device, False)
     model.init_buffers()
     set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True))
-    torch._dynamo.utils.counters.clear()
-    ctx.reset_peak()
-    losses = train_losses_of(ctx, model, data, autocast=False)
-    worst = worst_relative(losses, expected)
-    figures = {
-        "compiled": compile_too,
-        "steps": steps,
-        "losses": losses,
-        "expected": expected,
-        "worst_relative": worst,
-        "peak_mb": ctx.peak_mb(),
-        "reference_peak_mb": reference_peak,
-        "graphs": dict(torch._dynamo.utils.counters["stats"]),
-        "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
-    }
-    if not worst <= ctx.bound:
-        raise AssertionError(f"losses differ by {worst:.2e} (> {ctx.bound}): {figures}")
-    return figures
+    return model
+
+
+STACK_WARMUP = 3  # D's steps in the farm: the first compiles; FSDP2's lazy start may recompile at the second
+
+
+def warm_stack(ctx: Ctx) -> dict:
+    """The farm's process for D: D's stacked model built and stepped through D's own code (`stacked_model`,
+    `train_losses_of`, `one_batch`'s shapes), so that the FX-graph and AOT-autograd caches hold what D compiles."""
+    config = stack_config(ctx)
+    began = time.perf_counter()
+    model = stacked_model(ctx, config, initial_weights(config))
+    losses, _ = train_losses_of(ctx, model, one_batch(ctx, STACK_WARMUP), autocast=False)
+    return {"compiled": ctx.cuda, "steps": len(losses), "seconds": round(time.perf_counter() - began, 1)}
+
+
+def farm_stack(work: Path, cache: Path, cpu: bool) -> int:
+    """The farm's D process (--farm-stack): `warm_stack` and what torch.compile did, in farm.stack.json."""
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    figures = warm_stack(Ctx(device, work, cache, "farm.stack"))
+    figures["compile"] = compile_figures()
+    (work / "farm.stack.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip teardown, as a check's child does
 
 
 # --- G ---------------------------------------------------------------------------------------------------------------
 
 
-WORLD8 = {  # name: (strategy, settings of the training config)
-    "fsdp8_compile_selective": ("fsdp", {"train": {"compile": True, "activation_checkpointing": "selective"}}),
+WORLD8 = {  # name: (strategy, settings of the training config); eager: the plan does not model compilation
+    "fsdp8_selective": ("fsdp", {"train": {"activation_checkpointing": "selective"}}),
     "cp4_long": (
         "cp",
         {
@@ -778,15 +1070,25 @@ WORLD8 = {  # name: (strategy, settings of the training config)
 }
 
 
-@check("G.world8", 55)
+@check("G.world8", 40, Cold(2 * START_S, work_s=20))  # it and three eager layouts side by side
 def world8(ctx: Ctx) -> dict:
     """Each layout in a process of its own, as rank 0 of 8 on the fake backend (its collectives do nothing), the three
-    side by side (each process's peak is its own): the memory of one training step on this rank, against the plan's."""
+    side by side (each process's peak is its own), eager (compiled runs sit 1.8-4.2x below the plan, which models no
+    compilation: against it a compiled peak measures nothing): the memory of one training step on this rank, against
+    the plan's; each layout's figures in paths.json as it lands."""
     commands = {
         f"G.{name}": ([sys.executable, str(SCRIPT), "--world8", name, *child_arguments(ctx)], {}) for name in WORLD8
     }
-    run_processes(ctx, commands, 50 if ctx.cuda else 150)
-    return {name: json.loads((ctx.work / f"G.{name}.json").read_text()) for name in WORLD8}
+    figures: dict[str, dict] = {}
+
+    def landed(process: str, code: int | str) -> None:
+        name = process.removeprefix("G.")
+        if code == 0:
+            figures[name] = json.loads((ctx.work / f"G.{name}.json").read_text())
+            ctx.progress(figures)
+
+    run_processes(ctx, commands, 35 if ctx.cuda else 150, landed)
+    return figures
 
 
 def world8_layout(name: str, work: Path, cpu: bool) -> int:
@@ -821,11 +1123,10 @@ def world8_layout(name: str, work: Path, cpu: bool) -> int:
         changes = {k: v for k, v in changes.items() if k not in ("model", "data")}
         if name == "cp4_long":
             changes = {**changes, "data": {"seq_len": 128}, "model": {"max_seq_len": 128}}
-        if "train" in changes:
-            changes = {**changes, "train": {**changes["train"], "compile": False}}
     for section in ("model", "data", "batch", "train", "parallel"):
         values[section] = {**base.get(section, {}), **values.get(section, {}), **changes.get(section, {})}
     values["train"].setdefault("precision", "bf16" if not cpu else "fp32")
+    values["train"]["compile"] = False
     config = from_dict(values)
     if ctx.cuda:
         torch.cuda.set_device(ctx.device)
@@ -873,11 +1174,18 @@ SHARE_LAYOUTS = {  # name: (settings, its one-process reference), each over 2 ra
 }
 SHARE_LAYOUTS_CPU = ("moe_ep",)  # CI proves the check's structure with one
 SHARE_RANKS = 2
+SHARE_AT_ONCE = 2  # layouts trained together: 4 rank processes time-sliced on the GPU, not 8
+# NCCL's cuMem allocations, off for a second try when NCCL fails to start: sandboxed GPUs (gVisor) have run the
+# lent machines, where NCCL's cuMem paths are unverified
+CUMEM_OFF = {"NCCL_CUMEM_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}
+NCCL_COMMUNICATOR = re.compile(r"NCCL INFO comm \S+ rank \d+ nRanks (\d+) nNodes (\d+)")
+NCCL_CHANNEL = re.compile(r"NCCL INFO Channel .* via (\w+(?:/\w+)?)")
 
 
 def share_settings(ctx: Ctx, reference: str, steps: int) -> list[str]:
     """A layout's run, and its reference's: the course model (a mixture of experts for moe_ep) with dropout off, one
-    global batch (16 x 128 tokens on a GPU) whatever the ranks, eager, its loss logged at every step."""
+    global batch (16 x 128 tokens on a GPU) whatever the ranks, eager, its loss and gradient norm logged at every
+    step."""
     common = ["model.dropout=0.0", "batch.mode=global", "train.log_every=1", "train.compile=false"]
     shape = [*device_settings(ctx), *(["data.seq_len=128", "batch.size=16"] if ctx.cuda else [])]
     experts = "{experts: 8, top_k: 2, d_ff: 1024}" if ctx.cuda else "{experts: 4, top_k: 2, d_ff: 64}"
@@ -904,59 +1212,132 @@ def rank_environment(rank: int, world: int, port: int, cuda: bool) -> dict[str, 
     return environment | ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"} if cuda else {})
 
 
-def ranks(ctx: Ctx, name: str, command: list[str]) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """`command` as the SHARE_RANKS ranks of one job."""
+def ranks(
+    ctx: Ctx, name: str, command: list[str], extra: dict[str, str] | None = None
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """`command` as the SHARE_RANKS ranks of one job, `extra` added to each one's environment."""
     from scalelm.launch.launcher import free_port
 
     port = free_port()
-    return {f"{name}.rank{r}": (command, rank_environment(r, SHARE_RANKS, port, ctx.cuda)) for r in range(SHARE_RANKS)}
+    return {
+        f"{name}.rank{r}": (command, rank_environment(r, SHARE_RANKS, port, ctx.cuda) | (extra or {}))
+        for r in range(SHARE_RANKS)
+    }
 
 
-@check("I.share", 60)
+def nccl_transport(log: str) -> dict[str, list]:
+    """What NCCL's INFO lines (NCCL_DEBUG=INFO) in a rank's log say: each communicator's [ranks, nodes] (`nRanks 2
+    nNodes 2`), and the transports its channels took (`via NET/Socket`, `via P2P/...`, `via SHM/...`)."""
+    communicators = sorted({(int(r), int(n)) for r, n in NCCL_COMMUNICATOR.findall(log)})
+    return {"communicators": [list(c) for c in communicators], "transports": sorted(set(NCCL_CHANNEL.findall(log)))}
+
+
+def two_nodes_over_sockets(facts: dict[str, list]) -> bool:
+    """Every communicator of several ranks counted a node per rank (each rank's NCCL_HOSTID its own) and every channel
+    went over sockets: how SCALELM_SHARE_GPU gets past NCCL's refusal of two ranks on one device. False for a log
+    without those lines."""
+    shared = [(r, n) for r, n in facts["communicators"] if r > 1]
+    return bool(shared) and all(n == r for r, n in shared) and facts["transports"] == ["NET/Socket"]
+
+
+def nccl_of(ctx: Ctx, job: str) -> dict[str, dict]:
+    """`nccl_transport` of each rank's log of `job`, and whether all show two nodes over sockets."""
+    facts = {
+        f"rank{r}": nccl_transport((ctx.work / f"{job}.rank{r}.log").read_text(errors="replace"))
+        for r in range(SHARE_RANKS)
+    }
+    return facts | {"two_nodes_over_sockets": all(two_nodes_over_sockets(f) for f in facts.values())}
+
+
+@check("I.share", 75, Cold(4 * START_S, work_s=40))  # it, the smoke's ranks, two waves of layouts' ranks
 def share(ctx: Ctx) -> dict:
-    """Several NCCL ranks on the one GPU (review 3, finding 5: each rank an NCCL "node" of its own through
-    NCCL_HOSTID, which SCALELM_SHARE_GPU sets; unsupported by NVIDIA, time-sliced: never timed). First a 2-rank smoke
-    of the collectives scalelm's layouts use, which fails fast; then each layout over 2 ranks through the CLI, all
-    side by side, against one process (in this one) on the same global batch: 10 eager steps, the losses within the
-    bound. On a CPU the same with gloo, for one layout."""
-    from scalelm.config import load_config
-    from scalelm.train.run import run
-
-    smoke = ranks(ctx, "I.smoke", [sys.executable, str(SCRIPT), "--share-smoke", *child_arguments(ctx)])
-    finish_processes(ctx, start_processes(ctx, smoke), 45 if ctx.cuda else 120)
-    figures = {"smoke": {r: json.loads((ctx.work / f"I.smoke.rank{r}.json").read_text()) for r in range(SHARE_RANKS)}}
+    """Several NCCL ranks on the one GPU (each rank an NCCL "node" of its own through NCCL_HOSTID, which
+    SCALELM_SHARE_GPU sets; unsupported by NVIDIA, time-sliced, every collective milliseconds: never timed). First a
+    2-rank smoke of the collectives scalelm's layouts use, which fails fast, retried once with NCCL's cuMem off if
+    NCCL fails to start; then each layout over 2 ranks through the CLI, two layouts at a time, against one process
+    (in this one) on the same global batch of learnable data: 10 eager steps, `run_agreement`. On a GPU NCCL's log
+    must show two nodes over sockets, for the smoke and every layout. On a CPU the same with gloo, for one layout."""
+    smoke, extra = share_smoke_ranks(ctx)
+    figures = {"smoke": smoke} | ({"cumem_off": True} if extra else {})
     ctx.progress(figures)
-    steps, prepared = 10 if ctx.cuda else 4, ctx.prepared()
     layouts = SHARE_LAYOUTS if ctx.cuda else {name: SHARE_LAYOUTS[name] for name in SHARE_LAYOUTS_CPU}
-    started = {}
-    for name, (settings, reference) in layouts.items():
-        command = cli_command(
-            ctx, ctx.work / "runs" / f"share_{name}", [*share_settings(ctx, reference, steps), *settings]
-        )
-        started[name] = start_processes(ctx, ranks(ctx, f"I.{name}", command))
-    expected = {}
-    for reference in sorted({reference for _, reference in layouts.values()}):  # in this process meanwhile
-        run_dir = ctx.work / "runs" / f"share_reference_{reference}"
-        settings = [*share_settings(ctx, reference, steps), f"run_dir={run_dir}", f"data.prepared_dir={prepared}"]
-        run(load_config(None, settings))
-        expected[reference] = train_losses(run_dir)
-    figures["references"] = expected
-    ctx.progress(figures)
-    failed = []
-    for name, processes in started.items():
-        try:
-            finish_processes(ctx, processes, 120 if ctx.cuda else 240)
-        except AssertionError as error:
-            figures[name], failed = {"error": str(error)[-2000:]}, [*failed, name]
-            continue
-        losses = train_losses(ctx.work / "runs" / f"share_{name}")
-        worst = worst_relative(losses, expected[layouts[name][1]])
-        figures[name] = {"losses": losses, "worst_relative": worst, "bound": ctx.bound}
-        failed += [] if worst <= ctx.bound else [name]
-        ctx.progress(figures)
+    share_layouts(ctx, layouts, 10 if ctx.cuda else 4, extra, figures)
+    failed = [name for name in layouts if not figures[name].get("alike")]
+    if ctx.cuda and not smoke["nccl"]["two_nodes_over_sockets"]:
+        failed.append("the smoke (NCCL's log)")
     if failed:
         raise AssertionError(f"on one GPU {', '.join(failed)} failed or differ from one process: {figures}")
     return figures
+
+
+def share_smoke_ranks(ctx: Ctx) -> tuple[dict, dict[str, str]]:
+    """The smoke over SHARE_RANKS ranks, once more with CUMEM_OFF on a GPU if NCCL failed to start (a rank wrote no
+    findings; the first try's logs kept beside): each rank's findings and NCCL's log, and the environment the layouts
+    then take."""
+    command = [sys.executable, str(SCRIPT), "--share-smoke", *child_arguments(ctx)]
+    extra: dict[str, str] = {}
+    for attempt in range(2):
+        try:
+            finish_processes(ctx, start_processes(ctx, ranks(ctx, "I.smoke", command, extra)), 45 if ctx.cuda else 120)
+            break
+        except AssertionError:
+            started = all((ctx.work / f"I.smoke.rank{r}.json").exists() for r in range(SHARE_RANKS))
+            if started or attempt or not ctx.cuda:
+                raise
+            for r in range(SHARE_RANKS):
+                log = ctx.work / f"I.smoke.rank{r}.log"
+                log.rename(log.with_suffix(".first.log"))
+            extra = CUMEM_OFF
+    findings = {str(r): json.loads((ctx.work / f"I.smoke.rank{r}.json").read_text()) for r in range(SHARE_RANKS)}
+    return findings | {"nccl": nccl_of(ctx, "I.smoke")}, extra
+
+
+def share_layouts(ctx: Ctx, layouts: dict, steps: int, extra: dict[str, str], figures: dict) -> None:
+    """Each layout over SHARE_RANKS ranks through the CLI, SHARE_AT_ONCE at a time, `extra` in their environment,
+    the references trained in this process while the first ones run; each layout's `run_agreement` (and NCCL's log)
+    into `figures` as it lands."""
+    names, references = list(layouts), {}
+    for first in range(0, len(names), SHARE_AT_ONCE):
+        started = {}
+        for name in names[first : first + SHARE_AT_ONCE]:
+            settings, reference = layouts[name]
+            run = ctx.work / "runs" / f"share_{name}"
+            command = cli_command(ctx, run, [*share_settings(ctx, reference, steps), *settings])
+            started[name] = start_processes(ctx, ranks(ctx, f"I.{name}", command, extra))
+        if not references:
+            references = share_references(ctx, {reference for _, reference in layouts.values()}, steps)
+            figures["references"] = references
+        for name, processes in started.items():
+            figures[name] = share_verdict(ctx, name, processes, references[layouts[name][1]])
+            ctx.progress(figures)
+
+
+def share_references(ctx: Ctx, kinds: set[str], steps: int) -> dict[str, dict]:
+    """Each reference (dense, moe) trained in this process: its `train_record`."""
+    from scalelm.config import load_config
+    from scalelm.train.run import run
+
+    records = {}
+    for reference in sorted(kinds):
+        run_dir = ctx.work / "runs" / f"share_reference_{reference}"
+        settings = [*share_settings(ctx, reference, steps), f"run_dir={run_dir}", f"data.prepared_dir={ctx.prepared()}"]
+        run(load_config(None, settings + ["train.comm_profile_steps=0", "checkpoint.every=null"]))
+        records[reference] = train_record(run_dir)
+    return records
+
+
+def share_verdict(ctx: Ctx, name: str, processes: dict[str, subprocess.Popen], reference: dict) -> dict:
+    """A layout's ranks waited for: its `train_record` against its reference's, and NCCL's log (which must show two
+    nodes over sockets on a GPU); `alike` says whether it passed."""
+    try:
+        finish_processes(ctx, processes, 120 if ctx.cuda else 240)
+    except AssertionError as error:
+        return {"error": str(error)[-2000:], "alike": False}
+    record = train_record(ctx.work / "runs" / f"share_{name}")
+    agreement = run_agreement(record, reference, ctx.precision)
+    nccl = nccl_of(ctx, f"I.{name}")
+    alike = agreement["alike"] and (nccl["two_nodes_over_sockets"] or not ctx.cuda)
+    return {**record, "agreement": agreement, "nccl": nccl, "alike": alike}
 
 
 def share_smoke(work: Path, cpu: bool) -> None:
@@ -1001,17 +1382,24 @@ def share_smoke(work: Path, cpu: bool) -> None:
 # --- E ---------------------------------------------------------------------------------------------------------------
 
 
-@check("E.levers", 115)
+# 112 s by its estimate (4 variants from the farm's cache, their warm-up steps, 5 rounds of 4 x 20 steps); the rest of
+# its limit, most of a compiled optimizer the farm did not finish, goes to the later levers within its budget
+@check("E.levers", 145, Cold(START_S, cached=4, work_s=44))
 def levers(ctx: Ctx) -> dict:
     """gpt2_small's MFU levers (bf16_params, the compiled optimizer, both together as config.yaml suggests) against the
-    experiment as configured, in this one process (bench/gpu_mfu.py): each built and compiled once, then interleaved
-    for 5 rounds of 20 steps, timed with CUDA events; every variant's figures in paths.json as they come."""
+    experiment as configured, in this one process (bench/gpu_mfu.py), each built from the farm's graphs: the pair
+    (configured, bf16_params) built and timed first, then each lever and a round, in rounds of 20 steps timed with
+    CUDA events, within the time the runner gives it (less E_MARGIN_S); every variant's figures in paths.json as they
+    come. It fails on an error (a variant run uncompiled included) or a pair without a measured round; a later lever
+    the budget left out (`skipped`) or cut short (`cut_short`) is a note (gpu_mfu.failures)."""
     from bench import gpu_mfu
 
     names = gpu_mfu.LEVERS if ctx.cuda else gpu_mfu.CPU_LEVERS
     rounds, steps, warmup = (5, 20, 5) if ctx.cuda else (2, 2, 1)
-    results = gpu_mfu.measure(names, not ctx.cuda, ctx.work, rounds, steps, warmup, ctx.progress)
-    failed = [name for name, figures in results.items() if "error" in figures or "mfu" not in figures]
+    left = ctx.seconds_left()
+    budget_s = None if left is None else max(0.0, left - E_MARGIN_S[ctx.device.type])
+    results = gpu_mfu.measure(names, not ctx.cuda, ctx.work, rounds, steps, warmup, ctx.progress, budget_s)
+    failed = gpu_mfu.failures(results)
     if failed:
         raise AssertionError(f"variants {', '.join(failed)} failed: {results}")
     return results
@@ -1041,17 +1429,27 @@ def start_processes(ctx: Ctx, commands: dict[str, tuple[list[str], dict[str, str
     return started
 
 
-def finish_processes(ctx: Ctx, started: dict[str, subprocess.Popen], timeout: float) -> None:
-    """Wait for all (`wait_all`); a failure raises with the end of its log."""
-    codes = wait_all(started, timeout)
+def finish_processes(
+    ctx: Ctx,
+    started: dict[str, subprocess.Popen],
+    timeout: float,
+    landed: Callable[[str, int | str], None] | None = None,
+) -> None:
+    """Wait for all (`wait_all`, `landed` told of each as it ends); a failure raises with the end of its log."""
+    codes = wait_all(started, timeout, landed)
     for name, code in codes.items():
         if code != 0:
             tail = (ctx.work / f"{name}.log").read_text(errors="replace")[-1500:]
             raise AssertionError(f"{name} ended with {code} ({codes}); the end of {name}.log:\n{tail}")
 
 
-def run_processes(ctx: Ctx, commands: dict[str, tuple[list[str], dict[str, str]]], timeout: float) -> None:
-    finish_processes(ctx, start_processes(ctx, commands), timeout)
+def run_processes(
+    ctx: Ctx,
+    commands: dict[str, tuple[list[str], dict[str, str]]],
+    timeout: float,
+    landed: Callable[[str, int | str], None] | None = None,
+) -> None:
+    finish_processes(ctx, start_processes(ctx, commands), timeout, landed)
 
 
 def child_arguments(ctx: Ctx) -> list[str]:
@@ -1069,22 +1467,75 @@ def run_one(name: str, ctx: Ctx) -> dict:
         status, figures = "FAIL", f"{type(error).__name__}: {error}"[:2000]
         (ctx.work / f"{name}.traceback.txt").write_text(traceback.format_exc())
     result = {"check": name, "status": status, "figures": figures, "seconds": round(time.perf_counter() - began, 2)}
+    compiled = compile_figures()
+    if compiled is not None:
+        result["compile"] = compiled
     if status == "FAIL" and ctx.last_progress is not None:
         result["partial"] = ctx.last_progress  # what it measured before it failed
     return result
+
+
+def compile_figures() -> dict | None:
+    """What torch.compile did in this process (None if it compiled nothing): seconds in dynamo's frame compiles
+    (Inductor's inside them), frames compiled, unique graphs, recompiles (a frame compiled again: a guard failed),
+    graph breaks, the caches' hits and misses. A figure torch does not keep (its counters differ between versions)
+    is None, or 0 for a count."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo import convert_frame, utils
+
+    counters = utils.counters
+    frames = counters["frames"].get("total", 0)
+    if not frames:
+        return None
+    seconds = None
+    try:
+        headers, values = utils.compile_times(repr="csv", aggregate=True)
+        seconds = dict(zip(headers, map(float, values))).get("_compile.compile_inner")
+    except (AttributeError, TypeError, ValueError):
+        pass
+    per_frame = getattr(convert_frame, "FRAME_COMPILE_COUNTER", None)
+    return {
+        "seconds": round(seconds, 2) if seconds is not None else None,
+        "frames": frames,
+        "unique_graphs": counters["stats"].get("unique_graphs"),
+        "recompiles": sum(max(0, n - 1) for n in per_frame.values()) if per_frame is not None else None,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        # whether it loaded the farm's graphs: the FX-graph (Inductor) and AOT-autograd caches' hits and misses
+        "fx_graph_cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+        "fx_graph_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
+        "aot_autograd_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
+        "aot_autograd_cache_misses": counters["aot_autograd"]["autograd_cache_miss"],
+    }
 
 
 def child(name: str, work: Path, cache: Path, cpu: bool) -> int:
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    result = run_one(name, Ctx(device, work, cache, name))
+    ctx = Ctx(device, work, cache, name)
+    if os.environ.get(DEADLINE_ENV):
+        ctx.deadline = float(os.environ[DEADLINE_ENV])
+    result = run_one(name, ctx)
     (work / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     sys.stdout.flush()
     os._exit(0)  # skip teardown: process groups and compile workers left as they are cost nothing here
 
 
 # --- process groups --------------------------------------------------------------------------------------------------
+
+
+def start_in_group(command: list[str], env: dict, log: Path, nice: int = 0) -> subprocess.Popen:
+    """`command` in a process group (a session) of its own, its output into `log`, at `nice` (0: as this one):
+    `end_group` ends it and all it started (compile workers, ranks, a training)."""
+    with log.open("w") as output:
+        return subprocess.Popen(
+            [*(["nice", "-n", str(nice)] if nice else []), *command],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def group_members(pgid: int) -> list[int]:
@@ -1127,6 +1578,153 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:  # the group ended meanwhile
         pass
+
+
+# --- the compile farm ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FarmProcess:
+    """One process of the farm: the checks that load what it compiles, the variants of E it warms up on each device
+    (bench/gpu_mfu.py --warm-only; None: D's stack, through --farm-stack), and its cold estimate."""
+
+    serves: tuple[str, ...]
+    variants: dict[str, tuple[str, ...]] | None
+    cold: Cold
+
+
+# One process per distinct graph set, through the checks' own code, each model's graphs first: E's configured model
+# (H's compiled step is the same graphs) then its compiled optimizer (the model's graphs shared in the process);
+# bf16_params' model then its compiled optimizer over DTensors; D's stack. Two gpt2_small processes at batch 32 (~25
+# GB each) fit an H100 beside the light checks; four would not. On a CPU they warm up E's CPU levers, eager: the
+# mechanism, cheaply.
+FARM = {
+    "farm.configured": FarmProcess(
+        ("E.levers", "H.baseline"),
+        {"cuda": ("configured", "compiled_optimizer"), "cpu": ("configured",)},
+        Cold(START_S, ("gpt2_small", "adamw"), work_s=5),
+    ),
+    "farm.bf16_params": FarmProcess(
+        ("E.levers",),
+        {"cuda": ("bf16_params", "bf16_params+compiled_optimizer"), "cpu": ("cudnn_attention",)},
+        Cold(START_S, ("gpt2_small", "adamw"), work_s=5),
+    ),
+    "farm.stack": FarmProcess(("D.stack",), None, Cold(START_S, ("stack",), work_s=5)),
+}
+FARM_WARMUP = 2  # steps of each of E's variants in the farm: the first compiles, the last is gpu_mfu's compiled probe
+# On a CPU the farm rehearses the mechanism only (nothing compiles): niced, so that it takes the cores the checks leave
+# and the rehearsal's CI time hardly grows; on a GPU its compiles are the call's long pole, at the checks' priority
+FARM_NICE = {"cuda": 0, "cpu": 10}
+
+
+def farm_for(names: list[str]) -> list[str]:
+    """The farm's processes for these checks: each that serves one of them, if one of them runs beside the farm (a
+    farm with nothing beside it would be ended as it starts)."""
+    if not set(names) & set(BESIDE_FARM):
+        return []
+    return [name for name, process in FARM.items() if set(process.serves) & set(names)]
+
+
+def farm_window(names: list[str], limits: dict[str, float], budget: float) -> float:
+    """Seconds from the call's start by which the farm is ended: the limits of the checks beside it (it may take what
+    they leave, never a later check's own time)."""
+    beside = sum(limits[name] for name in names if name in BESIDE_FARM)
+    return min(beside, budget - sum(limits[name] for name in names if name not in BESIDE_FARM))
+
+
+def farm_command(name: str, call: Path, cache: Path, cpu: bool) -> list[str]:
+    """A farm process's command: E's variants warmed up by bench/gpu_mfu.py (--warm-only, its mfu.json in
+    call/<name>), or D's stack by this script (--farm-stack: call/farm.stack.json)."""
+    device = ["--cpu"] if cpu else []
+    variants = FARM[name].variants
+    if variants is None:
+        return [sys.executable, str(SCRIPT), "--farm-stack", "--work", str(call), "--cache", str(cache), *device]
+    only = [part for variant in variants["cpu" if cpu else "cuda"] for part in ("--only", variant)]
+    mfu = [sys.executable, str(REPO / "bench" / "gpu_mfu.py"), str(call / name), "--warm-only", *only]
+    return [*mfu, "--warmup", str(FARM_WARMUP), *device]
+
+
+def compile_threads(processes: int) -> int:
+    """Inductor's compile workers in each of `processes` farm processes: the cores shared out with a share left to
+    the checks beside them (compile_threads is outside the caches' keys)."""
+    return max(1, (os.cpu_count() or 1) // (processes + 1))
+
+
+class Farm:
+    """The compile farm (review 4, finding 1), started at t = 0: its processes (FARM) each in a process group of its
+    own, with the checks' environment (their TORCHINDUCTOR_CACHE_DIR: what it compiles the later checks load). `end`
+    kills its groups, keeping what they wrote under call/ for logs.tgz, before E starts, so that E times a quiet
+    GPU; it records each process's compiles and whether it finished before."""
+
+    def __init__(self, names: list[str], call: Path, cache: Path, env: dict, kind: str):
+        self.call, self.kind = call, kind
+        self.env = env | {"TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads(len(names)))}
+        self.commands = {name: farm_command(name, call, cache, kind == "cpu") for name in names}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.exited: dict[str, float] = {}  # seconds from the farm's start to each process's exit
+        self.began = time.monotonic()
+
+    def start(self) -> None:
+        self.began = time.monotonic()
+        for name, command in self.commands.items():
+            process = start_in_group(command, self.env, self.call / f"{name}.log", FARM_NICE[self.kind])
+            self.processes[name] = process
+            threading.Thread(target=self.watch, args=(name, process), daemon=True).start()
+
+    def watch(self, name: str, process: subprocess.Popen) -> None:
+        """When `process` exits, while the checks run in the foreground (its time in the farm's record)."""
+        process.wait()
+        self.exited[name] = time.monotonic() - self.began
+
+    def running(self) -> list[str]:
+        return [name for name in self.processes if name not in self.exited]
+
+    def wait(self, until: float) -> None:
+        """Until every process has exited or time.monotonic() reaches `until`."""
+        while self.running() and time.monotonic() < until:
+            time.sleep(POLL_S[self.kind])
+
+    def status(self) -> dict[str, dict]:
+        return {name: {"status": "RUNNING", "serves": list(FARM[name].serves)} for name in self.commands}
+
+    def end(self) -> dict[str, dict]:
+        """Every process's group ended (SIGTERM, then SIGKILL); each one's record."""
+        exited = dict(self.exited)  # before the end
+        records = {}
+        for name, process in self.processes.items():
+            ended = end_group(process.pid, KILL_GRACE_S[self.kind])
+            process.wait()
+            code = process.returncode if name in exited else None
+            records[name] = {
+                "serves": list(FARM[name].serves),
+                "finished": code == 0,  # by itself, before the farm was ended
+                "exit": code if code is not None else "ended",
+                "wall_s": round(exited.get(name, time.monotonic() - self.began), 1),
+                "cold_estimate_s": FARM[name].cold.seconds,
+                "compile": farm_compiles(name, self.call, self.kind == "cpu"),
+            }
+            if ended["running"]:
+                records[name]["process_group"] = ended  # what was still running when the farm was ended
+        return records
+
+
+def farm_compiles(name: str, call: Path, cpu: bool) -> dict:
+    """What a farm process wrote of its compiles: each of E's variants' compile figures from its mfu.json (or why
+    there are none), or D's stack's from farm.stack.json."""
+    variants = FARM[name].variants
+    written = call / (f"{name}.json" if variants is None else f"{name}/mfu.json")
+    try:
+        found = json.loads(written.read_text())
+    except (OSError, ValueError):  # none yet, or cut off mid-write
+        found = None
+    if variants is None:
+        return found if found is not None else {"missing": f"no readable {written.name}: the farm ended it first"}
+    warmed = {}
+    for variant in variants["cpu" if cpu else "cuda"]:
+        figures = (found or {}).get(variant)
+        keep = ("compile", "build_and_warmup_s", "error")
+        warmed[variant] = {k: figures[k] for k in keep if k in figures} if figures else "not warm when the farm ended"
+    return warmed
 
 
 # --- what comes back -------------------------------------------------------------------------------------------------
@@ -1202,6 +1800,7 @@ class Report:
         self.out, self.call, self.header = out, call, header
         self.results: list[dict] = []
         self.logs: dict = {}
+        self.farm: dict = {}  # each farm process's record (Farm.status, then Farm.end)
 
     def add(self, result: dict) -> None:
         self.results.append(result)
@@ -1213,7 +1812,8 @@ class Report:
 
     def write(self, extra: list[dict] = ()) -> None:
         line, _ = tally(self.results)
-        document = {**self.header, "summary": line, "checks": [*self.results, *extra], "logs": self.logs}
+        checks = [*self.results, *extra]
+        document = {**self.header, "summary": line, "farm": self.farm, "checks": checks, "logs": self.logs}
         atomic_write_text(self.out / "paths.json", json.dumps(document, indent=2, default=str) + "\n")
 
 
@@ -1237,18 +1837,17 @@ def run_check(name: str, limit: float, command: list[str], env: dict, call: Path
     """One check in a process group of its own, under `limit` seconds; its progress copied into paths.json as it
     comes; its group ended when it ends or at its limit."""
     started, progress, seen = time.perf_counter(), progress_file(call, name), None
-    with (call / f"{name}.log").open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while True:
-            try:
-                code = process.wait(timeout=POLL_S[kind])
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            seen = publish_progress(progress, seen, lambda figures: report.running(name, figures, limit))
-            if time.perf_counter() - started >= limit:
-                code = "timeout"
-                break
+    process = start_in_group(command, env | {DEADLINE_ENV: f"{time.time() + limit:.3f}"}, call / f"{name}.log")
+    while True:
+        try:
+            code = process.wait(timeout=POLL_S[kind])
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        seen = publish_progress(progress, seen, lambda figures: report.running(name, figures, limit))
+        if time.perf_counter() - started >= limit:
+            code = "timeout"
+            break
     ended = end_group(process.pid, KILL_GRACE_S[kind])  # at its limit, or whatever it left running
     process.wait()
     record = call / f"{name}.json"
@@ -1303,24 +1902,58 @@ def parent(args: argparse.Namespace) -> int:
     limits = plan(names, args.cpu)
     budget = args.budget or sum(limits.values())
     header = {"mode": kind, "work": str(args.work), "budget_s": budget, "limits_s": limits}  # the device: check A
+    header["cold_estimates_s"] = {name: CHECKS[name].cold.seconds for name in names if name in CHECKS}
     report = Report(out, call, header)
     report.write()
+    farm = Farm(farm_for(names), call, cache, env, kind) if farm_for(names) else None
     began = time.monotonic()
-    for i, name in enumerate(names):
-        left = budget - (time.monotonic() - began)
-        if left < min(limits[name], MIN_START_S):
-            result = {"check": name, "status": "SKIPPED", "figures": f"{left:.0f} s of --budget {budget:g} s left"}
-            print(f"SKIPPED {name:<12} {result['figures']}", flush=True)
+    if farm is not None:  # at t = 0, beside the light checks
+        farm.start()
+        report.farm = farm.status()
+        report.write()
+    try:
+        for i, name in enumerate(names):
+            if farm is not None and name not in BESIDE_FARM:  # ended before E: E times a quiet GPU
+                farm.wait(began + farm_window(names, limits, budget))
+                end_farm(farm, report)
+                farm = None
+            left = budget - (time.monotonic() - began)
+            limit = turn_limit(limits[name], [limits[later] for later in names[i + 1 :]], left)
+            if limit is None:
+                result = {"check": name, "status": "SKIPPED", "figures": f"{left:.0f} s of --budget {budget:g} s left"}
+            else:
+                result = run_check(name, limit, command_of(name, call, cache, args.cpu), env, call, report, kind)
             report.add(result)
-            continue
-        reserved = sum(limits[later] for later in names[i + 1 :])  # the later checks' own time
-        limit = min(left, max(limits[name], left - reserved))  # its own, and what earlier checks did not use
-        result = run_check(name, limit, command_of(name, call, cache, args.cpu), env, call, report, kind)
-        report.add(result)
-        print(f"{result['status']:<7} {name:<12} {result['wall_s']:>6.1f} s  {_short(result['figures'])}", flush=True)
+            print(result_line(result), flush=True)
+    finally:  # never a farm left running past the call
+        if farm is not None:
+            end_farm(farm, report)
     line, code = tally(report.results)
     print(f"paths on {kind}: {line}")
     return code
+
+
+def turn_limit(own: float, later: list[float], left: float) -> float | None:
+    """A check's limit in its turn: its own, and what earlier checks did not use of theirs (never the later checks'
+    own time), within what is left; None (SKIPPED) when less is left than it or MIN_START_S needs."""
+    if left < min(own, MIN_START_S):
+        return None
+    return min(left, max(own, left - sum(later)))
+
+
+def result_line(result: dict) -> str:
+    if result["status"] == "SKIPPED":
+        return f"SKIPPED {result['check']:<12} {result['figures']}"
+    return f"{result['status']:<7} {result['check']:<12} {result['wall_s']:>6.1f} s  {_short(result['figures'])}"
+
+
+def end_farm(farm: Farm, report: Report) -> None:
+    """The farm ended, its records into paths.json, a line for each process."""
+    report.farm = farm.end()
+    report.write()
+    for name, record in report.farm.items():
+        state = "finished" if record["finished"] else "ended" if record["exit"] == "ended" else f"exit {record['exit']}"
+        print(f"FARM    {name:<17} {state} at {record['wall_s']:.1f} s  {_short(record['compile'])}", flush=True)
 
 
 def chosen(args: argparse.Namespace) -> list[str]:
@@ -1372,6 +2005,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--hang", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--share-smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--farm-stack", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.hang:
@@ -1380,6 +2014,8 @@ def main(argv: list[str] | None = None) -> int:
         return world8_layout(args.world8, args.work, args.cpu)
     if args.share_smoke:
         return share_smoke(args.work, args.cpu)
+    if args.farm_stack:
+        return farm_stack(args.work, args.cache, args.cpu)
     if args.child:
         return child(args.child, args.work, args.cache, args.cpu)
     problem = parent_problem(args)

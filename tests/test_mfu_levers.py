@@ -1,11 +1,15 @@
 """The levers of gpt2_small's MFU on one GPU (issue 40, docs/benchmarks.md), each checked on CPU: cuDNN attention first
 on Hopper, bf16 parameters through FSDP's policy on a mesh of one, batch 32 within the plan, a compiled AdamW step,
 and torch.compile's mode with Inductor's persistent caches. How fast each makes a GPU is bench/gpu_paths.py's
-question, not a test's."""
+question (check E, through bench/gpu_mfu.py), not a test's; that harness's structure is checked here on CPU (issue
+67): a compile farm's warm-only call, the pair timed first within a budget, a variant run uncompiled failing, and the
+figures that say which card and which FLOP convention."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import platform
 import shutil
 
 import pytest
@@ -396,3 +400,191 @@ def test_compile_mode_reaches_torch_compile_and_keeps_inductor_caches(monkeypatc
     calls.clear()
     compile_module.apply_compile(model, torch.device("cpu"))
     assert calls == [("Block", {"mode": "default"})] * 2
+
+
+# --- the harness that measures the levers (bench/gpu_mfu.py, check E of bench/gpu_paths.py), on CPU ---------------
+
+
+@pytest.fixture
+def gpu_mfu(monkeypatch):
+    """bench/gpu_mfu.py as a module, with a variant that compiles on CPU through dynamo alone (Inductor's C++ build of
+    even the tiny model takes a minute): what the checks of compilation read is dynamo's, whatever the backend."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO))
+    module = importlib.import_module("bench.gpu_mfu")
+    monkeypatch.setitem(module.VARIANTS, "compiled", ["train.compile=true"])
+    real_compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: real_compile(self, backend="eager"))
+    torch._dynamo.reset()  # no graph of another test's blocks to reuse
+    yield module
+    torch._dynamo.reset()
+
+
+def test_a_compile_farm_warms_variants_up_and_times_nothing(gpu_mfu, tmp_path, capsys):
+    """--warm-only (review 4, finding 1: a farm compiles E's variants before E, filling the caches E then hits)
+    builds each named variant through the path a measuring call takes and writes its compile figures: seconds,
+    graphs, recompiles, the caches' hits, whether compiled code ran; no tokens/s, MFU or rounds. The CPU's tiny
+    variants run eagerly, and say so; --only repeats; --warm-only names its variants."""
+    with pytest.raises(SystemExit):
+        gpu_mfu.main([str(tmp_path / "none"), "--cpu", "--warm-only"])
+    assert "--warm-only builds the variants named by --only" in capsys.readouterr().err
+    argv = [str(tmp_path), "--cpu", "--warm-only", "--only", "configured", "--only", "compiled", "--warmup", "1"]
+    assert gpu_mfu.main(argv) == 0
+    warmed = json.loads((tmp_path / "mfu.json").read_text())
+    assert list(warmed) == ["configured", "compiled"]
+    timing = {"rounds", "tokens_per_s", "mfu", "mfu_causal", "step_ms", "tokens_per_s_rounds"}
+    assert all(not timing & set(figures) and figures["build_and_warmup_s"] > 0 for figures in warmed.values())
+    assert warmed["configured"]["compile"] == {
+        "configured": False,
+        "eager_because": "train.compile and train.compile_optimizer are off",
+    }
+    compiled = warmed["compiled"]["compile"]
+    assert compiled["configured"] and compiled["unique_graphs"] >= 1 and compiled["recompiles"] == 0
+    assert compiled["compiled_regions_in_a_step"] >= 1 and compiled["compile_s"] > 0 and compiled["frames_eager"] == 0
+    assert {"fx_graph_cache_hits", "aot_autograd_cache_misses"} <= set(compiled)
+    assert warmed["compiled"]["machine"]["card"] and warmed["compiled"]["machine"]["driver"] is None
+    lines = capsys.readouterr().out.splitlines()
+    assert "eager (train.compile" in lines[0] and f"{compiled['unique_graphs']} graphs, 0 recompiles" in lines[1]
+
+
+def test_a_variant_configured_to_compile_that_ran_uncompiled_fails(gpu_mfu, tmp_path, monkeypatch):
+    """Review 4, finding 6: past dynamo's recompile limit the frames run eagerly with a log line only, and an eager
+    variant would read as a lever costing 30%. A variant that compiles is a FAIL (its `error`) when it hits the limit
+    (fail_on_recompile_limit_hit) or when its last warm-up step ran no compiled code (dynamo disabled: no graph at
+    all); the others are still measured. The limit is scaled by the variants sharing the process, which a training
+    process does not, and a shape is compiled for itself as a training process compiles it, never made dynamic by
+    another variant's: three shapes compile once each within a limit of one. A compile inside a timed turn is
+    counted (its seconds are in that round's)."""
+    limit = torch._dynamo.config.recompile_limit
+    good = gpu_mfu.warm(["compiled"], True, tmp_path, 1)["compiled"]
+    assert "error" not in good and good["compile"]["compiled_regions_in_a_step"] >= 1
+
+    torch._dynamo.reset()  # three shapes in one process, each compiled once, static: within the limit scaled for three
+    for batch in (8, 16):
+        monkeypatch.setitem(gpu_mfu.VARIANTS, f"compiled_batch{batch}", ["train.compile=true", f"batch.size={batch}"])
+    with torch._dynamo.config.patch(recompile_limit=1):
+        shared = gpu_mfu.warm(["compiled", "compiled_batch8", "compiled_batch16"], True, tmp_path, 1)
+    assert [figures["compile"]["recompiles"] for figures in shared.values() if "error" not in figures] == [0, 1, 1]
+
+    torch._dynamo.reset()  # a compile inside a timed turn (a guard a later build broke: here every cache dropped)
+    real_timed = gpu_mfu.Variant.timed
+    with monkeypatch.context() as dropped:
+        dropped.setattr(gpu_mfu.Variant, "timed", lambda self, n: torch._dynamo.reset() or real_timed(self, n))
+        recompiled = gpu_mfu.measure(["compiled"], True, tmp_path, 2, 1, 1)["compiled"]
+    assert recompiled["rounds"] == 2 and recompiled["compiles_during_rounds"] == 2
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=0):
+        results = gpu_mfu.measure(["configured", "compiled"], True, tmp_path, 2, 1, 1)
+    assert "dynamo hit its recompile limit (0 in this process)" in results["compiled"]["error"]
+    assert results["configured"]["rounds"] == 2 and "rounds" not in results["compiled"]
+    assert gpu_mfu.failures(results) == ["compiled"]
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=True):
+        silent = gpu_mfu.warm(["compiled"], True, tmp_path, 1)["compiled"]
+    assert silent["error"].startswith("ran a step uncompiled: compile is configured, but no compiled code ran")
+    assert silent["compile"]["unique_graphs"] == 0 and silent["compile"]["compiled_regions_in_a_step"] == 0
+    assert torch._dynamo.config.recompile_limit == limit and not torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+def causal_share(config: Config, vocab: int) -> float:
+    """mfu_causal over mfu: llm.c's FLOPs per token (causal attention at half) over scalelm's."""
+    from scalelm.measure.peak import causal_flops_per_token
+    from scalelm.model.architecture import flops_per_token
+
+    model, seq_len = config.model, config.data.seq_len
+    whole = flops_per_token(model, vocab, seq_len)
+    return causal_flops_per_token(whole, model.n_layers, model.d_model, seq_len) / whole
+
+
+def test_the_pair_is_timed_first_and_a_budget_leaves_later_levers_out(gpu_mfu, tmp_path, monkeypatch):
+    """Review 4, finding 1: E built all four variants before its first round, so an E cut off had no figure. The
+    first two are timed as soon as both are warm (a round after each warm-up from the second on); within --budget-s
+    a build or round that its estimate (the slowest build so far, the last turns) says cannot end is not started,
+    and the JSON says which (`skipped`, `cut_short`). A later lever left out is a note; the pair left unmeasured is a
+    failure. Every variant carries the machine it ran on and both MFU conventions; the GPU's NVML clocks during the
+    turns (a fake reader here) go with each variant."""
+    monkeypatch.setitem(gpu_mfu.VARIANTS, "later", [])
+    now = [0.0]  # the budget's clock: only a build said slow moves it, so that the estimates are exact
+    monkeypatch.setattr(gpu_mfu, "clock", lambda: now[0])
+    real_init = gpu_mfu.Variant.__init__
+
+    def slow_build(seconds: float, name: str):
+        def init(self, *args):
+            now[0] += seconds if args[0] == name else 0
+            real_init(self, *args)
+
+        return init
+
+    def reader() -> dict:
+        return {"ecc_uncorrected": 0, "sm_clock_mhz": 1755, "sm_clock_max_mhz": 1980, "reasons": 0}
+
+    monkeypatch.setattr(gpu_mfu, "health_reader", lambda device: (lambda: reader() | {"power_limit_w": 700.0}, None))
+    monkeypatch.setattr(gpu_mfu.Variant, "__init__", slow_build(2.0, "cudnn_attention"))
+    reports, names = [], ["configured", "cudnn_attention", "later"]
+    results = gpu_mfu.measure(names, True, tmp_path, 2, 1, 1, lambda r: reports.append(json.loads(json.dumps(r))), 4.0)
+    played = [{name: f.get("rounds") for name, f in r.items()} for r in reports]
+    assert played == [
+        {"configured": None},
+        {"configured": None, "cudnn_attention": None},
+        {"configured": 1, "cudnn_attention": 1},  # the pair's first round, before the third build is weighed
+        {"configured": 1, "cudnn_attention": 1, "later": None},
+        {"configured": 2, "cudnn_attention": 2, "later": None},
+    ], played
+    assert results["later"]["skipped"].startswith("not started: its build (~2 s, the slowest so far)")
+    assert gpu_mfu.failures(results) == [] and reports[-1] == json.loads(json.dumps(results))
+    configured = results["configured"]
+    assert 0 < configured["mfu_causal"] < configured["mfu"]  # the tiny model's attention is a small share
+    tiny, gpt2 = (gpu_mfu.experiment_config(gpu_mfu.variant_settings("configured", cpu), tmp_path) for cpu in (1, 0))
+    assert configured["mfu_causal"] / configured["mfu"] == pytest.approx(causal_share(tiny, gpu_mfu.VOCAB))
+    assert causal_share(gpt2, gpu_mfu.VOCAB) == pytest.approx(719.6 / 776.2, abs=1e-3)  # gpt2_small's: x0.927
+    machine = configured["machine"]
+    assert machine["kernel"] == platform.release() and machine["power_limit_w"] == 700.0 and machine["cuda"] is None
+    assert configured["compiles_during_rounds"] == 0
+    clocks = configured["gpu_during_rounds"]
+    assert clocks["sm_clock_mhz_median"] == 1755 and clocks["power_limit_w"] == 700.0 and clocks["healthy"]
+
+    monkeypatch.setattr(gpu_mfu.Variant, "__init__", slow_build(2.0, "configured"))
+    now[0] = 0.0
+    spent = gpu_mfu.measure(names, True, tmp_path, 2, 1, 1, budget_s=1.0)
+    assert "rounds" not in spent["configured"] and spent["configured"]["cut_short"].startswith("0 of 2 rounds")
+    assert [spent[name]["skipped"] for name in names[1:]] == ["not started: the budget is spent"] * 2
+    assert gpu_mfu.failures(spent) == ["configured", "cudnn_attention"]
+
+
+def test_the_card_and_its_power_limit_come_through_the_one_nvml_reader(gpu_mfu, monkeypatch):
+    """Review 4, finding 7: E's figures name the card they were measured on, its driver, power limit and kernel, so
+    that an H100's are never read as an H200's. The power limit comes through scalelm.measure.baseline's NVML reader
+    (no NVML opened another way): its samples carry the enforced limit, and the worst of them the lowest (a card
+    capped lower clocks lower); a binding or GPU without the query leaves it out. CUDA faked here."""
+    import sys
+
+    from scalelm.measure import baseline, monitor
+
+    class FakeNvml:
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0, 1, 0
+        limits = [700_000, 650_000]
+
+        def __getattr__(self, name):  # every other query answers a number
+            return lambda *args: 0 if "Reasons" in name else 1200
+
+        def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+            return self.limits.pop(0)
+
+    monkeypatch.setattr(monitor, "device_uuid", lambda device: "GPU-1")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    reader = baseline.open_health_reader(torch.device("cuda", 0))
+    samples = [reader(), reader()]
+    assert [s["power_limit_w"] for s in samples] == [700.0, 650.0]
+    assert baseline.worst_health(samples)["power_limit_w"] == 650.0
+    assert "power_limit_w" not in baseline.worst_health([{**samples[0], "power_limit_w": None}])
+
+    FakeNvml.limits = [700_000]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_mfu, "driver_version", lambda: "580.95.05")
+    facts = gpu_mfu.machine(torch.device("cuda", 0), gpu_mfu.health_reader(torch.device("cuda", 0))[0])
+    assert facts["card"] == "NVIDIA H100 80GB HBM3" and facts["driver"] == "580.95.05"
+    assert facts["power_limit_w"] == 700.0 and facts["sm_clock_max_mhz"] == 1200
+    assert facts["kernel"] == platform.release() and facts["torch"] == torch.__version__
