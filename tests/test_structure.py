@@ -115,6 +115,19 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def refuse_circles(found: list[Arrow], ends, what: str) -> None:
+    """Fail naming a circle of the graph whose edges are `ends(arrow)` of the `found` arrows, and its imports."""
+    edges: dict[str, set[str]] = {}
+    for arrow in found:
+        source, target = ends(arrow)
+        edges.setdefault(source, set()).add(target)
+    cycle = find_cycle(edges)
+    if cycle:
+        steps = set(zip(cycle, cycle[1:]))
+        imports = [str(a) for a in found if ends(a) in steps]
+        raise AssertionError(f"the {what} import in a circle: {' -> '.join(cycle)}, by\n  " + "\n  ".join(imports))
+
+
 def test_the_cycle_finder_names_a_circle_and_passes_a_tree():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
@@ -138,28 +151,13 @@ def test_every_room_has_a_floor():
 def test_the_rooms_form_no_circle():
     """Without the allowed arrow up (a late import, which closes a circle with the arrows down by design)."""
     found = [arrow for arrow in arrows() if (arrow.module, arrow.target) not in UPWARD]
-    edges: dict[str, set[str]] = {}
-    for arrow in found:
-        edges.setdefault(arrow.source_room, set()).add(arrow.target_room)
-    cycle = find_cycle(edges)
-    if cycle:
-        steps = set(zip(cycle, cycle[1:]))
-        imports = [str(a) for a in found if (a.source_room, a.target_room) in steps]
-        raise AssertionError(f"the rooms import in a circle: {' -> '.join(cycle)}, by\n  " + "\n  ".join(imports))
+    refuse_circles(found, lambda arrow: (arrow.source_room, arrow.target_room), "rooms")
 
 
 def test_the_modules_inside_a_room_form_no_circle():
     """A circle inside a room (train: consolidate -> engine -> evaluation -> consolidate, once, closed by an import
     inside a function) is as much a tangle as one between rooms: each module of it needs the others to be read."""
-    found = arrows(across_rooms=False)
-    edges: dict[str, set[str]] = {}
-    for arrow in found:
-        edges.setdefault(arrow.module, set()).add(arrow.target)
-    cycle = find_cycle(edges)
-    if cycle:
-        steps = set(zip(cycle, cycle[1:]))
-        imports = [str(a) for a in found if (a.module, a.target) in steps]
-        raise AssertionError(f"the modules import in a circle: {' -> '.join(cycle)}, by\n  " + "\n  ".join(imports))
+    refuse_circles(arrows(across_rooms=False), lambda arrow: (arrow.module, arrow.target), "modules")
 
 
 def test_every_import_goes_to_the_same_or_a_lower_floor_but_one():
