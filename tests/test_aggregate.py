@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from scalelm.errors import ConfigError, DataError
+from scalelm.plan.machine import MachineBaseline
 from scalelm.report import expectations, history, history_compare, history_store
 from scalelm.report.aggregate import ReportOptions, aggregate, check_out_dir, read_run
 from scalelm.report.aggregate import main as aggregate_main
@@ -802,6 +803,12 @@ def test_the_aggregation_refuses_a_history_among_what_it_writes_or_replaces(tmp_
     assert sorted(p.name for p in out.iterdir()) == ["summary.csv"]
 
 
+def machine_record(**fields) -> MachineBaseline:
+    """A machine baseline of one node of two ranks (on host vm), with `fields` of its JSON over those."""
+    least = {"world_size": 2, "procs_per_node": 2, "hosts": ["vm"], "device": "cpu", "matmul_tflops_min": 0.05}
+    return MachineBaseline.from_json(least | fields)
+
+
 def fake_baseline(path, nodes, procs, job_all_reduce, node_all_reduce=None, tflops=0.05):
     """A machine baseline as scalelm.measure.baseline writes it: two sizes of all_reduce over the job (and within a
     node), the second `job_all_reduce` GB/s of bus bandwidth."""
@@ -899,9 +906,11 @@ def test_other_work_beyond_a_share_of_the_cores_a_run_was_given_disturbs_it():
     assert disturbance(twins, {"n1": 1, "n2": 1}, 1, {"n1": "boot-a", "n2": "boot-a"}) == ""
     assert disturbance(twins, {"n1": 1, "n2": 1}, 1, {}) != ""  # two machines, each beside other work
     assert disturbance({}, {}, 2, {}) == ""  # nothing recorded: nothing to judge
-    baseline = {"per_rank": [{"host": "vm", "machine": "boot-a", "threads": 2}], "host_load": {"vm": load(2, 1, 0.9)}}
+    baseline = machine_record(
+        per_rank=[{"host": "vm", "machine": "boot-a", "threads": 2}], host_load={"vm": load(2, 1, 0.9)}
+    )
     assert baseline_disturbance(baseline) == "other work took 0.90 of the 2 cores it was given on vm"
-    assert baseline_disturbance({"per_rank": [], "collectives": []}) == ""  # an older baseline: not judged
+    assert baseline_disturbance(machine_record(per_rank=[], collectives=[])) == ""  # an older baseline: not judged
     # a run in another architecture's image under QEMU (issue 55) measured the emulator, whatever else ran
     emulated = SimpleNamespace(
         host_load={"vm": load(2, 1.8, 0.15)},
@@ -1095,24 +1104,23 @@ def test_a_baseline_slower_than_every_run_found_the_machine_is_doubted(monkeypat
         return [SimpleNamespace(vocab_size=5018, figures={"nodes": nodes, "step_time_s": s}) for s in steps]
 
     plan(0.2)  # fast end 0.16 s: runs of 0.05-0.1 s took at most 50% of the planned step, below the fast end
-    baselines = [{"nodes": 1, "disturbed": ""}, {"nodes": 2, "disturbed": "other work took 0.90 of ..."}]
+    baselines, disturbed = [machine_record(), machine_record(world_size=4)], {2: "other work took 0.90 of ..."}
     found = runs(0.05, 0.08, 0.1) + runs(0.05, 0.06, nodes=2)
-    steptime.add_planned(found, baselines)
+    verdicts = steptime.add_planned(found, baselines, disturbed)
     reason = (
         "slower than the machine its 3 runs found: each took at most 50% of its planned step, less than the fast end "
         "of the spread"
     )
-    assert baselines[0]["disturbed"] == reason + "; measure it again (`snakemake --forcerun machine_baseline`)"
-    assert baselines[1]["disturbed"] == "other work took 0.90 of ..."  # two runs: too few to doubt it
-    assert [run.figures["machine_disturbed"] for run in found] == [baselines[0]["disturbed"]] * 3 + [
-        baselines[1]["disturbed"]
-    ] * 2
+    assert verdicts[1] == reason + "; measure it again (`snakemake --forcerun machine_baseline`)"
+    assert verdicts[2] == "other work took 0.90 of ..."  # two runs: too few to doubt it
+    assert disturbed == {2: "other work took 0.90 of ..."}  # the verdicts beside the records, the given ones kept
+    assert [run.figures["machine_disturbed"] for run in found] == [verdicts[1]] * 3 + [verdicts[2]] * 2
     assert steptime.error_cell(found[0].figures) == "-75% (machine baseline disturbed)"
     for near, fast in ((0.16, 0.8), (0.145, 0.7)):  # one run within 25% of the plan, or (a wider spread) its fast end
         plan(0.2, fast)
-        found, baselines = runs(0.05, 0.08, near), [{"nodes": 1, "disturbed": ""}]
-        steptime.add_planned(found, baselines)
-        assert baselines[0]["disturbed"] == "" and {run.figures["machine_disturbed"] for run in found} == {""}
+        found = runs(0.05, 0.08, near)
+        assert steptime.add_planned(found, [machine_record()], {}) == {1: ""}
+        assert {run.figures["machine_disturbed"] for run in found} == {""}
 
     # the rule alone: rows without a plan do not count
     slow = {"step_time_s": 0.05, "planned_step_time_s": 0.25, "planned_step_time_s_min": 0.2}

@@ -18,6 +18,7 @@ from scalelm.launch import launcher as launch
 from scalelm.measure import baseline, energy
 from scalelm.model import gpu_ops
 from scalelm.parallel import compile as compiling
+from scalelm.plan.machine import MachineBaseline
 
 
 class MatmulShapes(TorchDispatchMode):
@@ -115,6 +116,7 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
     assert not figures["model_step_compiled"] and compiled_models == [] and figures["model_step_all_cores_s"] is None
     result = {
         "world_size": 1,
+        "procs_per_node": 1,
         "hosts": ["n1"],
         "device": "cpu",
         "matmul_tflops_min": 1.0,
@@ -124,10 +126,10 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         "per_rank": [],
         "nccl_network": None,
     }
-    assert "(the slowest rank, compiled)" in baseline.report(result, None)[0]
+    assert "(the slowest rank, compiled)" in baseline.report(MachineBaseline.from_json(result), None)[0]
     # timed before the data was prepared: the report says which vocabulary the step had
     result["model_step"] |= {"vocab_size": 33278, "prepared": False}
-    assert "with WikiText-2's vocabulary (33,278)" in baseline.report(result, None)[1]
+    assert "with WikiText-2's vocabulary (33,278)" in baseline.report(MachineBaseline.from_json(result), None)[1]
 
     def broken():
         raise RuntimeError("GPU is lost")

@@ -28,6 +28,7 @@ from scalelm.measure.hostload import HostLoad
 from scalelm.measure.instruments import Instruments
 from scalelm.model.architecture import flops_per_token, parameter_counts
 from scalelm.model.moe import MoE
+from scalelm.plan.machine import MachineBaseline
 from scalelm.report.timing import default_warmup, overlapping_runs, steady_state, straggler
 from scalelm.report.utilisation import device_series, summarise
 from scalelm.train.record import read_metrics
@@ -446,6 +447,7 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     result = json.loads(out.read_text())
+    assert MachineBaseline.from_json(result).to_json() == result  # the record holds all of it, and writes it back
     assert result["world_size"] == 4 and result["procs_per_node"] == 2 and result["backend"] == "gloo"
     assert [r["rank"] for r in result["per_rank"]] == [0, 1, 2, 3]
     products = result["per_rank"][0]["matmul"]["products"]
@@ -599,6 +601,7 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     assert baseline.nccl_network(logs) == "Socket" and baseline.nccl_network(["NCCL INFO Using network IB"]) == "IB"
     result = {
         "world_size": 8,
+        "procs_per_node": 4,
         "hosts": ["n1", "n2"],
         "device": "NVIDIA H100",
         "matmul_tflops_min": 700.0,
@@ -608,7 +611,7 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
         "per_rank": [{"rank": 5, "host": "n2", "gpu": health}],
         "nccl_network": "Socket",
     }
-    lines = "\n".join(baseline.report(result, "infiniband"))
+    lines = "\n".join(baseline.report(MachineBaseline.from_json(result), "infiniband"))
     assert "WARNING: rank 5 on n2: GPU not healthy" in lines
     assert "WARNING: the site has InfiniBand but NCCL uses Socket" in lines
     assert baseline.nccl_debug_env(Path("/r"))["NCCL_DEBUG_FILE"] == "/r/nccl.%h.%p.log"

@@ -59,10 +59,11 @@ from typing import TYPE_CHECKING, Any
 from scalelm.errors import friendly_errors
 from scalelm.files import atomic_write_text, check_file_output
 from scalelm.measure import nvml
+from scalelm.plan.machine import MachineBaseline
 from scalelm.plan.steptime import RING_RANKS
 from scalelm.site import OPS, SCOPES
 
-if TYPE_CHECKING:  # torch is imported where the measuring starts: the report reads this module
+if TYPE_CHECKING:  # torch is imported where the measuring starts: the workflow reads this module without it
     import torch
     import torch.distributed as dist
 
@@ -858,54 +859,44 @@ def measure_job(args: argparse.Namespace, logs: Path) -> dict[str, Any] | None:
         teardown()
 
 
-def largest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each collective of a baseline at its largest message, by `<scope>_<op>` (site.yaml's reference names)."""
-    found: dict[str, dict[str, Any]] = {}
-    for row in result["collectives"]:
-        key = f"{row['scope']}_{row['op']}"
-        if key not in found or row["bytes"] > found[key]["bytes"]:
-            found[key] = row
-    return found
-
-
-def report(result: dict[str, Any], interconnect: str | None) -> list[str]:
+def report(baseline: MachineBaseline, interconnect: str | None) -> list[str]:
     """The baseline in a few lines, the slowest ranks' figures, and what looks wrong."""
+    step = baseline.model_step
     lines = [
-        f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])} ({result['device']}): "
-        f"matrix products {result['matmul_tflops_min']:.3g} TFLOP/s, elementwise "
-        f"{result['elementwise_gbps_min']:.3g} GB/s, the model's step {result['model_step']['seconds_max']:.3g} s "
-        f"for {result['model_step']['tokens']:,} tokens (the slowest rank"
-        f"{', compiled' if result['model_step'].get('compiled') else ''})"
+        f"baseline of {baseline.world_size} process(es) on {', '.join(baseline.hosts)} ({baseline.device}): "
+        f"matrix products {baseline.matmul_tflops:.3g} TFLOP/s, elementwise "
+        f"{baseline.elementwise_gbps:.3g} GB/s, the model's step {step.seconds.median:.3g} s "
+        f"for {step.tokens:,} tokens (the slowest rank{', compiled' if step.compiled else ''})"
     ]
-    if result["model_step"].get("prepared") is False:
+    if step.prepared is False:
         lines.append(
             f"  no prepared data where the config says: the model's step timed with WikiText-2's vocabulary "
-            f"({result['model_step']['vocab_size']:,}); the plan prices that vocabulary for it"
+            f"({step.vocab_size:,}); the plan prices that vocabulary for it"
         )
-    if result["model_step"].get("host_speedup"):
+    if step.host_speedup:
         lines.append(
-            f"  a host's throughput with its {result['model_step']['ranks_per_host']} ranks at work: "
-            f"{result['model_step']['host_speedup']:.2f} x one rank's alone"
+            f"  a host's throughput with its {step.ranks_per_host} ranks at work: "
+            f"{step.host_speedup.median:.2f} x one rank's alone"
         )
-    if result.get("in_step_latency_s") is not None:
+    if baseline.waits:
         lines.append(
-            f"  a small collective inside a step, every rank at work: {result['in_step_latency_s'] * 1e3:.3g} ms, and "
-            f"the ranks drift apart by {result['drift_share']:.0%} of their compute between collectives"
+            f"  a small collective inside a step, every rank at work: "
+            f"{baseline.waits.in_step_latency_s.median * 1e3:.3g} ms, and the ranks drift apart by "
+            f"{baseline.waits.drift_share.median:.0%} of their compute between collectives"
         )
-    for row in largest(result).values():
+    for row in baseline.largest().values():
         lines.append(
-            f"  {row['op']:<15} {row['scope']:<4} {row['ranks']} ranks, {row['bytes'] / 2**20:8.2f} MiB: "
-            f"{row['time_s'] * 1e3:9.3f} ms, bus bandwidth {row['busbw_gbps']:8.3f} GB/s"
+            f"  {row.op:<15} {row.scope:<4} {row.ranks} ranks, {row.bytes / 2**20:8.2f} MiB: "
+            f"{row.time_s.median * 1e3:9.3f} ms, bus bandwidth {row.busbw_gbps.median:8.3f} GB/s"
         )
-    for rank in result["per_rank"]:
-        gpu = rank["gpu"]
-        if gpu and not gpu.get("healthy", True):
-            lines.append(f"  WARNING: rank {rank['rank']} on {rank['host']}: GPU not healthy ({gpu})")
-    if result["nccl_network"]:
-        lines.append(f"  NCCL network: {result['nccl_network']}")
-        if interconnect == "infiniband" and "IB" not in result["nccl_network"]:
+    for rank in baseline.per_rank:
+        if rank.gpu and not rank.gpu.get("healthy", True):
+            lines.append(f"  WARNING: rank {rank.rank} on {rank.host}: GPU not healthy ({rank.gpu})")
+    if baseline.nccl_network:
+        lines.append(f"  NCCL network: {baseline.nccl_network}")
+        if interconnect == "infiniband" and "IB" not in baseline.nccl_network:
             lines.append(
-                "  WARNING: the site has InfiniBand but NCCL uses " + result["nccl_network"] + ": about a "
+                "  WARNING: the site has InfiniBand but NCCL uses " + baseline.nccl_network + ": about a "
                 "fifth of the bandwidth between nodes. Check the image's libibverbs and NCCL_IB_* settings "
                 "(docs/gpu.md)"
             )
@@ -965,7 +956,7 @@ def main(argv: list[str] | None = None) -> None:
     if result is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print("\n".join(report(result, args.interconnect)) + f"\nwritten to {args.out}")
+        print("\n".join(report(MachineBaseline.from_json(result), args.interconnect)) + f"\nwritten to {args.out}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.model.architecture import parameter_counts
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, rate, smallest_fsdp, smallest_machine
+from scalelm.plan.machine import MachineBaseline
 from scalelm.plan.memory import PARTS, Workload
 from scalelm.plan.steptime import Speeds
 from scalelm.site import load_site
@@ -91,10 +92,10 @@ def speeds_of(args: argparse.Namespace) -> Speeds | None:
         if any(value is not None for value in given.values()) or args.busbw_inter_gbps is not None:
             raise ConfigError("give the machine's speeds either as --baseline or as flags, not both")
         try:
-            result = json.loads(Path(args.baseline).read_text())
+            baseline = MachineBaseline.from_json(json.loads(Path(args.baseline).read_text()))
         except (OSError, ValueError) as err:
             raise ConfigError(f"--baseline {args.baseline} is not a machine baseline ({err})") from None
-        return Speeds.from_baseline(result, args.baseline)
+        return Speeds.from_baseline(baseline, args.baseline)
     if all(value is None for value in given.values()):
         return None
     missing = [flag for flag, value in given.items() if value is None]

@@ -25,22 +25,16 @@
   collectives run on their own stream and hide behind the pass they overlap (DDP's buckets and FSDP's
   reduce-scatter and backward gathers behind the backward, two thirds of the compute; FSDP's prefetched gathers
   behind the forward) except for one message that nothing covers; tensor parallelism's all-reduces, the
-  pipeline's transfers and expert parallelism's all-to-alls are waited for. On a CPU nothing hides: gloo runs on the
-  cores the compute uses. An all-to-all is priced at the baseline's all-to-all figures where it measured them, else
-  at its all-gather's (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it);
-  `all_to_all_s` is its share of the step. On a CPU each message costs at least what the baseline measured a small
-  collective to cost inside the model's step (`in_step_latency_s`, the last rank's to arrive) in place of the
-  curve's back-to-back latency (a rank woken from a collective waits for a core), and the ranks of a step with
-  collectives wait for one another at each: they drift apart between two by `drift_share` of their compute;
+  pipeline's transfers and expert parallelism's all-to-alls are waited for (on a CPU, all of them: its host's).
+  An all-to-all is priced at the baseline's all-to-all figures where it measured them, else at its all-gather's
+  (nccl-tests define both bus bandwidths alike: (n - 1)/n of a rank's buffer leaves it); `all_to_all_s` is its
+  share of the step;
 - the bubble: the busiest pipeline rank waits while the others fill the pipeline and drain it, one micro-batch slot
   of each (with equal stages the schedule's share, scalelm.parallel.layout.predicted_bubble).
 
-On a CPU the ranks of a machine share its throughput, which the baseline measures with every rank at work, and a
-lone process gains what its threads gained there (two threads or two processes on two virtual cores do not run
-twice as fast as one: they share caches, memory and, on a virtual machine, perhaps a physical core). A machine is
-a kernel (scalelm.measure.hostload.machine_id): the local default's "nodes" and the Slurm test cluster's share one.
-Where a machine's ranks want more cores than it has, a collective also waits for its members to get a core from the
-ranks computing meanwhile, and takes as much longer as the machine is oversubscribed.
+What a CPU host whose cores the ranks share adds (its per-rank speedup, collectives that cannot hide and wait for a
+core, the ranks' drift apart) is scalelm.plan.host's, applied where the formula says; a GPU's plan has none of it. The
+machine's figures come from its baseline's record (scalelm.plan.machine) or from its user (`Speeds.given`).
 """
 
 from __future__ import annotations
@@ -51,10 +45,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from scalelm.errors import ConfigError
-from scalelm.launch.launcher import threads_per_process
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import fsdp_of_one
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
+from scalelm.plan.host import HostContention, collective_crowding, crowding, rank_speedup
+from scalelm.plan.machine import MachineBaseline
 from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
 
 ACTIVATION_PASSES = 3  # written in the forward, read in the backward, a gradient of the same size written
@@ -65,9 +60,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
 RING_RANKS = 2  # the context-parallel ring whose overhead the baseline measures (measure.baseline.layout_overheads)
 DRIFT = "waiting for the last rank at each collective"  # the step's collectives' wait beyond their own latency
-# a baseline's figures at the median of its repetitions, or at the fast or slow end of their spread (the plan's own)
-ENDS = ("median", "fast", "slow")
-BUS_AT = {"median": "busbw_gbps", "fast": "busbw_gbps_max", "slow": "busbw_gbps_min"}
 # what a hand-typed speed (`Speeds.given`) may be, in its unit (TFLOP/s, GB/s), per GPU: wider than any device's
 # (an H200's 990 dense bf16 TFLOP/s and 4,800 GB/s, NVLink's 900 GB/s) and any laptop core's, so that a value outside
 # is a typo or a unit off by a thousand or more; within it every step time is a finite, positive number of seconds
@@ -102,61 +94,40 @@ class Speeds:
                 raise ConfigError(f"the machine's {name} must be positive, got {getattr(self, name)}")
 
     @classmethod
-    def from_baseline(cls, result: dict[str, Any], source: str = "", at: str = "median") -> Speeds:
+    def from_baseline(cls, baseline: MachineBaseline, source: str = "", at: str = "median") -> Speeds:
         """A baseline's slowest rank's rates and its collectives: those over the whole job carry inter-node
         traffic where the baseline spanned nodes (intra-node otherwise), those within a node intra-node. `at`: the
-        median of its repetitions, or the fast or slow end of their spread (the model's step and the collectives;
-        a baseline of an older scalelm has no spread: its medians)."""
-        if "elementwise_gbps_min" not in result or "model_step" not in result:
+        median of its repetitions, or the fast or slow end of their spread (ENDS; a baseline of an older scalelm has
+        no spread: its medians). A CPU's waits were measured with the baseline's ranks at work: as on a host they do
+        not crowd."""
+        step = baseline.model_step
+        if baseline.elementwise_gbps is None or step is None:
             named = f" {source}" if source else ""
             raise ConfigError(
                 f"the machine baseline{named} lacks the step-time model's figures (made by an older "
                 "scalelm): rerun the workflow's machine_baseline"
             )
-        nodes = result["world_size"] // result["procs_per_node"]
         curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
-        for row in result["collectives"]:
-            link = INTRA if row["scope"] == "node" or nodes == 1 else INTER
-            curves[link][row["op"]].append((row["bytes"], row.get(BUS_AT[at], row["busbw_gbps"])))
-        cpu = result["device"] == "cpu"
-        first = result["per_rank"][0]
-        step = result["model_step"]
-        end = {"fast": 0, "slow": 1}.get(at)  # in a spread of seconds: (min, max)
-
-        def seconds(median: str, spread: str) -> float:
-            return step[spread][end] if end is not None and spread in step else step[median]
-
-        def speedup() -> float | None:  # (low, high): the fast end is the high one
-            spread = step.get("host_speedup_spread")
-            return spread[1 - end] if end is not None and spread else step.get("host_speedup")
-
-        def waits(name: str) -> float | None:  # a CPU's: ranks drift apart and wait for a core, not a GPU's
-            if not cpu or result.get(name) is None:
-                return None
-            seconds = result[f"{name}_spread"][end] if end is not None else result[name]
-            # measured with the baseline's ranks at work: as on a host they do not crowd
-            return seconds / crowding(first["threads"], step["ranks_per_host"], first["cpus"])
-
+        for row in baseline.collectives:
+            link = INTRA if row.scope == "node" or baseline.nodes == 1 else INTER
+            curves[link][row.op].append((row.bytes, row.busbw_gbps.at(at)))
+        cpu, first, waits = baseline.on_cpu, baseline.per_rank[0], baseline.waits
+        crowded = crowding(first.threads, step.ranks_per_host, first.cpus) if cpu and waits else 1.0
         return cls(
-            matmul_tflops=result["matmul_tflops_min"],
-            elementwise_gbps=result["elementwise_gbps_min"],
+            matmul_tflops=baseline.matmul_tflops,
+            elementwise_gbps=baseline.elementwise_gbps,
             busbw_gbps={link: {op: sorted(points) for op, points in ops.items()} for link, ops in curves.items()},
-            threads=first.get("threads") if cpu else None,
-            cpus=first.get("cpus") if cpu else None,
-            model_step=(step["tokens"], seconds("seconds_max", "seconds_spread")),
-            model_vocab=step.get("vocab_size"),
-            small_step=(step["small_tokens"], seconds("small_seconds_max", "small_seconds_spread"))
-            if "small_tokens" in step
-            else None,
-            host_speedup=speedup() if cpu else None,
-            thread_speedup=step.get("thread_speedup") if cpu else None,
-            layout_overhead_s={
-                name: step["layout_overhead_s_spread"][name][end] if end is not None else seconds
-                for name, seconds in step.get("layout_overhead_s", {}).items()
-            },
-            in_step_latency_s=waits("in_step_latency_s"),
-            drift_share=waits("drift_share"),
-            source=source or f"baseline of {result['world_size']} process(es) on {', '.join(result['hosts'])}",
+            threads=first.threads if cpu else None,
+            cpus=first.cpus if cpu else None,
+            model_step=(step.tokens, step.seconds.at(at)),
+            model_vocab=step.vocab_size,
+            small_step=(step.small_tokens, step.small_seconds.at(at)) if step.small_seconds else None,
+            host_speedup=step.host_speedup.at(at) if cpu and step.host_speedup else None,
+            thread_speedup=step.thread_speedup if cpu else None,
+            layout_overhead_s={name: figure.at(at) for name, figure in step.layout_overhead_s.items()},
+            in_step_latency_s=waits.in_step_latency_s.at(at) / crowded if cpu and waits else None,
+            drift_share=waits.drift_share.at(at) / crowded if cpu and waits else None,
+            source=source or f"baseline of {baseline.world_size} process(es) on {', '.join(baseline.hosts)}",
         )
 
     @classmethod
@@ -209,26 +180,12 @@ class Speeds:
         return self.threads is not None
 
     def crowding(self, threads: int | None, ranks_on_host: int) -> float:
-        """On a CPU whose ranks want more cores than it has, how much longer a collective takes in a step than in
-        the baseline: its members share their cores with the ranks computing meanwhile. 1 on GPUs."""
-        if self.threads is None or threads is None or not self.cpus:
-            return 1.0
-        return crowding(threads, ranks_on_host, self.cpus)
+        """scalelm.plan.host.collective_crowding of these speeds."""
+        return collective_crowding(self, threads, ranks_on_host)
 
     def per_rank(self, threads: int | None, ranks_on_host: int) -> float:
-        """How much faster than measured alone a rank computes: on a CPU, alone on its machine, what its threads
-        gained in the baseline; beside others, its share of the machine's throughput (the launcher shares every core
-        out); without those figures its share of the cores over the measuring rank's threads. 1 on GPUs."""
-        if self.threads is None or threads is None:
-            return 1.0
-        if ranks_on_host == 1 and self.thread_speedup and self.cpus and self.cpus > self.threads:
-            # one process: threads help as far as they did in the baseline (little, for small products)
-            share = (min(threads, self.cpus) - self.threads) / (self.cpus - self.threads)
-            return 1 + max(share, 0.0) * (self.thread_speedup - 1)
-        if self.host_speedup:
-            return self.host_speedup / ranks_on_host
-        share = min(threads, (self.cpus or threads * ranks_on_host) / ranks_on_host)
-        return share / self.threads
+        """scalelm.plan.host.rank_speedup of these speeds."""
+        return rank_speedup(self, threads, ranks_on_host)
 
 
 def check_given_speed(name: str, value: float) -> None:
@@ -240,11 +197,6 @@ def check_given_speed(name: str, value: float) -> None:
             f"the machine's {name} must be positive, from {low:g} to {high:,.0f} {unit} per GPU "
             f"(--{name.replace('_', '-')}), got {value}"
         )
-
-
-def crowding(threads: int, ranks_on_host: int, cpus: int) -> float:
-    """How many times over a host's ranks, each with its threads, want its cores (at least 1)."""
-    return max(1.0, threads * ranks_on_host / cpus)
 
 
 @dataclass
@@ -305,23 +257,18 @@ def active_expert_weights(work: Workload, tensors: list) -> int:
     return sum(t.numel() // moe.experts * moe.top_k for t in tensors if t.expert and len(t.shape) == 3)
 
 
-def flow_seconds(flow: Traffic, speeds: Speeds) -> float:
-    """A flow's seconds per step: its bytes over the bus bandwidth at its message size; where the baseline measured
-    what a small collective costs inside a step (a CPU's), each message's latency that, not the curve's
-    back-to-back one (its time at the smallest size measured)."""
-    seconds = flow.bytes / (speeds.bus_gbps(flow.link, flow.op, flow.message_bytes) * 1e9)
-    if not (speeds.in_step_latency_s and flow.messages and flow.message_bytes):
-        return seconds
-    # the bus convention's bytes of a 1-byte message, at the bandwidth below the smallest size: that size's time
-    back_to_back = flow.bytes / flow.messages / flow.message_bytes / (speeds.bus_gbps(flow.link, flow.op, 1) * 1e9)
-    return seconds + flow.messages * max(0.0, speeds.in_step_latency_s - back_to_back)
+def flow_seconds(flow: Traffic, speeds: Speeds, host: HostContention) -> float:
+    """A flow's seconds per step: its bytes over the bus bandwidth at its message size, with what its messages wait
+    on the host beyond the curve's latency (`HostContention.latency`), as much longer as the host's ranks crowd it."""
+    wire = flow.bytes / (speeds.bus_gbps(flow.link, flow.op, flow.message_bytes) * 1e9)
+    return (wire + host.latency(flow, speeds)) * host.collective_factor
 
 
-def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, hides: bool) -> dict[str, float]:
-    """Each collective's seconds that the step waits for: all of them where nothing hides (a CPU); on a GPU a pass's
-    collectives beyond what its compute covers, and at least one message of each."""
-    seconds = {f.collective: flow_seconds(f, speeds) for f in flows}
-    if not hides:
+def exposed(flows: list[Traffic], speeds: Speeds, compute_s: float, host: HostContention) -> dict[str, float]:
+    """Each collective's seconds that the step waits for: all of them where nothing hides (`host.overlaps`: not on a
+    CPU); on a GPU a pass's collectives beyond what its compute covers, and at least one message of each."""
+    seconds = {f.collective: flow_seconds(f, speeds, host) for f in flows}
+    if not host.overlaps:
         return seconds
     window = {"forward": compute_s * (1 - BACKWARD_SHARE), "backward": compute_s * BACKWARD_SHARE}
     out = {}
@@ -377,10 +324,8 @@ def predict(
 ) -> StepTime:
     """The step time of `dims` on nodes of `gpus_per_node` ranks. On a CPU, `threads` per rank and `ranks_on_host`
     (default: the launcher's share of the host's cores for a node's ranks, which share one host)."""
-    ranks_on_host = ranks_on_host or gpus_per_node
-    if threads is None and speeds.cpus:
-        threads = threads_per_process(speeds.cpus, ranks_on_host)
-    share = speeds.per_rank(threads, ranks_on_host)
+    host = HostContention.of(speeds, threads, ranks_on_host or gpus_per_node)
+    share = host.speedup
     faster = share * efficiency(work, speeds)
     layout = work.layout(dims)
     global_batch, micro = work.config.batch.sizes(dims.dp_size)
@@ -404,11 +349,10 @@ def predict(
     }
     step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed, overhead_s=overhead)
     flows = traffic(work, dims, gpus_per_node)
-    step.communication_s = exposed(flows, speeds, step.compute_s, not speeds.on_cpu)
-    crowded = speeds.crowding(threads, ranks_on_host)
-    step.communication_s = {name: seconds * crowded for name, seconds in step.communication_s.items()}
-    if speeds.drift_share and step.communication_s:  # a CPU's ranks drift apart between collectives: each waits
-        step.communication_s[DRIFT] = speeds.drift_share * crowded * step.compute_s
+    step.communication_s = exposed(flows, speeds, step.compute_s, host)
+    drift = host.drift(step.compute_s)
+    if drift and step.communication_s:  # ranks that drift apart between collectives wait for the last at each
+        step.communication_s[DRIFT] = drift
     step.all_to_all_s = sum(step.communication_s[f.collective] for f in flows if f.op == "all_to_all")
     if dims.pp > 1:
         # the busiest rank waits while the others fill the pipeline and drain it: one micro-batch slot of each

@@ -45,6 +45,7 @@ from typing import Any
 from scalelm.errors import DataError, friendly_errors
 from scalelm.files import OutputError
 from scalelm.measure.peak import causal_flops_per_token, mfu
+from scalelm.plan.machine import MachineBaseline
 from scalelm.report import (
     bubble,
     expectations,
@@ -368,12 +369,13 @@ def write_tables(
     out_dir: Path,
     options: ReportOptions,
     since: tuple[str, list[history_compare.Change]] | None = None,
-    machine_figures: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], []),
+    machine_figures: tuple[list[MachineBaseline], list[dict[str, Any]], dict[int, str]] = ([], [], {}),
 ) -> None:
     """summary.csv (every figure of every run), summary_by_experiment.csv, expectations.csv, machine.csv, and
     summary.md: its sections in order, each written by the module of its figures (`since`: the previous study's id
-    and the changes, from the results history; `machine_figures`: the machine's baselines and their checks)."""
-    baselines, machine_checks = machine_figures
+    and the changes, from the results history; `machine_figures`: the machine's baselines, their checks and
+    why each was disturbed, by node count)."""
+    baselines, machine_checks, disturbed = machine_figures
     write_csv(out_dir / "summary.csv", COLUMNS, rows)
     write_csv(out_dir / "summary_by_experiment.csv", repeats.COLUMNS, summaries)
     write_csv(out_dir / "expectations.csv", expectations.COLUMNS, checks)
@@ -383,7 +385,7 @@ def write_tables(
         *per_run.markdown(rows, checks, changes, machine_checks, options.disturbed_share),
         *repeats.markdown(summaries),
         *experts.markdown(rows),
-        *machine.markdown(baselines, machine_checks),
+        *machine.markdown(baselines, machine_checks, disturbed),
         *steptime.markdown(rows),
         *expectations.markdown(checks),
         *history_compare.markdown(since),
@@ -434,8 +436,8 @@ def aggregate(
     runs = [read_run(RunDir(Path(d)), options) for d in run_dirs]
     check_distinct(run_dirs, runs)
     mark_overlaps(runs)
-    baselines = machine.read_baselines(list(machine_files), options.disturbed_share)
-    steptime.add_planned(runs, baselines)
+    baselines = machine.read_baselines(list(machine_files))
+    disturbed = steptime.add_planned(runs, baselines, machine.disturbances(baselines, options.disturbed_share))
     runs.sort(key=lambda r: (r.figures["world_size"], r.figures["experiment"], r.figures["seed"]))
     rows = [run.figures for run in runs]
     add_scaling(rows, choose_baseline({r["experiment"]: r["world_size"] for r in rows}, options.baseline))
@@ -453,7 +455,7 @@ def aggregate(
     checks = expectations.check(expectations.resolve(expected or [], reference), summaries)
     machine_checks = machine.check(baselines, references or MachineReferences())
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_tables(rows, summaries, checks, out_dir, options, since, (baselines, machine_checks))
+    write_tables(rows, summaries, checks, out_dir, options, since, (baselines, machine_checks, disturbed))
     plot(runs, summaries, out_dir, trend)
     return runs
 

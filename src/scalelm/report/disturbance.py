@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any
 
 from scalelm.launch.container import EMULATED_ENV
+from scalelm.plan.machine import MachineBaseline
 from scalelm.report.figures import TIMED
 from scalelm.train.record import RunRecord
 
@@ -93,15 +94,14 @@ def run_disturbance(record: RunRecord, share: float = DEFAULT_SHARE) -> str:
     return "; ".join(reason for reason in reasons if reason)
 
 
-def baseline_disturbance(baseline: dict[str, Any], share: float = DEFAULT_SHARE) -> str:
-    """`disturbance` of a machine baseline (scalelm.measure.baseline's JSON; one without `host_load`, of an older
-    scalelm, is not judged)."""
-    ranks = baseline.get("per_rank") or []
+def baseline_disturbance(baseline: MachineBaseline, share: float = DEFAULT_SHARE) -> str:
+    """`disturbance` of a machine baseline (one without `host_load`, of an older scalelm, is not judged)."""
+    ranks = baseline.per_rank
     return disturbance(
-        baseline.get("host_load") or {},
-        Counter(r["host"] for r in ranks),
-        _whole(ranks[0].get("threads")) if ranks else None,
-        {r["host"]: r.get("machine") for r in ranks},
+        baseline.host_load or {},
+        Counter(r.host for r in ranks),
+        _whole(ranks[0].threads) if ranks else None,
+        {r.host: r.machine for r in ranks},
         share,
     )
 

@@ -3,7 +3,8 @@ every collective at every size in machine.csv, and in summary.md each node count
 bandwidths at the largest message against the site's references (site.yaml `references:`, met within their
 tolerance), so that "the network delivered 22% of its reference" sits beside the experiments on those nodes. A
 baseline measured beside other work (its `host_load`: scalelm.report.disturbance) is marked in both, and on every run
-of its node count: its rates, and the step times planned from them, measure that work too."""
+of its node count: its rates, and the step times planned from them, measure that work too. The report's verdicts on
+a baseline (why it was disturbed, by node count) stay beside its record (scalelm.plan.machine), never in it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scalelm.errors import DataError
-from scalelm.measure.baseline import largest
+from scalelm.plan.machine import Figure, MachineBaseline
 from scalelm.report.disturbance import DEFAULT_SHARE, baseline_disturbance
 from scalelm.report.tables import fmt, markdown_table
 from scalelm.site import MachineReferences
@@ -37,41 +38,43 @@ COLUMNS = [
 CHECK_COLUMNS = ["nodes", "figure", "value", "reference", "share", "threshold", "status"]
 
 
-def read_baselines(paths: list[Path], share: float = DEFAULT_SHARE) -> list[dict[str, Any]]:
-    """The baselines, by node count, each with why other work disturbed it (`disturbed`; empty if nothing did)."""
+def read_baselines(paths: list[Path]) -> list[MachineBaseline]:
+    """The baselines, by node count."""
     found = []
     for path in paths:
         try:
-            baseline = json.loads(Path(path).read_text())
+            found.append(MachineBaseline.from_json(json.loads(Path(path).read_text())))
         except (OSError, ValueError) as err:
             raise DataError(f"{path} is not a machine baseline ({err}): run the workflow's machine_baseline") from None
-        baseline["nodes"] = baseline["world_size"] // baseline["procs_per_node"]
-        baseline["disturbed"] = baseline_disturbance(baseline, share)
-        found.append(baseline)
-    return sorted(found, key=lambda b: b["nodes"])
+    return sorted(found, key=lambda b: b.nodes)
 
 
-def rows(baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def disturbances(baselines: list[MachineBaseline], share: float = DEFAULT_SHARE) -> dict[int, str]:
+    """Why other work disturbed each baseline, by node count (empty if nothing did)."""
+    return {b.nodes: baseline_disturbance(b, share) for b in baselines}
+
+
+def rows(baselines: list[MachineBaseline]) -> list[dict[str, Any]]:
     """machine.csv: every collective at every size, with the node count it ran on."""
     return [
         {
-            "nodes": b["nodes"],
-            "procs_per_node": b["procs_per_node"],
-            "hosts": " ".join(b["hosts"]),
-            "device": b["device"],
-            **row,
+            "nodes": b.nodes,
+            "procs_per_node": b.procs_per_node,
+            "hosts": " ".join(b.hosts),
+            "device": b.device,
+            **row.to_json(),
         }
         for b in baselines
-        for row in b["collectives"]
+        for row in b.collectives
     ]
 
 
-def check(baselines: list[dict[str, Any]], references: MachineReferences) -> list[dict[str, Any]]:
+def check(baselines: list[MachineBaseline], references: MachineReferences) -> list[dict[str, Any]]:
     """Each reference against each baseline that measured its figure: met at reference x (1 - tolerance) or more."""
     checks = []
     for b in baselines:
-        measured = {"matmul_tflops": b["matmul_tflops_min"]}
-        measured |= {f"{key}_busbw_gbps": row["busbw_gbps"] for key, row in largest(b).items()}
+        measured = {"matmul_tflops": b.matmul_tflops}
+        measured |= {f"{key}_busbw_gbps": row.busbw_gbps.median for key, row in b.largest().items()}
         wanted = {"matmul_tflops": references.matmul_tflops}
         wanted |= {f"{key}_busbw_gbps": value for key, value in references.busbw_gbps.items()}
         for figure, reference in wanted.items():
@@ -80,7 +83,7 @@ def check(baselines: list[dict[str, Any]], references: MachineReferences) -> lis
             value, threshold = measured[figure], reference * (1 - references.tolerance)
             checks.append(
                 {
-                    "nodes": b["nodes"],
+                    "nodes": b.nodes,
                     "figure": figure,
                     "value": value,
                     "reference": reference,
@@ -101,23 +104,14 @@ def flags(nodes: int, checks: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def disturbed(baselines: list[dict[str, Any]], nodes: int) -> str:
-    """Why the baseline of `nodes` nodes was disturbed; empty if it was not, or there is none."""
-    return next((b.get("disturbed") or "" for b in baselines if b["nodes"] == nodes), "")
+def model_step_cell(baseline: MachineBaseline) -> str:
+    step = baseline.model_step  # not in a baseline of an older scalelm
+    return with_spread(step.seconds) if step else ""
 
 
-def model_step_cell(baseline: dict[str, Any]) -> str:
-    step = baseline.get("model_step")  # not in a baseline of an older scalelm
-    return with_spread(step["seconds_max"], step.get("seconds_spread")) if step else ""
-
-
-def spread_of(row: dict[str, Any]) -> list[float] | None:
-    return [row["busbw_gbps_min"], row["busbw_gbps_max"]] if "busbw_gbps_min" in row else None
-
-
-def with_spread(value: float, spread: list[float] | None) -> str:
+def with_spread(figure: Figure) -> str:
     """A median with its spread (min-max), where the baseline measured one (not before scalelm timed repetitions)."""
-    return fmt(value) + (f" ({fmt(spread[0])}-{fmt(spread[1])})" if spread else "")
+    return fmt(figure.median) + (f" ({fmt(figure.low)}-{fmt(figure.high)})" if figure.low is not None else "")
 
 
 def check_cell(check: dict[str, Any], column: str) -> str:
@@ -127,25 +121,25 @@ def check_cell(check: dict[str, Any], column: str) -> str:
     return f"{check[column]:.0%}" if column == "share" else fmt(check[column])
 
 
-def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> list[str]:
-    """summary.md's section: per node count the products' rate and every collective at its largest message, then
-    the references."""
+def markdown(baselines: list[MachineBaseline], checks: list[dict[str, Any]], disturbed: dict[int, str]) -> list[str]:
+    """summary.md's section: per node count the products' rate and every collective at its largest message, the
+    baselines `disturbed` (nodes -> why), then the references."""
     if not baselines:
         return []
-    at_largest = [largest(b) for b in baselines]
+    at_largest = [b.largest() for b in baselines]
     keys = sorted({key for found in at_largest for key in found})
     table = [
         [
-            str(b["nodes"]),
-            str(b["procs_per_node"]),
-            ", ".join(b["hosts"]),
-            fmt(b["matmul_tflops_min"]),
+            str(b.nodes),
+            str(b.procs_per_node),
+            ", ".join(b.hosts),
+            fmt(b.matmul_tflops),
             model_step_cell(b),
-            *(with_spread(found[key]["busbw_gbps"], spread_of(found[key])) if key in found else "" for key in keys),
+            *(with_spread(found[key].busbw_gbps) if key in found else "" for key in keys),
         ]
         for b, found in zip(baselines, at_largest)
     ]
-    sizes = sorted({row["bytes"] for found in at_largest for row in found.values()})
+    sizes = sorted({row.bytes for found in at_largest for row in found.values()})
     lines = [
         "",
         "## The machine",
@@ -159,7 +153,7 @@ def markdown(baselines: list[dict[str, Any]], checks: list[dict[str, Any]]) -> l
     ]
     headers = ["nodes", "processes", "hosts", "matmul TFLOP/s", "model step s", *(f"{key} GB/s" for key in keys)]
     lines += markdown_table(headers, table)
-    troubled = [f"on {b['nodes']} node(s) {b['disturbed']}" for b in baselines if b.get("disturbed")]
+    troubled = [f"on {b.nodes} node(s) {disturbed[b.nodes]}" for b in baselines if disturbed.get(b.nodes)]
     if troubled:
         lines += [
             "",

@@ -12,8 +12,9 @@ from typing import Any
 from scalelm.config import from_dict
 from scalelm.errors import ConfigError
 from scalelm.parallel.dims import ParallelDims
+from scalelm.plan.machine import ENDS, MachineBaseline
 from scalelm.plan.memory import Workload
-from scalelm.plan.steptime import ENDS, Speeds, StepTime, predict
+from scalelm.plan.steptime import Speeds, StepTime, predict
 from scalelm.report.disturbance import baseline_unlike_its_runs, contaminated
 from scalelm.report.figures import RunSummary
 from scalelm.report.tables import fmt, markdown_table
@@ -41,17 +42,17 @@ def planned_step(run: RunSummary, vocab_size: int, speeds: Speeds) -> StepTime:
     )
 
 
-def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None:
+def add_planned(runs: list[RunSummary], baselines: list[MachineBaseline], disturbed: dict[int, str]) -> dict[int, str]:
     """The PLANNED columns of every run whose node count has a baseline the model can read (None for the others: a
     baseline of an older scalelm lacks its figures, and says so without stopping the summary), and why that
-    baseline was disturbed (`machine_disturbed`): by other work, or unlike the machine all its runs found
-    (`baseline_unlike_its_runs`, added to the baseline's own `disturbed`)."""
+    baseline was disturbed (`machine_disturbed`): by other work (`disturbed`, by node count), or unlike the machine
+    all its runs found (`baseline_unlike_its_runs`). Returns the verdicts with the latter added."""
     by_nodes = {}
     for baseline in baselines:
         try:
-            by_nodes[baseline["nodes"]] = {at: Speeds.from_baseline(baseline, at=at) for at in ENDS}
+            by_nodes[baseline.nodes] = {at: Speeds.from_baseline(baseline, at=at) for at in ENDS}
         except ConfigError as err:
-            print(f"scalelm: no planned step time on {baseline['nodes']} node(s): {err}", file=sys.stderr)
+            print(f"scalelm: no planned step time on {baseline.nodes} node(s): {err}", file=sys.stderr)
     for run in runs:
         speeds = by_nodes.get(run.figures["nodes"]) if run.vocab_size else None
         steps = {at: planned_step(run, run.vocab_size, speeds[at]) for at in ENDS} if speeds else {}
@@ -63,15 +64,14 @@ def add_planned(runs: list[RunSummary], baselines: list[dict[str, Any]]) -> None
         )
         run.figures.update(dict(zip(PLANNED, values)))
         run.figures.update(dict(zip(SPREAD, (steps["fast"].total_s, steps["slow"].total_s) if steps else (None, None))))
+    verdicts = dict(disturbed)
     for baseline in baselines:
-        unlike = baseline_unlike_its_runs(
-            [run.figures for run in runs if run.figures["nodes"] == baseline["nodes"]], GOAL
-        )
-        baseline["disturbed"] = "; ".join(reason for reason in (baseline.get("disturbed"), unlike) if reason)
-    disturbed = {b["nodes"]: b["disturbed"] for b in baselines}
+        unlike = baseline_unlike_its_runs([run.figures for run in runs if run.figures["nodes"] == baseline.nodes], GOAL)
+        verdicts[baseline.nodes] = "; ".join(reason for reason in (disturbed.get(baseline.nodes), unlike) if reason)
     for run in runs:
-        run.figures["machine_disturbed"] = disturbed.get(run.figures["nodes"], "")
+        run.figures["machine_disturbed"] = verdicts.get(run.figures["nodes"], "")
         run.figures["steptime_blame"] = blame(run.figures)
+    return verdicts
 
 
 def error(row: dict[str, Any]) -> float | None:
