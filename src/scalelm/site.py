@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from scalelm.errors import ConfigError
+from scalelm.plan.catalogue import catalogue
 from scalelm.settings_yaml import from_mapping, read_settings, shown
 
 # the collectives the machine's baseline times (scalelm.measure.baseline), and where: over the whole job (across its
@@ -58,6 +59,10 @@ class SiteConfig:
     port_range: tuple[int, int] = (29500, 29999)  # rendezvous port = low + job id mod size
     modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
     peak_tflops: float | None = None  # one GPU's dense TFLOP/s for MFU, where scalelm's table lacks the GPU
+    # the catalogue's GPU and network between nodes (scalelm.plan.catalogue: h100-sxm, ndr-8x): `scalelm plan` takes
+    # the step time's speeds, and what gpus_per_node and gpu_memory_gb leave out, from them unless a baseline is given
+    gpu: str | None = None
+    network: str | None = None
     exclusive: bool = True  # training jobs get whole nodes (sbatch --exclusive): nothing shares a timed job's nodes
     # the nodes' network: with infiniband, a machine baseline in which NCCL chose sockets warns
     # (scalelm.measure.baseline)
@@ -84,6 +89,10 @@ class SiteConfig:
                 f"inductor_cache_dir must be an absolute path (each job's shell does not expand ~ or variables in "
                 f"it), got {shown(self.inductor_cache_dir)}"
             )
+        if self.gpu is not None:
+            catalogue().accelerator(self.gpu)
+        if self.network is not None:
+            catalogue().network(self.network)
         low, high = self.port_range
         if not 1024 <= low <= high <= 65535:
             raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")

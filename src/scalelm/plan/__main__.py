@@ -3,14 +3,19 @@ the machine can hold, whether each fits, and which to choose; with the machine's
 
     python -m scalelm.plan --config FILE [--set KEY=VALUE ...] [--vocab-size V] --nodes N --gpus-per-node G
         --gpu-memory-gb M [--site profiles/slurm/site.yaml] [--activation-checkpointing] [--json]
-        [--baseline results/machine/nodes2.json | --matmul-tflops T --elementwise-gbps E --busbw-intra-gbps B
-         [--busbw-inter-gbps B]]
+        [--baseline results/machine/nodes2.json | --gpu NAME [--network NAME] | --matmul-tflops T
+         --elementwise-gbps E --busbw-intra-gbps B [--busbw-inter-gbps B]]
+
+A cluster no one has measured, in one command, from the catalogue's figures (scalelm.plan.catalogue; --gpu and
+--network, or the site file's gpu and network, also give the GPUs per node and their memory):
+
+    python -m scalelm.plan --config FILE --vocab-size 50304 --gpu h100-sxm --network ndr-8x --nodes 4
 
 The vocabulary size comes from the prepared data (data.prepared_dir) unless given. The machine comes from the flags,
 or for what they leave out from the site file (gpus_per_node, gpu_memory_gb). Its speeds, for the step time
-(scalelm.plan.steptime), from a machine baseline (the workflow's rule machine_baseline, scalelm.measure.baseline) or
-the flags; with them the recommendation is the layout that fits and should be fastest, without them the lectures'
-ladder. Exit status 2, with the reason, when
+(scalelm.plan.steptime), from a machine baseline (the workflow's rule machine_baseline, scalelm.measure.baseline),
+the flags or the catalogue (a measured baseline wins over the catalogue); with them the recommendation is the layout
+that fits and should be fastest, without them the lectures' ladder. Exit status 2, with the reason, when
 no layout fits (naming the smallest machine that would do) or the config's own layout cannot run on the machine.
 """
 
@@ -20,12 +25,14 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.model.architecture import parameter_counts
+from scalelm.plan.catalogue import catalogue, inter_names, machine_record
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, rate, smallest_fsdp, smallest_machine
 from scalelm.plan.machine import MachineBaseline
@@ -35,7 +42,12 @@ from scalelm.site import load_site
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scalelm.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scalelm.plan",
+        description=__doc__.split("\n\n")[0],
+        epilog="Your own cluster, not yet measured (the catalogue's GPUs and networks: --gpu, --network): scalelm "
+        "plan --config my.yaml --vocab-size 50304 --gpu h100-sxm --network ndr-8x --nodes 4",
+    )
     parser.add_argument("--config", help="a training config (YAML); none: the defaults, the course's model")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     parser.add_argument("--vocab-size", type=int, help="default: the prepared data's vocabulary")
@@ -56,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="a JSON list of the layouts instead of a table")
     speed = parser.add_argument_group("the machine's speeds, for the step time (per GPU)")
     speed.add_argument("--baseline", help="a machine baseline's JSON (scalelm.measure.baseline) on as many nodes")
+    speed.add_argument(
+        "--gpu", help=f"a catalogue GPU, for a cluster not yet measured: {', '.join(sorted(catalogue().accelerators))}"
+    )
+    speed.add_argument("--network", help=f"the catalogue's network between its nodes: {inter_names()}")
     speed.add_argument("--matmul-tflops", type=float, help="matrix products at the model's shapes, training dtype")
     speed.add_argument("--elementwise-gbps", type=float, help="memory bandwidth of elementwise work, GB/s")
     speed.add_argument("--busbw-intra-gbps", type=float, help="collectives' bus bandwidth within a node, GB/s")
@@ -82,7 +98,31 @@ def check_finite(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be a finite number, got {value}")
 
 
-def speeds_of(args: argparse.Namespace) -> Speeds | None:
+def speeds_of(args: argparse.Namespace, work: Workload | None = None, machine: Machine | None = None) -> Speeds | None:
+    """The machine's speeds: a measured baseline's, else the catalogue's GPU's (flag or site file), else the flags'."""
+    site = load_site(args.site)
+    gpu, network = args.gpu or site.gpu, args.network or site.network
+    if gpu:
+        catalogue().accelerator(gpu)  # an unknown name is refused even where a baseline wins
+    if network:
+        catalogue().network(network)
+        if not gpu:
+            raise ConfigError("--network names the catalogue's network between a catalogue GPU's nodes: give --gpu too")
+    hand = any(getattr(args, name) is not None for name in HAND_TYPED)
+    if args.gpu and hand:
+        raise ConfigError("give the machine's speeds either as --gpu or as flags, not both")
+    if gpu and not args.baseline and not hand and work is not None and machine is not None:
+        return Speeds.from_baseline(machine_record(work, machine.nodes, machine.gpus_per_node, gpu, network))
+    speeds = given_speeds(args)
+    if speeds and args.baseline and gpu:
+        return replace(speeds, source=f"{speeds.source} (measured: it wins over the catalogue's {gpu})")
+    return speeds
+
+
+HAND_TYPED = ("matmul_tflops", "elementwise_gbps", "busbw_intra_gbps", "busbw_inter_gbps")
+
+
+def given_speeds(args: argparse.Namespace) -> Speeds | None:
     given = {
         "--matmul-tflops": args.matmul_tflops,
         "--elementwise-gbps": args.elementwise_gbps,
@@ -108,9 +148,13 @@ def speeds_of(args: argparse.Namespace) -> Speeds | None:
 
 def machine_of(args: argparse.Namespace) -> Machine:
     site = load_site(args.site)
+    named = args.gpu or site.gpu
+    gpu = catalogue().accelerator(named) if named else None  # the catalogue's, for what the flags and site leave out
     # a flag given as 0 is refused (Machine), not replaced by the site's value
     gpus = args.gpus_per_node if args.gpus_per_node is not None else site.gpus_per_node or None
     memory = args.gpu_memory_gb if args.gpu_memory_gb is not None else site.gpu_memory_gb
+    gpus = gpus if gpus is not None or gpu is None else gpu.gpus_per_node
+    memory = memory if memory is not None or gpu is None else gpu.memory_gb
     if gpus is None:
         raise ConfigError("the machine's GPUs per node are unknown: pass --gpus-per-node, or --site with gpus_per_node")
     if memory is None:
@@ -247,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, args.set)
     machine = machine_of(args)
     work = Workload(config, vocab_size_of(args, config.data.prepared_dir), args.device, args.activation_checkpointing)
-    speeds = speeds_of(args)
+    speeds = speeds_of(args, work, machine)
     plans, impossible = plan_machine(work, machine, speeds)
     if args.json:
         json.dump([plan.to_dict() for plan in plans], sys.stdout, indent=1)

@@ -205,6 +205,8 @@ class MachineBaseline:
     host_load: dict[str, dict[str, Any]] | None = None  # per host: its and other work's cores (measure.hostload)
     backend: str | None = None
     torch: str | None = None
+    # not measured: modelled from the catalogue's figures (scalelm.plan.catalogue), which it names; it has no model step
+    modelled: str | None = None
 
     @property
     def nodes(self) -> int:
@@ -248,6 +250,7 @@ class MachineBaseline:
             host_load=result.get("host_load"),
             backend=result.get("backend"),
             torch=result.get("torch"),
+            modelled=result.get("modelled"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -267,4 +270,5 @@ class MachineBaseline:
             **(self.waits.to_json() if self.waits else {}),
             "nccl_network": self.nccl_network,
             "host_load": self.host_load,
+            **({"modelled": self.modelled} if self.modelled else {}),
         }

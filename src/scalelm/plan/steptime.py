@@ -101,7 +101,8 @@ class Speeds:
         no spread: its medians). A CPU's waits were measured with the baseline's ranks at work: as on a host they do
         not crowd."""
         step = baseline.model_step
-        if baseline.elementwise_gbps is None or step is None:
+        # a catalogue's record has no model step: its rates are the achievable ones (efficiency 1, no fixed cost)
+        if baseline.elementwise_gbps is None or (step is None and not baseline.modelled):
             named = f" {source}" if source else ""
             raise ConfigError(
                 f"the machine baseline{named} lacks the step-time model's figures (made by an older "
@@ -119,15 +120,17 @@ class Speeds:
             busbw_gbps={link: {op: sorted(points) for op, points in ops.items()} for link, ops in curves.items()},
             threads=first.threads if cpu else None,
             cpus=first.cpus if cpu else None,
-            model_step=(step.tokens, step.seconds.at(at)),
-            model_vocab=step.vocab_size,
-            small_step=(step.small_tokens, step.small_seconds.at(at)) if step.small_seconds else None,
-            host_speedup=step.host_speedup.at(at) if cpu and step.host_speedup else None,
-            thread_speedup=step.thread_speedup if cpu else None,
-            layout_overhead_s={name: figure.at(at) for name, figure in step.layout_overhead_s.items()},
+            model_step=(step.tokens, step.seconds.at(at)) if step else None,
+            model_vocab=step.vocab_size if step else None,
+            small_step=(step.small_tokens, step.small_seconds.at(at)) if step and step.small_seconds else None,
+            host_speedup=step.host_speedup.at(at) if cpu and step and step.host_speedup else None,
+            thread_speedup=step.thread_speedup if cpu and step else None,
+            layout_overhead_s={name: figure.at(at) for name, figure in step.layout_overhead_s.items()} if step else {},
             in_step_latency_s=waits.in_step_latency_s.at(at) / crowded if cpu and waits else None,
             drift_share=waits.drift_share.at(at) / crowded if cpu and waits else None,
-            source=source or f"baseline of {baseline.world_size} process(es) on {', '.join(baseline.hosts)}",
+            source=source
+            or baseline.modelled
+            or f"baseline of {baseline.world_size} process(es) on {', '.join(baseline.hosts)}",
         )
 
     @classmethod

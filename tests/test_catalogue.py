@@ -1,0 +1,210 @@
+"""The catalogue of machines (scalelm.plan.catalogue): its entries and their sources, the model of what datasheets do
+not give, a plan from a catalogue GPU the same as from its record given as a baseline, names refused, the site
+file's gpu key, and the published runs' bench script on one row. Each check is also shown to fail on a broken
+input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scalelm.errors import ConfigError
+from scalelm.plan.__main__ import main as plan_main
+from scalelm.plan.catalogue import (
+    catalogue,
+    collective_rows,
+    matmul_tflops,
+    model_products,
+    product_rate,
+    read_catalogue,
+)
+from scalelm.plan.machine import MachineBaseline
+from scalelm.site import load_site
+
+ROOT = Path(__file__).resolve().parents[1]
+CATALOGUE = ROOT / "src/scalelm/plan/catalogue.yaml"
+GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "gh200", "mi250x", "mi300x")
+NETWORKS = ("nvlink3", "nvlink4", "hdr-4x", "hdr-8x", "ndr-4x", "ndr-8x", "slingshot-11")
+GPT2 = ["--vocab-size", "50304", "--set", "model.d_model=768", "--set", "model.n_layers=12", "--set",
+        "model.n_heads=12", "--set", "model.d_ff=3072", "--set", "data.seq_len=1024", "--set", "batch.size=16"]  # fmt: skip
+
+
+def test_the_catalogue_holds_the_named_machines_each_with_its_source():
+    book = catalogue()
+    assert set(GPUS) <= set(book.accelerators) and set(NETWORKS) <= set(book.networks)
+    for entry in [*book.accelerators.values(), *book.networks.values()]:
+        assert re.search(r"https?://", entry.source), entry.name  # a datasheet or measurement, by address
+    h100 = book.accelerator("h100-sxm")
+    assert (h100.peak_tflops["bf16"], h100.memory_gb, h100.hbm_gbps) == (989, 80, 3350)
+    assert book.network("ndr-8x").rails == 8 and book.network("nvlink4", scope="node").domain == 8
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("accelerators", "h100-pcie", "source"), " ", r"accelerators.h100-pcie: names no source"),
+        (("networks", "ndr-8x", "source"), "", r"networks.ndr-8x: names no source"),
+        (("model", "matmul", "source"), "", r"model.matmul: names no source"),
+        (("accelerators", "h100-pcie", "memory_gb"), 0, r"accelerators.h100-pcie.memory_gb must be positive"),
+        (("accelerators", "h200", "node_link"), "nvlink9", r"node_link 'nvlink9' is no network of scope node"),
+        (("accelerators", "h200", "peak_tflops"), {"bf16": 989}, r"accelerators.h200: peak_tflops needs a positive"),
+        (("accelerators", "h200", "units"), "many", r"accelerators.h200.units"),
+        (("networks", "ndr-8x", "rails"), None, r"networks.ndr-8x: scope node \(with a domain\) or inter"),
+    ],
+)
+def test_a_broken_catalogue_is_refused_naming_the_entry(path, value, message):
+    data = yaml.safe_load(CATALOGUE.read_text())
+    read_catalogue(yaml.safe_dump(data))  # the catalogue as it is passes
+    *parents, key = path
+    entry = data
+    for name in parents:
+        entry = entry[name]
+    entry[key] = value
+    with pytest.raises(ConfigError, match=message):
+        read_catalogue(yaml.safe_dump(data))
+
+
+def test_a_products_rate_falls_with_its_last_waves_idle_units_and_below_the_roofline():
+    book = catalogue()
+    h100, matmul = book.accelerator("h100-sxm"), book.model["matmul"]
+    full = product_rate(h100, matmul, "bf16", 256 * 12, 128 * 11, 8192)  # 132 tiles: one full wave
+    one_more = product_rate(h100, matmul, "bf16", 256 * 12, 128 * 11 + 1, 8192)  # 144 tiles: a second, mostly idle
+    assert full == pytest.approx(989 * 0.8) and one_more == pytest.approx(989 * 0.8 * 144 / 264)
+    thin = product_rate(h100, matmul, "bf16", 8192, 8192, 16)  # k = 16: its bytes, not its FLOPs, bound it
+    assert thin == pytest.approx(3350 * 2 * 8192 * 8192 * 16 / (2 * (2 * 8192 * 16 + 8192 * 8192)) / 1e3)
+    assert matmul_tflops(h100, "bf16", model_products(16384, 768, 3072, 50304)) < 989 * 0.8
+
+
+def test_a_collectives_rows_follow_latency_plus_bus_bytes_over_bandwidth():
+    rows = {(r.op, r.bytes): r for r in collective_rows("job", 16, dict.fromkeys(
+        ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"), 100.0), 1e-5)}  # fmt: skip
+    large, small = rows[("all_reduce", 2**34)], rows[("all_reduce", 2**10)]
+    assert large.busbw_gbps.median == pytest.approx(100, rel=0.01)  # the bandwidth where bytes dominate
+    assert small.time_s.median == pytest.approx(2 * 4 * 1e-5, rel=0.01)  # 2 log2(16) hops where latency does
+    assert rows[("send_recv", 2**10)].time_s.median == pytest.approx(1e-5, rel=0.01)
+
+
+def plan_json(capsys, *args: str) -> list[dict]:
+    plan_main([*args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_catalogue_gpus_plan_equals_the_plan_from_its_record_given_as_a_baseline(capsys, tmp_path):
+    from scalelm.config import load_config
+    from scalelm.plan.catalogue import machine_record
+    from scalelm.plan.memory import Workload
+
+    machine = ["--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb", "80"]
+    named = plan_json(capsys, *GPT2, *machine, "--gpu", "h100-sxm", "--network", "ndr-8x")
+    sets = [GPT2[i + 1] for i in range(2, len(GPT2), 2)]
+    record = machine_record(Workload(load_config(None, sets), 50304), 2, 8, "h100-sxm", "ndr-8x")
+    written = tmp_path / "baseline.json"
+    written.write_text(json.dumps(record.to_json()))
+    assert MachineBaseline.from_json(json.loads(written.read_text())) == record
+    assert plan_json(capsys, *GPT2, *machine, "--baseline", str(written)) == named
+    assert all(plan["step_time"]["total_s"] > 0 for plan in named)
+    # the check fails where the figures differ: a baseline twice as fast at its products
+    faster = record.to_json() | {"matmul_tflops_min": 2 * record.matmul_tflops}
+    written.write_text(json.dumps(faster))
+    assert plan_json(capsys, *GPT2, *machine, "--baseline", str(written)) != named
+
+
+def test_the_plan_says_which_machine_it_used_and_a_measured_baseline_wins(capsys, tmp_path):
+    plan_main([*GPT2, "--gpu", "h100-sxm", "--network", "ndr-8x", "--nodes", "2"])
+    out = capsys.readouterr().out
+    assert "8 GPU(s) of 80 GB" in out  # the GPU's node and memory, where no flag gives them
+    assert "speeds from the catalogue's h100-sxm (nvlink4) x 2 nodes on ndr-8x" in out
+    measured = tmp_path / "measured.json"
+    from scalelm.config import load_config
+    from scalelm.plan.catalogue import machine_record
+    from scalelm.plan.memory import Workload
+
+    sets = [GPT2[i + 1] for i in range(2, len(GPT2), 2)]
+    base = machine_record(Workload(load_config(None, sets), 50304), 1, 8, "a100-40gb", None)
+    measured.write_text(json.dumps(base.to_json() | {"modelled": None}))  # stands in for a measured one
+    with pytest.raises(SystemExit):  # a measured record without its model step is refused: an older scalelm's
+        plan_main([*GPT2, "--gpu", "h100-sxm", "--baseline", str(measured)])
+    assert "lacks the step-time model's figures" in capsys.readouterr().err
+    modelled = tmp_path / "modelled.json"
+    modelled.write_text(json.dumps(base.to_json()))
+    plan_main([*GPT2, "--gpu", "h100-sxm", "--baseline", str(modelled)])
+    assert f"speeds from {modelled} (measured: it wins over the catalogue's h100-sxm)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gpu", "h100"], r"unknown GPU 'h100': the catalogue knows a100-40gb, a100-80gb, gh200, h100-pcie"),
+        (["--gpu", "h100-sxm", "--network", "ndr"], r"unknown network 'ndr': the catalogue knows hdr-4x, hdr-8x"),
+        (["--gpu", "h100-sxm", "--network", "nvlink4"], r"unknown network 'nvlink4'"),  # a node's link, not one
+        (["--gpu", "h100-sxm", "--nodes", "2"], r"2 nodes need a network between them: --network \(known: hdr-4x"),
+        (["--gpu", "h100-sxm", "--matmul-tflops", "300"], r"either as --gpu or as flags, not both"),
+        (["--network", "ndr-8x", "--gpus-per-node", "8", "--gpu-memory-gb", "80"], r"give --gpu too"),
+    ],
+)
+def test_unknown_names_are_refused_listing_the_known_ones(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        plan_main([*GPT2, *flags])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_known_name_is_not_refused(capsys):
+    plan_main([*GPT2, "--gpu", "mi300x"])
+    assert "8 GPU(s) of 192 GB" in capsys.readouterr().out
+
+
+def test_the_site_files_gpu_key(capsys, tmp_path):
+    site = tmp_path / "site.yaml"
+    site.write_text("gpus_per_node: 4\ngpu: a100-40gb\nnetwork: hdr-4x\n")
+    assert load_site(site).gpu == "a100-40gb"
+    plan_main([*GPT2, "--site", str(site), "--nodes", "2"])
+    out = capsys.readouterr().out
+    assert "2 node(s) x 4 GPU(s) of 40 GB" in out  # the site's node, the catalogue's memory
+    assert "speeds from the catalogue's a100-40gb (nvlink3) x 2 nodes on hdr-4x" in out
+    site.write_text("gpu: a100\n")
+    with pytest.raises(ConfigError, match=r"unknown GPU 'a100': the catalogue knows a100-40gb, a100-80gb"):
+        load_site(site)
+
+
+TORCH_FREE = "import sys, {modules}; sys.exit('torch' in sys.modules)"
+
+
+@pytest.mark.parametrize(
+    "modules, imports_torch",
+    [("scalelm.plan.__main__, scalelm.plan.catalogue, scalelm.site", False), ("scalelm.plan.catalogue, torch", True)],
+)
+def test_the_plan_and_its_catalogue_stay_torch_free(modules, imports_torch):
+    """The second case, which imports torch, shows the check catches a module that would."""
+    run = subprocess.run([sys.executable, "-c", TORCH_FREE.format(modules=modules)], cwd=ROOT, capture_output=True)
+    assert run.returncode == int(imports_torch), run.stderr.decode()
+
+
+def published_runs():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import published_runs
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return published_runs
+
+
+def test_the_bench_script_plans_a_published_run():
+    bench = published_runs()
+    row = next(run for run in bench.RUNS if run.name == "scalelm gpt2_small, 1 H200, eager")
+    prediction = bench.plan_run(row)
+    assert prediction.fits and 0 < prediction.step_s < 1
+    assert prediction.step_error == pytest.approx(prediction.step_s / (16 * 1024 / 350543) - 1)
+    assert prediction.memory_error == pytest.approx(prediction.memory_gb / (11922 * 2**20 / 1e9) - 1)
+    # the planning fails on a broken row: a layout its machine cannot hold
+    from dataclasses import replace
+
+    broken = replace(row, settings=(*row.settings, "parallel.strategy=ddp"), gpus_per_node=1)
+    with pytest.raises(ConfigError):
+        bench.plan_run(replace(broken, settings=(*row.settings, "parallel.tp=2")))
