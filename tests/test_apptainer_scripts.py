@@ -288,4 +288,3 @@ def test_the_image_scripts_and_the_package_name_architectures_from_one_list():
     assert common("qemu_name ppc64el").stdout.strip() == QEMU_NAMES["ppc64le"]  # Debian's name of it
     assert common("host_arch").stdout.strip() == node_architecture()
     assert common("qemu_name vax").returncode != 0
-

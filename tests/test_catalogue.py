@@ -18,6 +18,7 @@ from scalelm.errors import ConfigError
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.catalogue import (
     catalogue,
+    check_site,
     collective_rows,
     matmul_tflops,
     model_products,
@@ -170,7 +171,10 @@ def test_the_site_files_gpu_key(capsys, tmp_path):
     assert "speeds from the catalogue's a100-40gb (nvlink3) x 2 nodes on hdr-4x" in out
     site.write_text("gpu: a100\n")
     with pytest.raises(ConfigError, match=r"unknown GPU 'a100': the catalogue knows a100-40gb, a100-80gb"):
-        load_site(site)
+        check_site(load_site(site).gpu, None)  # as the workflow checks it at parse time, and the planner
+    with pytest.raises(SystemExit):
+        plan_main([*GPT2, "--site", str(site), "--nodes", "2"])
+    assert "error: unknown GPU 'a100': the catalogue knows a100-40gb, a100-80gb" in capsys.readouterr().err
 
 
 TORCH_FREE = "import sys, {modules}; sys.exit('torch' in sys.modules)"

@@ -27,8 +27,12 @@ TP = 2
 MODES = ("none", "full", "selective")
 
 
-def tiny_block_model(dropout: float, n_layers: int = 1, moe: MoEConfig | None = None) -> TransformerLM:
-    return TransformerLM(ModelConfig(d_model=16, n_heads=2, n_layers=n_layers, d_ff=32, dropout=dropout, moe=moe), 50)
+LLAMA = {"family": "llama", "n_heads": 4, "n_kv_heads": 2}  # grouped-query attention: 2 query heads per key/value
+
+
+def tiny_block_model(dropout: float, n_layers: int = 1, moe: MoEConfig | None = None, **family) -> TransformerLM:
+    shape = {"d_model": 16, "n_heads": 2, "n_layers": n_layers, "d_ff": 32, "dropout": dropout, "moe": moe} | family
+    return TransformerLM(ModelConfig(**shape), 50)
 
 
 @pytest.fixture
@@ -46,12 +50,12 @@ MIXTURE = MoEConfig(experts=4, top_k=2)
 
 
 def layout_block(
-    layout: str, dropout: float, mode: str, mesh, dtype: torch.dtype, moe: MoEConfig | None = None
+    layout: str, dropout: float, mode: str, mesh, dtype: torch.dtype, moe: MoEConfig | None = None, **family
 ) -> torch.nn.Module:
-    """Block 0 of the model (with `moe`: a mixture's) as `layout` builds it (plain, tp, tp_sp), checkpointed in
-    `mode`."""
+    """Block 0 of the model (with `moe`: a mixture's; `family`: the llama block's settings) as `layout` builds it
+    (plain, tp, tp_sp), checkpointed in `mode`."""
     torch.manual_seed(0)
-    model = tiny_block_model(dropout, moe=moe)
+    model = tiny_block_model(dropout, moe=moe, **family)
     if layout != "plain":
         apply_tp(model, mesh, loss_parallel=False, sequence_parallel=layout == "tp_sp")
     apply_activation_checkpointing(model, mode)
@@ -83,6 +87,19 @@ def test_every_layouts_block_compiles_whole_in_every_checkpointing_mode(fake_tp_
     ]
 
 
+def test_a_llama_block_compiles_whole_in_every_layout_and_checkpointing_mode(fake_tp_mesh):
+    """The llama block (rotary grouped-query attention, SwiGLU, RMSNorm), plain, TP and TP with SP, with dropout (its
+    own heads' stream under TP: key/value heads repeated for their queries), checkpointed none/full/selective: one
+    graph each."""
+    breaks = {}
+    for layout in ("plain", "tp", "tp_sp"):
+        seq = 8 // TP if layout == "tp_sp" else 8
+        for mode in MODES:
+            block = layout_block(layout, 0.1, mode, fake_tp_mesh, torch.float32, **LLAMA)
+            breaks[layout, mode] = graph_breaks(block, torch.randn(2, seq, 16, requires_grad=True))
+    assert len(breaks) == 9 and {key: reasons for key, reasons in breaks.items() if reasons} == {}
+
+
 # dynamo's reasons for a mixture's exchange (scalelm.model.moe.MoE.exchange): inlined from the block, then in the
 # mixture's own frame; either side of it compiles
 EXCHANGE = ["Skip inlining `torch.compiler.disable()`d function"] * 2
@@ -101,7 +118,8 @@ def test_a_mixtures_block_compiles_around_its_exchange(fake_tp_mesh):
 
 
 @torch._dynamo.config.patch(error_on_recompile=True)
-def test_a_compiled_mixture_trains_as_the_eager_one_without_recompiling():
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_a_compiled_mixture_trains_as_the_eager_one_without_recompiling(family):
     """Finding 7: 2 mixtures' blocks with dropout, checkpointed full, compiled (aot_eager: inductor would draw its
     own dropout seeds) have graphs around the exchange and train 3 AdamW steps as the eager blocks do, without a
     recompilation: neither the routing, which changes from step to step, nor the second block (a checkpointed
@@ -110,7 +128,7 @@ def test_a_compiled_mixture_trains_as_the_eager_one_without_recompiling():
     losses = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        model = tiny_block_model(dropout=0.1, n_layers=2, moe=MIXTURE)
+        model = tiny_block_model(dropout=0.1, n_layers=2, moe=MIXTURE, **family)
         apply_activation_checkpointing(model, "full")
         if compiled:
             torch._dynamo.reset()

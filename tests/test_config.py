@@ -119,6 +119,40 @@ def test_a_coefficient_its_balance_does_not_use_is_refused_unless_at_its_default
         assert moe["aux_loss_coef"] == 0.01 and "bias_rate" not in moe  # (an added setting, at its default)
 
 
+def test_a_setting_of_the_other_model_family_is_refused_by_name_and_the_course_blocks_identity_is_unchanged():
+    """Issue 70: n_kv_heads and rope_theta are the llama block's, model.norm the course block's (a llama block is
+    always pre-norm): each refused by name with the other family unless at its default; grouped-query attention's
+    key/value heads divide the query heads, and tensor parallelism divides them. The new settings at their
+    defaults leave a run's identity as it was."""
+    from scalelm.config import identity_settings
+
+    for overrides, message in (
+        (["model.n_kv_heads=2"], r"^model.n_kv_heads=2 applies to model.family=llama only, and the family is gpt2: "),
+        (["model.rope_theta=500000"], r"^model.rope_theta=500000.0 applies to model.family=llama only"),
+        (["model.family=llama", "model.norm=pre"], r"^model.norm=pre applies to model.family=gpt2 only.*pre-norm"),
+        (["model.family=llama", "model.n_kv_heads=3"], r"model.n_kv_heads \(3\) must divide model.n_heads \(4\)"),
+        (["model.family=llama", "model.n_kv_heads=0"], r"model.n_kv_heads must be a positive integer or null"),
+        (["model.family=bert"], r"model.family: 'bert' is not one of 'gpt2', 'llama'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+    llama = load_config(None, ["model.family=llama", "model.n_heads=8", "model.n_kv_heads=2", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 is not divisible by parallel.tp=4: each TP rank"):
+        resolve_layout(load_config(None, ["model.family=llama", "model.n_kv_heads=2", "parallel.tp=4"]), 4, 4)
+    assert resolve_layout(llama, 2, 2)
+    assert identity_settings(Config().to_dict())["model"].keys() == {
+        "d_model",
+        "n_heads",
+        "n_layers",
+        "d_ff",
+        "dropout",
+        "max_seq_len",
+        "norm",
+        "tie_weights",
+    }
+    assert identity_settings(llama.to_dict())["model"]["family"] == "llama"
+
+
 def test_a_misspelt_strategy_is_refused_where_layouts_are_checked():
     """Strategies and degrees are the layout's (scalelm.parallel.dims): checked with it, by the trainer, the workflow
     and the planner alike, not a second time by the settings' loader."""

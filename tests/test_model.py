@@ -14,10 +14,14 @@ from scalelm.model.loss import IGNORE_INDEX
 from scalelm.model.moe import GroupedExperts, biased_mixtures, mixtures, update_expert_biases
 from scalelm.model.transformer import TransformerLM, count_parameters
 
+LLAMA = {"family": "llama", "n_kv_heads": 2}  # (with 4 heads: 2 query heads per key/value head)
 
-def test_causal_future_tokens_do_not_change_the_past():
+
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_causal_future_tokens_do_not_change_the_past(family):
     torch.manual_seed(0)
-    model = TransformerLM(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0), vocab_size=50).eval()
+    shape = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, **family)
+    model = TransformerLM(shape, vocab_size=50).eval()
     tokens = torch.randint(0, 50, (3, 24))
     t = 10
     changed = tokens.clone()
@@ -26,6 +30,27 @@ def test_causal_future_tokens_do_not_change_the_past():
         a, b = model(tokens), model(changed)
     assert torch.equal(a[:, : t + 1], b[:, : t + 1])
     assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])  # the later positions do see the change
+
+
+def test_grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repeated_for_its_group():
+    """The llama block's qkv rows, grouped by key/value head ([q q k v] per group), computed through SDPA's grouped
+    kernel and through the repeated keys and values the ring and the dropout streams take, give the logits of a
+    model with one key/value head per query head whose keys and values are the group's copies. No positional
+    table (rotary positions), no bias."""
+    torch.manual_seed(0)
+    grouped = TransformerLM(ModelConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0, **LLAMA), 50).eval()
+    full = TransformerLM(ModelConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, dropout=0.0, family="llama"), 50)
+    state = grouped.state_dict()
+    qkv = state["blocks.0.attn.qkv.weight"].view(2, 4, 8, 32)  # (groups, [q q k v], head_dim, d_model)
+    rows = [torch.cat([qkv[g, r], qkv[g, 2], qkv[g, 3]]) for g in range(2) for r in range(2)]  # [q k v] per head
+    full.load_state_dict(state | {"blocks.0.attn.qkv.weight": torch.cat(rows)})
+    tokens = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        expected = full.eval()(tokens)
+        assert torch.allclose(grouped(tokens), expected, atol=1e-6)
+        grouped.blocks["0"].attn.core = lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.allclose(grouped(tokens), expected, atol=1e-6)
+    assert "positions" not in dict(grouped.named_buffers()) and grouped.head.bias is None
 
 
 def test_parameter_count_matches_the_course_formula_without_tying():

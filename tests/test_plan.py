@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from conftest import REPO
 from scalelm.config import Config, MoEConfig, from_dict, load_config
 from scalelm.errors import ConfigError
-from scalelm.model.architecture import BLOCK_TP_PLAN, flops_per_token, parameter_counts, parameters
+from scalelm.model.architecture import BLOCK_TP_PLAN, block_tp_plan, flops_per_token, parameter_counts, parameters
 from scalelm.model.transformer import TransformerLM, count_parameters
 from scalelm.parallel.data import apply_fsdp
 from scalelm.parallel.dims import MESH_DIMS, ParallelDims
@@ -30,7 +32,9 @@ from scalelm.parallel.layout import resolve_layout
 from scalelm.parallel.runtime import Meshes
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.comm import INTER, INTRA, traffic
+from scalelm.plan.host import HostContention
 from scalelm.plan.layouts import Machine, candidates, smallest_fsdp
+from scalelm.plan.machine import ENDS, Figure, MachineBaseline
 from scalelm.plan.memory import (
     Workload,
     block_bytes_per_token,
@@ -82,10 +86,18 @@ def plan_json(capsys, *args: str) -> dict[str, dict]:
     return {layout["name"]: layout for layout in json.loads(capsys.readouterr().out)}
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_weights": True}, {"n_layers": 3, "d_ff": 96}])
+LLAMA = {"family": "llama", "n_heads": 8, "n_kv_heads": 2}  # grouped-query attention: 4 query heads a key/value head
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"tie_weights": True}, {"n_layers": 3, "d_ff": 96}, LLAMA, {**LLAMA, "tie_weights": True, "n_kv_heads": 8}],
+)
 def test_the_model_builds_the_parameters_its_architecture_declares(changes):
     """scalelm.model.architecture, which the planner and tensor parallelism read, is the built model's list: the
-    same names, in the same order, with the same shapes; and the TP plan names the block's linear layers."""
+    same names, in the same order, with the same shapes; and the TP plan names the block's linear layers (the
+    llama block's too: no biases, a qkv of n_heads + 2 n_kv_heads heads, SwiGLU's three matrices). Its parameters
+    and MFU's FLOPs count those matrices."""
     config = Config()
     model = replace(config.model, **changes)
     built = TransformerLM(model, 1000)
@@ -94,7 +106,11 @@ def test_the_model_builds_the_parameters_its_architecture_declares(changes):
     assert sum(p.numel() for p in declared) == count_parameters(built)
     assert sum(p.numel() for p in declared) == sum(p.numel() for p in parameters(model, 1000, loss_parallel=True))
     linears = {name for name, module in built.blocks["0"].named_modules() if isinstance(module, torch.nn.Linear)}
-    assert set(BLOCK_TP_PLAN) == linears
+    assert set(block_tp_plan(model)) == linears
+    assert set(BLOCK_TP_PLAN) == linears or model.family == "llama"
+    matrices = sum(m.weight.numel() for m in built.modules() if isinstance(m, torch.nn.Linear) and m is not built.head)
+    attention = 12 * model.n_layers * model.d_model * 32  # (seq_len 32)
+    assert flops_per_token(model, 1000, 32) == 6 * (matrices + 1000 * model.d_model) + attention
 
 
 def test_sharding_divides_the_state_and_schedules_and_options_change_the_activations():
@@ -126,11 +142,12 @@ def test_sharding_divides_the_state_and_schedules_and_options_change_the_activat
     )
 
 
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("moe", [MoEConfig(experts=4, top_k=2), MoEConfig(experts=6, top_k=1, every=2, d_ff=48)])
-def test_a_mixtures_parameters_are_those_its_architecture_declares(moe):
-    """A mixture's router and stacked experts, built as declared (names, order, shapes); in all as many as the model
-    has, and per token its router and top_k experts."""
-    model = replace(Config().model, d_model=32, n_heads=2, n_layers=2, d_ff=64, moe=moe)
+def test_a_mixtures_parameters_are_those_its_architecture_declares(moe, family):
+    """A mixture's router and stacked experts (llama's SwiGLU experts: w1, w3, w2, no biases), built as declared
+    (names, order, shapes); in all as many as the model has, and per token its router and top_k experts."""
+    model = replace(Config().model, **{"d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 64, "moe": moe} | family)
     built = TransformerLM(model, 100)
     assert [(p.name, p.shape) for p in parameters(model, 100)] == [
         (n, tuple(p.shape)) for n, p in built.named_parameters()
@@ -160,12 +177,15 @@ def fake_world():
         ParallelDims(dp_replicate=2, dp_shard=2, ep=2),
     ],
 )
-def test_the_plan_holds_what_expert_parallelism_and_fsdp_leave_on_a_rank(fake_world, dims):
+@pytest.mark.parametrize("family", [[], ["model.family=llama", "model.n_heads=4", "model.n_kv_heads=2"]])
+def test_the_plan_holds_what_expert_parallelism_and_fsdp_leave_on_a_rank(fake_world, dims, family):
     """Split as scalelm.parallel.runtime splits it (the experts over ep, then FSDP over the ranks holding the same
     experts, the rest over dp_shard; with ep 1 FSDP shards the experts with their block), a rank's tensors have the
     elements the plan counts, tensor by tensor, and its state is 16 bytes each. The meshes, cut from the one world
     mesh, group rank 0 with the ranks ParallelDims says."""
-    config = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.moe={experts: 4}"])
+    config = load_config(
+        None, ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.moe={experts: 4}", *family]
+    )
     world = init_device_mesh("cpu", tuple(getattr(dims, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
     meshes = Meshes.of(world, dims)
     with torch.device("meta"):
@@ -457,6 +477,11 @@ def test_the_step_time_model_adds_its_parts_as_docs_plan_md_says():
     assert four.communication_s[DRIFT] == pytest.approx(2 * 0.1 * four.compute_s)
 
 
+def speeds_of(baseline: dict, source: str = "", at: str = "median") -> Speeds:
+    """The speeds of a baseline's JSON (scalelm.measure.baseline's), read as the plan reads it."""
+    return Speeds.from_baseline(MachineBaseline.from_json(baseline), source, at)
+
+
 def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys, tmp_path):
     """From the flags or a baseline file: each layout's step time and tokens/s, the recommendation the most
     tokens per second among the layouts that fit the whole machine."""
@@ -487,14 +512,14 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     from_file = plan_json(capsys, *COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json"))
     older = {key: value for key, value in baseline.items() if key != "model_step"}  # a baseline of an older scalelm
     with pytest.raises(ConfigError, match="nodes2.json lacks the step-time model's figures .* rerun the workflow's"):
-        Speeds.from_baseline(older, "nodes2.json")
+        speeds_of(older, "nodes2.json")
     assert from_file["tp"]["step_time"]["efficiency"] == pytest.approx(0.5)
     # a baseline whose step had another vocabulary (made before the data was prepared: WikiText-2's) is priced with
     # it: the same efficiency, where the study's vocabulary would have made its output layer another size
     other = replace(work, vocab_size=4 * work.vocab_size)
     ideal = efficiency(other, Speeds(150.0, 1500.0, {}, model_step=(16384, 1.0)))  # its products' and bytes' seconds
     timed_other = {"seconds_max": 2 * ideal, "vocab_size": other.vocab_size}
-    measured = Speeds.from_baseline(baseline | {"model_step": baseline["model_step"] | timed_other})
+    measured = speeds_of(baseline | {"model_step": baseline["model_step"] | timed_other})
     assert measured.model_vocab == other.vocab_size and efficiency(work, measured) == pytest.approx(0.5)
     assert efficiency(work, replace(measured, model_vocab=None)) < 0.45  # as the study's: a slower machine than it is
     # the ends of the baseline's spread: its fastest and slowest repetitions give the plan's spread
@@ -504,7 +529,7 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
         for row in baseline["collectives"]
     ]
     dims, work = ParallelDims(dp_shard=4, tp=2), Workload(load_config(None, ["model.n_layers=4"]), 28785, "cuda")
-    steps = {at: predict(work, dims, 4, Speeds.from_baseline(baseline, at=at)) for at in ("fast", "median", "slow")}
+    steps = {at: predict(work, dims, 4, speeds_of(baseline, at=at)) for at in ("fast", "median", "slow")}
     assert steps["fast"].compute_s < steps["median"].compute_s < steps["slow"].compute_s
     assert steps["fast"].total_s < steps["median"].total_s < steps["slow"].total_s
     comm = {at: sum(step.communication_s.values()) for at, step in steps.items()}
@@ -512,16 +537,16 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     # on a CPU the machine's throughput with every rank at work moves most: its spread is the plan's too
     step = baseline["model_step"] | {"host_speedup": 1.5, "host_speedup_spread": [1.2, 1.8]}
     cpu = baseline | {"device": "cpu", "per_rank": [{"rank": 0, "threads": 1, "cpus": 2}], "model_step": step}
-    assert [Speeds.from_baseline(cpu, at=at).host_speedup for at in ("fast", "median", "slow")] == [1.8, 1.5, 1.2]
+    assert [speeds_of(cpu, at=at).host_speedup for at in ("fast", "median", "slow")] == [1.8, 1.5, 1.2]
     # a small collective inside a step, measured with the baseline's ranks at work: 4 on 2 cores, twice what a host
     # they do not crowd sees; a GPU's baseline has none (its curves alone)
     measured = {"in_step_latency_s": 0.006, "in_step_latency_s_spread": [0.004, 0.01]}
     measured |= {"drift_share": 0.1, "drift_share_spread": [0.05, 0.2]}  # the ranks' wait: crowded likewise
     latent = cpu | measured | {"model_step": step | {"ranks_per_host": 4}}
-    ends = [Speeds.from_baseline(latent, at=at) for at in ("fast", "median", "slow")]
+    ends = [speeds_of(latent, at=at) for at in ("fast", "median", "slow")]
     assert [s.in_step_latency_s for s in ends] == [0.002, 0.003, 0.005]
     assert [s.drift_share for s in ends] == [0.025, 0.05, 0.1]
-    gpu = Speeds.from_baseline(baseline | measured)
+    gpu = speeds_of(baseline | measured)
     assert gpu.in_step_latency_s is None and gpu.drift_share is None
     # a layout's overheads, per pass: DTensor's dispatch for tp, the ring for cp (its steps grow with cp: the
     # baseline's ring has 2 ranks), the mixture's dispatch for ep, FSDP's units wherever parameters are sharded; each
@@ -533,9 +558,9 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
         "ep": [0.02, 0.05],
         "fsdp": [0.001, 0.006],
     }
-    overheads = Speeds.from_baseline(baseline)
+    overheads = speeds_of(baseline)
     slow = {"tp": 0.02, "cp": 0.03, "ep": 0.05, "fsdp": 0.006}
-    assert Speeds.from_baseline(baseline, at="slow").layout_overhead_s == slow
+    assert speeds_of(baseline, at="slow").layout_overhead_s == slow
     tp_step = predict(work, dims, 4, overheads)  # dp_shard 4 x tp 2
     passes = tp_step.overhead_s["tp"] / 0.01  # forward and backward passes of a step (a GPU: no CPU sharing)
     assert passes >= 1 and passes == pytest.approx(round(passes))
@@ -561,6 +586,204 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
     plan_main([*COURSE, *JURECA, "--baseline", str(tmp_path / "nodes2.json")])
     out = capsys.readouterr().out
     assert "step s" in out and "tokens/s" in out and f"the machine's speeds from {tmp_path / 'nodes2.json'}" in out
+
+
+def collective_rows(scope: str, ranks: int, scale: float) -> list[dict]:
+    """Every op at three sizes as measure.baseline.time_collectives writes them, `scale` x a slow network's."""
+    rows = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"):
+        factor = {"all_reduce": 2 * (ranks - 1) / ranks, "send_recv": 1.0}.get(op, (ranks - 1) / ranks)
+        for size, bus in ((4096, 0.2 * scale), (2**20, 6.0 * scale), (2**26, 18.0 * scale)):
+            seconds = size / (bus / factor) / 1e9
+            rows.append(
+                {
+                    "scope": scope,
+                    "op": op,
+                    "ranks": ranks,
+                    "bytes": size,
+                    "time_s": seconds,
+                    "time_s_min": seconds * 0.8,
+                    "time_s_max": seconds * 1.5,
+                    "algbw_gbps": bus / factor,
+                    "busbw_gbps": bus,
+                    "busbw_gbps_min": bus / 1.5,
+                    "busbw_gbps_max": bus / 0.8,
+                }
+            )
+    return rows
+
+
+def written_baseline(device: str) -> dict:
+    """A baseline as measure.baseline writes it today, every key it writes: on two nodes of four GPUs ("gpu"), or
+    on one 2-core host of two ranks ("cpu": its speedups and waits besides)."""
+    gpu = device == "gpu"
+    world, procs = (8, 4) if gpu else (2, 2)
+    load = {"cpus": 2, "busy_cores": 1.0, "run_cores": 1.0, "other_cores": 0.0}
+    overheads = {
+        "cp": (0.01, 0.005, 0.02),
+        "ep": (0.02, 0.01, 0.03),
+        "fsdp": (0.003, 0.001, 0.004),
+        "tp": (0.006, 0.004, 0.01),
+    }
+    overhead_figures = {
+        "layout_overhead_s": {name: median for name, (median, _, _) in overheads.items()},
+        "layout_overhead_s_spread": {name: [low, high] for name, (_, low, high) in overheads.items()},
+    }
+
+    def rank(r: int) -> dict:
+        together = {} if gpu else {"model_step_together_s_spread": [0.14, 0.2]}
+        return {
+            "rank": r,
+            "host": f"n{r // procs}",
+            "machine": f"boot-{r // procs}",
+            "model_step_all_cores_s": None if gpu or r else 0.08,
+            "matmul": {"products": {"qkv": {"shape": [256, 32, 96], "tflops": 0.05}}, "tflops": 0.05, "dtype": "x"},
+            "elementwise_gbps": 12.0 + r,
+            "model_step_s": 0.1,
+            "model_step_s_spread": [0.09, 0.13],
+            "model_step_small_s": 0.04,
+            "model_step_small_s_spread": [0.035, 0.05],
+            "model_step_small_tokens": 256,
+            **(overhead_figures if r == 0 else {}),
+            "model_step_compiled": False,
+            "gpu": {"healthy": True, "held_back_by": [], "samples": 3} if gpu else None,
+            "model_step_together_s": None if gpu else 0.16,
+            **together,
+            "threads": 1,
+            "cpus": 64 if gpu else 2,
+            "load": load,
+        }
+
+    step = {"tokens": 1024, "seconds_max": 0.1, "seconds_spread": [0.09, 0.13], "small_tokens": 256}
+    step |= {"small_seconds_max": 0.04, "small_seconds_spread": [0.035, 0.05], **overhead_figures}
+    if not gpu:
+        step |= {"cores": 2, "thread_speedup": 1.25, "together_seconds_max": 0.16, "ranks_per_host": 2}
+        step |= {"host_speedup": 1.25, "host_speedup_spread": [1.0, 1.4285714285714286]}
+    step |= {"compiled": False, "vocab_size": 5018, "prepared": True}
+    hosts = sorted({f"n{r // procs}" for r in range(world)})
+    result = {
+        "world_size": world,
+        "procs_per_node": procs,
+        "hosts": hosts,
+        "device": "NVIDIA H100 80GB HBM3" if gpu else "cpu",
+        "backend": "nccl" if gpu else "gloo",
+        "torch": "2.10.0",
+        "matmul_tflops_min": 300.0 if gpu else 0.05,
+        "elementwise_gbps_min": 2500.0 if gpu else 12.0,
+        "model_step": step,
+        "per_rank": [rank(r) for r in range(world)],
+        "collectives": collective_rows("job", world, 5.0 if gpu else 1.0)
+        + (collective_rows("node", procs, 20.0) if gpu else []),
+    }
+    if not gpu:
+        result |= {"in_step_latency_s": 0.002, "in_step_latency_s_spread": [0.0015, 0.003]}
+        result |= {"drift_share": 0.08, "drift_share_spread": [0.05, 0.12]}
+    return result | {"nccl_network": "IB" if gpu else None, "host_load": {host: load for host in hosts}}
+
+
+# each layout: degrees, ranks per node, threads per rank, ranks on a host (None: the plan's defaults)
+LAYOUTS = {
+    "cuda": {
+        "single": ({}, 4, None, None),
+        "ddp": ({"dp_replicate": 8}, 4, None, None),
+        "fsdp_tp": ({"dp_shard": 4, "tp": 2}, 4, None, None),
+        "ddp_pp": ({"dp_replicate": 4, "pp": 2}, 4, None, None),
+        "fsdp_cp": ({"dp_shard": 4, "cp": 2}, 4, None, None),
+        "fsdp_ep": ({"dp_shard": 8, "ep": 4}, 4, None, None),
+    },
+    "cpu": {
+        "single": ({}, 1, None, None),
+        "ddp": ({"dp_replicate": 2}, 2, None, None),
+        "tp": ({"tp": 2}, 2, None, None),
+        "ddp_crowded": ({"dp_replicate": 4}, 2, 1, 4),
+        "pp": ({"pp": 2}, 2, None, None),
+        "fsdp_threads": ({"dp_shard": 2}, 2, 2, 1),
+    },
+}
+# each layout's step (median, fast, slow) planned from written_baseline before the baseline became a record and the
+# host's terms moved to scalelm.plan.host (issue 68): the plan must give them to the last bit
+PLANNED_BEFORE = {
+    ("cuda", "single"): (0.1, 0.09000000000000001, 0.13),
+    ("cuda", "ddp"): (0.040271512770743235, 0.03523196655682773, 0.0503861886700675),
+    ("cuda", "fsdp_tp"): (0.04668492363666625, 0.03786835333797208, 0.06092679341408642),
+    ("cuda", "ddp_pp"): (0.07851478248932359, 0.06429913967068918, 0.0963617256207992),
+    ("cuda", "fsdp_cp"): (0.04307368518443917, 0.03189383416107871, 0.060774976328762484),
+    ("cuda", "fsdp_ep"): (0.05390098990820879, 0.037647393682916926, 0.07188491092467046),
+    ("cpu", "single"): (0.07999999999999999, 0.07199999999999998, 0.10399999999999998),
+    ("cpu", "ddp"): (0.10767438297508637, 0.08146318162920924, 0.1780904522564987),
+    ("cpu", "tp"): (0.18734493544999337, 0.1405099083519177, 0.3132119339253546),
+    ("cpu", "ddp_crowded"): (0.15881881380578045, 0.11566784043320152, 0.26496051897079936),
+    ("cpu", "pp"): (0.2153737329626142, 0.16193153628930573, 0.3488185367526252),
+    ("cpu", "fsdp_threads"): (0.09547668465799447, 0.07647574772639557, 0.13384436032032504),
+}
+SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.d_ff=256", "data.seq_len=64"]
+SMALL += ["batch.mode=global", "batch.size=16"]
+
+
+def test_a_baseline_read_as_its_record_plans_every_layout_as_before():
+    """Issue 68: the same baseline plans the same step on every layout, at the median and either end of its
+    spread, on GPUs and on a CPU host whose cores its ranks share, as it did before the record and plan/host.py."""
+    for device, layouts in LAYOUTS.items():
+        record = MachineBaseline.from_json(written_baseline("gpu" if device == "cuda" else "cpu"))
+        ends = [Speeds.from_baseline(record, at=at) for at in ENDS]
+        for name, (degrees, per_node, threads, ranks) in layouts.items():
+            config = load_config(None, SMALL + (["model.moe.experts=4"] if "ep" in degrees else []))
+            work, dims = Workload(config, 5018, device), ParallelDims(**degrees)
+            planned = tuple(predict(work, dims, per_node, speeds, threads, ranks).total_s for speeds in ends)
+            assert planned == PLANNED_BEFORE[device, name], (device, name)
+
+
+def test_the_machine_baseline_is_one_record_read_from_any_scalelms_file_and_written_back_unchanged():
+    """Issue 68: measure.baseline's JSON read into MachineBaseline and written back is the same JSON, on GPUs and on
+    a CPU; its figures at either end of their spread; older files (no spreads, no model step, no elementwise rate,
+    no host load, rows without times) still read, and still plan where they have the model's figures."""
+    for device in ("gpu", "cpu"):
+        assert MachineBaseline.from_json(written_baseline(device)).to_json() == written_baseline(device)
+    gpu, cpu = (MachineBaseline.from_json(written_baseline(device)) for device in ("gpu", "cpu"))
+    assert (gpu.nodes, cpu.nodes, gpu.on_cpu, cpu.on_cpu) == (2, 1, False, True)
+    assert gpu.waits is None and gpu.model_step.host_speedup is None and gpu.model_step.thread_speedup is None
+    step = cpu.model_step
+    assert (step.seconds.at("fast"), step.seconds.at("slow")) == (0.09, 0.13)  # a time: fast at its low end
+    assert (step.host_speedup.at("fast"), step.host_speedup.at("slow")) == (1.4285714285714286, 1.0)  # a rate: high
+    assert cpu.waits.drift_share == Figure(0.08, 0.05, 0.12) and step.layout_overhead_s["tp"].at("slow") == 0.01
+    assert gpu.largest()["node_all_reduce"].busbw_gbps.at("fast") == 360.0 / 0.8
+    assert [rank.host for rank in gpu.per_rank] == ["n0"] * 4 + ["n1"] * 4 and gpu.per_rank[0].gpu["healthy"]
+
+    row = {"scope": "job", "op": "all_reduce", "bytes": 2**26, "busbw_gbps": 10.0}  # before repetitions were timed
+    older = {"world_size": 2, "procs_per_node": 1, "hosts": ["a", "b"], "device": "cpu", "matmul_tflops_min": 1.0}
+    older |= {"per_rank": [{"rank": 0, "threads": 1, "cpus": 2}], "collectives": [row]}
+    record = MachineBaseline.from_json(older)
+    assert record.model_step is None and record.elementwise_gbps is None and record.host_load is None
+    assert record.collectives[0].busbw_gbps.at("fast") == 10.0 and record.collectives[0].to_json() == row
+    with pytest.raises(ConfigError, match="lacks the step-time model's figures"):
+        Speeds.from_baseline(record)
+    timed = {"tokens": 1024, "seconds_max": 0.1}  # a model step without spreads, vocabulary, speedups or waits
+    record = MachineBaseline.from_json(older | {"elementwise_gbps_min": 12.0, "model_step": timed})
+    median, fast, slow = (Speeds.from_baseline(record, at=at) for at in ENDS)
+    assert median == fast == slow  # no spread: its medians at either end
+    work = Workload(load_config(None, SMALL), 5018, "cpu")
+    assert predict(work, ParallelDims(dp_replicate=2), 1, Speeds.from_baseline(record)).total_s > 0
+    with pytest.raises(ValueError, match="no machine baseline"):
+        MachineBaseline.from_json({"world_size": 2})
+
+
+def test_a_cpu_hosts_terms_are_the_hosts_and_a_gpu_plan_has_none():
+    """Issue 68: plan/host.py prices what ranks sharing a CPU host's cores do to a step; a GPU's plan has none of
+    it."""
+    cpu, gpu = (Speeds.from_baseline(MachineBaseline.from_json(written_baseline(d))) for d in ("cpu", "gpu"))
+    assert HostContention.of(gpu, None, 4) == HostContention.none()
+    assert HostContention.none().drift(1.0) == 0.0 and HostContention.none().overlaps
+    crowded = HostContention.of(cpu, 1, 4)  # 4 ranks of a thread on 2 cores: the host's throughput shared out
+    assert (crowded.speedup, crowded.collective_factor, crowded.overlaps) == (1.25 / 4, 2.0, False)
+    assert crowded.drift(1.0) == pytest.approx(0.08 * 2) and crowded.in_step_latency_s == 0.002
+    assert HostContention.of(cpu, None, 1).speedup == 1.25  # one process: both cores as threads, as the baseline's
+
+
+def test_the_plan_stays_torch_free():
+    """The plan runs where torch is not installed (a login node): its modules import none."""
+    modules = "scalelm.plan.steptime, scalelm.plan.machine, scalelm.plan.host"
+    code = f"import sys; import {modules}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
@@ -934,3 +1157,55 @@ def test_gpt2_small_accum_steps_a_quarter_million_tokens_through_gpt2_smalls_mic
     assert 256 * accum.data.seq_len >= 250_000 and accum.train.compile
     planned = [plan_memory(Workload(config, vocab_size=33278), ParallelDims()).bytes for config in (small, accum)]
     assert planned[0] == planned[1]
+
+
+def test_llama_small_is_gpt2_smalls_workload_with_todays_block_and_the_plan_counts_it():
+    """Issue 70: llama_small trains gpt2_small's data, batch and optimizer on one GPU, with the llama block of GPT-2
+    small's width and depth: its FFN as many parameters (SwiGLU's three matrices of 8/3 d), fewer for attention
+    (4 key/value heads for 12 query heads) and none for biases, no positional table; the plan counts those (as
+    built), and MFU's FLOPs with them."""
+    experiments = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["experiments"]
+    small, llama = (from_dict(experiments[name]["training"]) for name in ("gpt2_small", "llama_small"))
+    assert (llama.data, llama.batch, llama.optim, llama.train) == (small.data, small.batch, small.optim, small.train)
+    assert experiments["llama_small"]["procs_per_node"] == experiments["gpt2_small"]["procs_per_node"] == 1
+    assert llama.model.family == "llama" and llama.model.kv_heads == 4
+    vocab, d = 33278, 768
+    counts = {
+        name: parameter_counts(config.model, vocab)["total"] for name, config in (("gpt2", small), ("llama", llama))
+    }
+    with torch.device("meta"):
+        assert counts["llama"] == count_parameters(TransformerLM(llama.model, vocab))
+    attention_saved = 12 * (2 * d * d - 2 * 4 * 64 * d)  # keys and values of 4 heads, not 12
+    biases = 12 * (3 * d + d + 3072 + d + 2 * d) + d + vocab  # linears', LayerNorms', head's (the FFNs' weights equal)
+    assert counts["gpt2"] - counts["llama"] == attention_saved + biases
+    flops = {name: flops_per_token(config.model, vocab, 1024) for name, config in (("gpt2", small), ("llama", llama))}
+    assert flops["gpt2"] - flops["llama"] == 6 * attention_saved
+    plans = {name: plan_memory(Workload(c, vocab), ParallelDims()) for name, c in (("gpt2", small), ("llama", llama))}
+    assert plans["llama"].state == 16 * counts["llama"] and plans["llama"].total < 40e9  # an A100 of 40 GB
+
+
+def test_the_llama_blocks_planned_activations_are_the_tensors_it_keeps_on_the_cpu():
+    """The llama block's formula (scalelm.plan.memory: RMSNorm's inputs and normalised copies, the rotated queries
+    and keys, the qkv output its values are a view of, SwiGLU's four hidden activations) against the bytes of the
+    tensors its forward keeps for the backward, fp32 on the CPU without dropout: within 1% (the rest: a few numbers
+    per row, the rotation's cos and sin)."""
+    config = load_config(
+        None,
+        ["model.d_model=256", "model.n_heads=8", "model.n_layers=1", "data.seq_len=64"]
+        + ["model.family=llama", "model.n_kv_heads=2", "model.d_ff=1344", "model.dropout=0.0"],
+    )
+    model = TransformerLM(config.model, 100)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.blocks["0"](torch.randn(4, 64, 256, requires_grad=True))
+    planned, formula = block_bytes_per_token(Workload(config, 100, "cpu"), ParallelDims())
+    assert sum(kept.values()) / (4 * 64) == pytest.approx(planned, rel=0.01)
+    assert formula.startswith("e (2d + 4d/u + (3d + 3h + 4f)/t)")

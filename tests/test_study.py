@@ -84,6 +84,7 @@ def test_the_local_default_resolves_to_the_course_matrix_scaled_down():
         "ddp_lightning": (1, 2, "ddp", "2x1x1x1"),
         "moe": (1, 1, "single", "1x1x1x1"),
         "moe_ep": (1, 2, "ep", "1x2[ep2]x1x1"),
+        "llama_small": (1, 1, "single", "1x1x1x1"),
     }
     launchers = {e.name: e.launcher for e in study.matrix.values()}
     assert launchers.pop("ddp_spawn") == "spawn" and set(launchers.values()) == {"torchrun"}

@@ -33,7 +33,16 @@ def relative_gap(a: list[float], b: list[float]) -> float:
 MOE = {"model__moe": {"experts": 4, "top_k": 2}}
 # the auxiliary-loss-free balance and the router z-loss, on the layouts of the mixture's TP and pipeline
 BIASED = {"model__moe": {"experts": 4, "top_k": 2, "balance": "bias", "bias_rate": 0.01, "z_loss_coef": 0.001}}
-IN_PROCESS = ("single", "accumulate", "moe", "moe_bias")  # trained in this process: no interpreter or torch start-up
+# model.family llama: 4 query heads over 2 key/value heads (grouped-query attention; tp 2 divides both)
+LLAMA = {"model__family": "llama", "model__n_heads": 4, "model__n_kv_heads": 2}
+IN_PROCESS = (
+    "single",
+    "accumulate",
+    "moe",
+    "moe_bias",
+    "llama",
+    "llama_moe",
+)  # trained in this process: no interpreter or torch start-up
 TORCHRUN = ("fsdp_tp",)  # the real launcher for one layout; the rest are forked from a preloaded server (forked.py)
 # target: source. The target resumes from the source's step-10 checkpoint and trains steps 11-20 in its own layout (the
 # loaded optimizer state, data position and RNG trained on); every other layout trains steps 1-20. A target named
@@ -51,6 +60,7 @@ RESUMES_FROM = {
     "hsdp_ep": "ep",
     "ep_pp": "ep_tp",
     "fsdp_ep_into_moe": "fsdp_ep",
+    "llama_tp_pp": "llama_cp_tp",
 }
 
 
@@ -59,8 +69,11 @@ def layout_of(name: str) -> str:
 
 
 def reference_of(name: str) -> str:
-    """The one-process run a layout must match: the mixture of its settings, or the dense model."""
-    moe = LAYOUTS[layout_of(name)][1].get("model__moe")
+    """The one-process run a layout must match: the mixture of its settings, or the dense model, of its family."""
+    settings = LAYOUTS[layout_of(name)][1]
+    moe = settings.get("model__moe")
+    if settings.get("model__family") == "llama":
+        return "llama" if moe is None else "llama_moe"
     if moe is None:
         return "single"
     return "moe_bias" if moe.get("balance") == "bias" else "moe"
@@ -122,6 +135,36 @@ LAYOUTS = {
         },
     ),
     "ep_pp": (4, {**BIASED, "parallel__ep": 2, "parallel__dp_shard": 2, "parallel__pp": 2}),
+    # the llama block (a layout group each): one process; FSDP x TP with SP and loss parallelism, each block
+    # recomputed (selective); load-balanced CP x TP (rotary positions at each rank's tokens' true places), whose
+    # checkpoint a pipeline with TP resumes; its SwiGLU experts over ep 2 x TP 2 with full activation checkpointing
+    "llama": (1, LLAMA),
+    "llama_fsdp_tp_sp": (
+        4,
+        {
+            **LLAMA,
+            "parallel__dp_shard": 2,
+            "parallel__tp": 2,
+            "parallel__sequence_parallel": True,
+            "parallel__loss_parallel": True,
+            "train__activation_checkpointing": "selective",
+        },
+    ),
+    "llama_cp_tp": (4, {**LLAMA, "parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True}),
+    "llama_tp_pp": (4, {**LLAMA, "parallel__pp": 2, "parallel__tp": 2, "parallel__loss_parallel": True}),
+    "llama_moe": (1, {**LLAMA, **MOE}),
+    "llama_ep_tp": (
+        4,
+        {
+            **LLAMA,
+            **MOE,
+            "parallel__ep": 2,
+            "parallel__tp": 2,
+            "parallel__dp_shard": 2,
+            "parallel__sequence_parallel": True,
+            "train__activation_checkpointing": "full",
+        },
+    ),
 }
 
 
@@ -132,8 +175,9 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and load-balanced
     with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step and the same
     exact evaluation; so do a mixture of experts' layouts against its one process (expert parallelism 2 alone, with
-    FSDP 4, HSDP 2x2, TP 2 and a pipeline of 2). Half the layouts start from another layout's step-10 checkpoint
-    (RESUMES_FROM) and match one process over steps 11-20: checkpoints load across layouts and train on."""
+    FSDP 4, HSDP 2x2, TP 2 and a pipeline of 2), and the llama block's against its own (FSDP x TP with SP, CP x TP
+    load-balanced, TP x PP, its SwiGLU experts over ep x TP). Half the layouts start from another layout's step-10
+    checkpoint (RESUMES_FROM) and match one process over steps 11-20: checkpoints load across layouts and train on."""
     runs = [*(name for name in LAYOUTS if name not in RESUMES_FROM), *RESUMES_FROM]  # sources first
     configs = {name: tiny_config(name, **LAYOUTS[layout_of(name)][1]) for name in runs}
     losses, evals, records = {}, {}, {}
@@ -259,18 +303,25 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
 @pytest.mark.slow
 def test_an_interleaved_pipeline_and_3d_train_like_one_process(tiny_config):
     """Four blocks. Interleaved 1F1B on 2 ranks of 2 virtual stages each (rank 0 holds blocks 0 and 2) over 20 steps,
-    and 3D (pp 2 x dp_shard 2 x tp 2, eight ranks) over 4 steps, give the single process's losses."""
+    and 3D (pp 2 x dp_shard 2 x tp 2, eight ranks) over 4 steps, give the single process's losses; so does the llama
+    block's 3D against its own single process (in this process, 4 steps)."""
     four = {"model__n_layers": 4}
     single = tiny_config("single4", **four)
     interleaved = tiny_config(
         "interleaved", **four, parallel__pp=2, parallel__pp_schedule="interleaved_1f1b", parallel__pp_virtual_stages=2
     )
     three_d = tiny_config("3d", **four, parallel__pp=2, parallel__dp_shard=2, parallel__tp=2, train__max_steps=4)
-    for config, nproc in ((single, 1), (interleaved, 2), (three_d, 8)):
+    llama_single = tiny_config("llama_single4", **four, **LLAMA, train__max_steps=4)
+    llama_3d = tiny_config(
+        "llama_3d", **four, **LLAMA, parallel__pp=2, parallel__dp_shard=2, parallel__tp=2, train__max_steps=4
+    )
+    for config, nproc in ((single, 1), (interleaved, 2), (three_d, 8), (llama_3d, 8)):
         run_train(config, nproc, timeout=240)
+    train_here(llama_single)
     reference = train_losses(run_dir_of(single))
     assert relative_gap(train_losses(run_dir_of(interleaved)), reference) <= 1e-5
     assert relative_gap(train_losses(run_dir_of(three_d)), reference[:4]) <= 1e-5
+    assert relative_gap(train_losses(run_dir_of(llama_3d)), train_losses(run_dir_of(llama_single))) <= 1e-5
     record = json.loads((run_dir_of(interleaved) / "run.json").read_text())
     pipeline = record["results"]["pipeline"]
     assert pipeline["stages_of_pp_rank"] == [[0, 2], [1, 3]] and pipeline["predicted_bubble"] == pytest.approx(1 / 9)
@@ -290,15 +341,16 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp"])
+@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp", "llama"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP alone: the masks a TP group shares on its replicated activations and its ranks' own on their heads and
     FFN columns; under CP x TP with SP: those on each rank's part of the sequence too, and the ring attention's masks,
-    from the seed its group shares). The most sharded checkpoint, a mixture's under expert parallelism, is stopped ten
-    times in tests/test_faults.py. The straight run is forked (tests/forked.py); the interrupted and resumed one is
-    started by torchrun, or for ddp_spawn by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop
-    signal passed on by the supervisor and the spawning process)."""
+    from the seed its group shares; and the llama block's in one process). The most sharded checkpoint, a mixture's
+    under expert parallelism, is stopped ten times in tests/test_faults.py. The straight run is forked
+    (tests/forked.py); the interrupted and resumed one is started by torchrun, or for ddp_spawn by `scalelm.launch
+    --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by the supervisor and the spawning
+    process)."""
     nproc, layout_settings = LAYOUTS[layout.removesuffix("_spawn")]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)

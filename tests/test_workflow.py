@@ -83,7 +83,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
-    assert jobs["plan"] == jobs["train"] == jobs["evaluate"] == 18  # plan: memory, before the queue
+    assert jobs["plan"] == jobs["train"] == jobs["evaluate"] == 19  # plan: memory, before the queue
     assert "consolidate" not in jobs  # evaluate consolidates the model first: one job, one process
     assert jobs["aggregate"] == jobs["check_expectations"] == 1
     assert "--baseline single_gpu --expect ddp.min_scaling_efficiency=0.8 --expect ddp.tolerance=0.05" in result.stdout
@@ -106,6 +106,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         "3d": ("4", "4"),
         "gpt2_small": ("1", "1"),
         "gpt2_small_accum": ("1", "1"),
+        "llama_small": ("1", "1"),
         "ddp_spawn": ("1", "4"),
         "cp": ("1", "4"),
         "cp_long": ("1", "4"),
@@ -141,7 +142,7 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     )
     pairs = ["local=null", "site=profiles/slurm/site.yaml", "study=r2"]
     again = snakemake(project, "-n", "--profile", "profiles/slurm", "--config", *pairs, env=no_cluster)
-    assert again.returncode == 0 and planned_jobs(again)["train"] == 18, again.stderr[-3000:]
+    assert again.returncode == 0 and planned_jobs(again)["train"] == 19, again.stderr[-3000:]
 
 
 # config/local.yaml's matrix: nodes x processes per node of each experiment (their layouts, as the study resolves them:
@@ -161,6 +162,7 @@ LOCAL_MATRIX = {
     "ddp_lightning": (1, 2),
     "moe": (1, 1),
     "moe_ep": (1, 2),
+    "llama_small": (1, 1),
 }
 
 

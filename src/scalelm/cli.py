@@ -26,6 +26,7 @@ COMMANDS = {
     "selftest": ("scalelm.selftest", "a tiny CPU training: check an installation in seconds"),
     "consolidate": ("scalelm.train.consolidate", "a run's final checkpoint as one state dict"),
     "evaluate": ("scalelm.train.evaluation", "the test loss of a consolidated model"),
+    "hf-llama": ("scalelm.train.hf_llama", "a consolidated llama model as Hugging Face's LlamaForCausalLM"),
     "preflight": ("scalelm.study.preflight", "compare the wiring check's losses with one process's"),
     "aggregate": ("scalelm.report.aggregate", "the summary tables, figures and report of a study"),
     "expectations": ("scalelm.report.expectations", "check a summary against its `expect:` values"),

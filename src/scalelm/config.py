@@ -151,8 +151,15 @@ class MoEConfig:
         return {key: weight for key, weight in weights.items() if weight}
 
 
+FAMILY_ONLY = {"norm": "gpt2", "n_kv_heads": "llama", "rope_theta": "llama"}  # the one model.family using each
+
+
 @dataclass
 class ModelConfig:
+    # the block (scalelm.model.transformer): gpt2, the course's (LayerNorm, ReLU FFN, sinusoidal positions, biases);
+    # llama, today's (RMSNorm before attention and FFN, SwiGLU FFN of width d_ff, rotary positions, grouped-query
+    # attention with n_kv_heads key/value heads, no biases)
+    family: Literal["gpt2", "llama"] = setting("gpt2", identity=True, added=True)
     d_model: int = setting(128, identity=True, bound=POSITIVE)
     n_heads: int = setting(4, identity=True, bound=POSITIVE)
     n_layers: int = setting(2, identity=True, bound=POSITIVE)
@@ -164,6 +171,18 @@ class ModelConfig:
     norm: Literal["post", "pre"] = setting("post", identity=True)
     tie_weights: bool = setting(False, identity=True)
     moe: MoEConfig | None = setting(None, identity=True, added=True)  # None: every block dense
+    # llama: key/value heads of grouped-query attention, dividing n_heads (1: multi-query); None: n_heads
+    n_kv_heads: int | None = setting(None, identity=True, added=True, bound=POSITIVE_INTEGER)
+    rope_theta: float = setting(10000.0, identity=True, added=True, bound=POSITIVE)  # llama: rotary base
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads under grouped-query attention, else one per query head."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     def expert_width(self) -> int:
         return (self.moe.d_ff or self.d_ff) if self.moe else self.d_ff
@@ -480,6 +499,7 @@ def validate(config: Config) -> None:
             f"data.seq_len ({config.data.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
         )
+    check_family(config.model)
     check_optim(config.optim)
     if config.model.moe is not None:
         check_moe(config.model.moe, config.model.n_layers)
@@ -539,6 +559,29 @@ def check_balance(moe: MoEConfig) -> None:
                 f"model.moe.{key}={value} acts under model.moe.balance={balance} only, and the balance is "
                 f"{moe.balance}: remove {key} (or leave it at its default, {default}), or set model.moe.balance={balance}"
             )
+
+
+def check_family(model: ModelConfig) -> None:
+    """A setting of the other family's block refused unless at its default (as `check_balance`: it would change
+    nothing trained, yet tell the run apart), and grouped-query attention's heads against the query heads."""
+    defaults = ModelConfig.__dataclass_fields__
+    for key, family in FAMILY_ONLY.items():
+        value, default = getattr(model, key), defaults[key].default
+        if family != model.family and value != default:
+            raise ConfigError(
+                f"model.{key}={value} applies to model.family={family} only, and the family is {model.family}: "
+                f"remove {key} (or leave it at its default, {default})"
+                + (" (a llama block is always pre-norm, with RMSNorm)" if key == "norm" else "")
+            )
+    if model.n_kv_heads is not None and model.n_heads % model.n_kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads ({model.n_kv_heads}) must divide model.n_heads ({model.n_heads}): each key/value "
+            "head serves a group of query heads"
+        )
+    if model.family == "llama" and model.head_dim % 2:
+        raise ConfigError(
+            f"model.d_model / model.n_heads ({model.head_dim}) must be even for rotary positions (pairs of features)"
+        )
 
 
 def check_speed_settings(train: TrainConfig) -> None:

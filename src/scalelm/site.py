@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Literal
 
 from scalelm.errors import ConfigError
-from scalelm.plan.catalogue import catalogue
 from scalelm.settings_yaml import from_mapping, read_settings, shown
 
 # the collectives the machine's baseline times (scalelm.measure.baseline), and where: over the whole job (across its
@@ -60,7 +59,9 @@ class SiteConfig:
     modules: list[str] = field(default_factory=list)  # `module load`ed before each training job
     peak_tflops: float | None = None  # one GPU's dense TFLOP/s for MFU, where scalelm's table lacks the GPU
     # the catalogue's GPU and network between nodes (scalelm.plan.catalogue: h100-sxm, ndr-8x): `scalelm plan` takes
-    # the step time's speeds, and what gpus_per_node and gpu_memory_gb leave out, from them unless a baseline is given
+    # the step time's speeds, and what gpus_per_node and gpu_memory_gb leave out, from them unless a baseline is given;
+    # the names are checked against the catalogue where they are read (scalelm.plan.catalogue.check_site: the planner,
+    # the workflow at parse time), the catalogue standing above the site
     gpu: str | None = None
     network: str | None = None
     exclusive: bool = True  # training jobs get whole nodes (sbatch --exclusive): nothing shares a timed job's nodes
@@ -89,10 +90,6 @@ class SiteConfig:
                 f"inductor_cache_dir must be an absolute path (each job's shell does not expand ~ or variables in "
                 f"it), got {shown(self.inductor_cache_dir)}"
             )
-        if self.gpu is not None:
-            catalogue().accelerator(self.gpu)
-        if self.network is not None:
-            catalogue().network(self.network)
         low, high = self.port_range
         if not 1024 <= low <= high <= 65535:
             raise ConfigError(f"port_range [{low}, {high}] must be two ports within 1024-65535, the lower first")

@@ -24,6 +24,14 @@ BLOCK_TP_PLAN: dict[str, Split] = {
     "ffn.up": "colwise",
     "ffn.down": "rowwise",
 }
+# model.family llama: the qkv rows grouped by key/value head (whole groups per rank), SwiGLU's w1 and w3 by rows
+LLAMA_TP_PLAN: dict[str, Split] = {
+    "attn.qkv": "colwise",
+    "attn.out": "rowwise",
+    "ffn.w1": "colwise",
+    "ffn.w3": "colwise",
+    "ffn.w2": "rowwise",
+}
 QKV_WEIGHT = "attn.qkv.weight"  # one per block
 # tokens per chunk of the fused CPU loss (scalelm.model.cpu_ops.LinearCrossEntropy): its logits workspace holds
 # (vocab x this) floats, which the memory plan counts
@@ -55,21 +63,26 @@ class Parameter:
         return math.prod(shape)
 
 
-def linear(name: str, out_features: int, in_features: int, unit: str) -> list[Parameter]:
-    """A linear layer's weight and bias, split as the block's TP plan says."""
-    split = BLOCK_TP_PLAN.get(name)
+def block_tp_plan(model: ModelConfig) -> dict[str, Split]:
+    """How tensor parallelism splits a block's matrices, for the model's family."""
+    return LLAMA_TP_PLAN if model.family == "llama" else BLOCK_TP_PLAN
+
+
+def linear(name: str, out_features: int, in_features: int, unit: str, llama: bool = False) -> list[Parameter]:
+    """A linear layer's weight and bias (llama: no bias), split as the block's TP plan says."""
+    split = (LLAMA_TP_PLAN if llama else BLOCK_TP_PLAN).get(name)
     weight_dim = {"colwise": 0, "rowwise": 1, None: None}[split]
     bias_dim = 0 if split == "colwise" else None
     prefix = f"{unit}.{name}"
-    return [
-        Parameter(f"{prefix}.weight", (out_features, in_features), unit, weight_dim),
-        Parameter(f"{prefix}.bias", (out_features,), unit, bias_dim),
-    ]
+    weight = [Parameter(f"{prefix}.weight", (out_features, in_features), unit, weight_dim)]
+    return weight if llama else weight + [Parameter(f"{prefix}.bias", (out_features,), unit, bias_dim)]
 
 
-def norm(name: str, d: int, unit: str) -> list[Parameter]:
+def norm(name: str, d: int, unit: str, llama: bool = False) -> list[Parameter]:
+    """A LayerNorm's weight and bias; llama's RMSNorm: its weight."""
     prefix = f"{unit}.{name}" if unit != "root" else name
-    return [Parameter(f"{prefix}.weight", (d,), unit, None), Parameter(f"{prefix}.bias", (d,), unit, None)]
+    weight = [Parameter(f"{prefix}.weight", (d,), unit, None)]
+    return weight if llama else weight + [Parameter(f"{prefix}.bias", (d,), unit, None)]
 
 
 def mixture(model: ModelConfig, unit: str) -> list[Parameter]:
@@ -77,8 +90,12 @@ def mixture(model: ModelConfig, unit: str) -> list[Parameter]:
     dim 0; tensor parallelism leaves them whole (each rank of a group computes the layer alike)."""
     d, f, experts = model.d_model, model.expert_width(), model.moe.experts
     prefix = f"{unit}.ffn"
+    router = Parameter(f"{prefix}.router.weight", (experts, d), unit, None)
+    if model.family == "llama":  # SwiGLU experts, no biases
+        shapes = {"w1": (experts, f, d), "w3": (experts, f, d), "w2": (experts, d, f)}
+        return [router] + [Parameter(f"{prefix}.experts.{n}", s, unit, None, expert=True) for n, s in shapes.items()]
     return [
-        Parameter(f"{prefix}.router.weight", (experts, d), unit, None),
+        router,
         Parameter(f"{prefix}.experts.up_weight", (experts, f, d), unit, None, expert=True),
         Parameter(f"{prefix}.experts.up_bias", (experts, f), unit, None, expert=True),
         Parameter(f"{prefix}.experts.down_weight", (experts, d, f), unit, None, expert=True),
@@ -93,22 +110,32 @@ def is_moe_block(model: ModelConfig, index: int) -> bool:
 def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Parameter]:
     """Every parameter of scalelm.model.transformer.TransformerLM, in its order, with the split tensor parallelism
     gives it (the head's by vocabulary with loss_parallel)."""
-    d, f = model.d_model, model.d_ff
+    d, f, llama = model.d_model, model.d_ff, model.family == "llama"
     tensors = [Parameter("embed.weight", (vocab_size, d), "embed", None)]
     for i in range(model.n_layers):
         unit = f"blocks.{i}"
-        tensors += linear("attn.qkv", 3 * d, d, unit) + linear("attn.out", d, d, unit)
+        tensors += linear("attn.qkv", qkv_rows(model), d, unit, llama) + linear("attn.out", d, d, unit, llama)
         if is_moe_block(model, i):
             tensors += mixture(model, unit)
+        elif llama:
+            tensors += linear("ffn.w1", f, d, unit, llama) + linear("ffn.w3", f, d, unit, llama)
+            tensors += linear("ffn.w2", d, f, unit, llama)
         else:
             tensors += linear("ffn.up", f, d, unit) + linear("ffn.down", d, f, unit)
-        tensors += norm("norm1", d, unit) + norm("norm2", d, unit)
-    tensors += norm("norm", d, "root")
+        tensors += norm("norm1", d, unit, llama) + norm("norm2", d, unit, llama)
+    tensors += norm("norm", d, "root", llama)
     vocab_split = 0 if loss_parallel else None
     if not model.tie_weights:
         tensors.append(Parameter("head.weight", (vocab_size, d), "head", vocab_split))
-    tensors.append(Parameter("head.bias", (vocab_size,), "head", vocab_split))
+    if not llama:
+        tensors.append(Parameter("head.bias", (vocab_size,), "head", vocab_split))
     return tensors
+
+
+def qkv_rows(model: ModelConfig) -> int:
+    """The qkv projection's outputs: a query per head, a key and a value per key/value head (grouped-query
+    attention's fewer under llama; the course's block has one per head)."""
+    return (model.n_heads + 2 * model.kv_heads) * model.head_dim
 
 
 def parameter_counts(model: ModelConfig, vocab_size: int) -> dict[str, int]:
@@ -126,10 +153,10 @@ def parameter_counts(model: ModelConfig, vocab_size: int) -> dict[str, int]:
 def ffn_matmul_params(config: ModelConfig, index: int) -> int:
     """The weights of block `index`'s feed-forward products one token goes through: the dense FFN's, or a
     mixture's router and top_k experts."""
-    d = config.d_model
+    d, matrices = config.d_model, 3 if config.family == "llama" else 2  # SwiGLU's w1, w3, w2
     if not is_moe_block(config, index):
-        return 2 * d * config.d_ff
-    return d * config.moe.experts + config.moe.top_k * 2 * d * config.expert_width()
+        return matrices * d * config.d_ff
+    return d * config.moe.experts + config.moe.top_k * matrices * d * config.expert_width()
 
 
 def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
@@ -138,7 +165,8 @@ def flops_per_token(config: ModelConfig, vocab_size: int, seq_len: int) -> int:
     attention over the whole sequence (`attention_flops_per_token`)."""
     d, layers = config.d_model, config.n_layers
     ffn = sum(ffn_matmul_params(config, i) for i in range(layers))
-    matmul_params = layers * 4 * d * d + ffn + d * vocab_size
+    attention = qkv_rows(config) * d + d * d  # qkv and out: 4 d^2, less under grouped-query attention
+    matmul_params = layers * attention + ffn + d * vocab_size
     return 6 * matmul_params + attention_flops_per_token(layers, d, seq_len)
 
 

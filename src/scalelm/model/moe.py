@@ -48,31 +48,42 @@ GROUPED, LOOP = "grouped_mm", "per_expert_loop"  # the experts' two products (`g
 
 class GroupedExperts(nn.Module):
     """`experts` FFNs (up, ReLU, down, as FeedForward, without its inner dropout: a token's place in its expert's
-    batch depends on the layout) stacked along dim 0; a rank holds all of them, or its share under expert
+    batch depends on the layout) stacked along dim 0, or with `gated` (model.family llama) SwiGLU FFNs without biases
+    (w2(silu(w1 x) * w3 x), as scalelm.model.llama.SwiGLU); a rank holds all of them, or its share under expert
     parallelism. Their products are one grouped product per matrix (`torch._grouped_mm`, the expert of each row
     given by offsets on the device: no host read), where `grouped_product` says it runs; elsewhere one product per
     expert, for which the caller reads the row counts to the host once."""
 
-    def __init__(self, experts: int, d_model: int, d_ff: int):
+    def __init__(self, experts: int, d_model: int, d_ff: int, gated: bool = False):
         super().__init__()
         self.product: str | None = None  # the product the last forward ran: GROUPED or LOOP (run.json names it)
+        self.gated = gated
+        if gated:
+            self.w1 = nn.Parameter(torch.empty(experts, d_ff, d_model))
+            self.w3 = nn.Parameter(torch.empty(experts, d_ff, d_model))
+            self.w2 = nn.Parameter(torch.empty(experts, d_model, d_ff))
+            return
         self.up_weight = nn.Parameter(torch.empty(experts, d_ff, d_model))
         self.up_bias = nn.Parameter(torch.empty(experts, d_ff))
         self.down_weight = nn.Parameter(torch.empty(experts, d_model, d_ff))
         self.down_bias = nn.Parameter(torch.empty(experts, d_model))
 
+    def matrices(self) -> list[nn.Parameter]:
+        return [self.w1, self.w3, self.w2] if self.gated else [self.up_weight, self.down_weight]
+
     def reset_parameters(self) -> None:
         """Each expert as a dense FFN's layers are initialised (TransformerLM.reset_parameters)."""
-        for weight in (self.up_weight, self.down_weight):
+        for weight in self.matrices():
             for matrix in weight:
                 nn.init.xavier_uniform_(matrix)
-        nn.init.zeros_(self.up_bias)
-        nn.init.zeros_(self.down_bias)
+        if not self.gated:
+            nn.init.zeros_(self.up_bias)
+            nn.init.zeros_(self.down_bias)
 
     def grouped(self, tokens: torch.Tensor) -> bool:
         """Whether `forward` runs `tokens` through one grouped product (else a product per expert: the caller passes
         the row counts on the host)."""
-        return grouped_product(tokens, [local_shard(self.up_weight), local_shard(self.down_weight)])
+        return grouped_product(tokens, [local_shard(w) for w in self.matrices()])
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """tokens (rows, d) grouped by expert, counts[e] rows for this rank's expert e (on the tokens' device; where
@@ -81,27 +92,41 @@ class GroupedExperts(nn.Module):
         self.product = GROUPED if grouped else LOOP
         if grouped:
             dtype = compute_dtype(tokens, tokens)  # the weights are cast to the tokens' dtype
-            up_w, up_b, down_w, down_b = self.weights(dtype)
             offsets = counts.cumsum(0, dtype=torch.int32)
-            hidden = F.relu(_grouped_linear(tokens.to(dtype), up_w, up_b, counts, offsets))
-            return _DenseGradient.apply(_grouped_linear(hidden, down_w, down_b, counts, offsets))
-        up_w, up_b, down_w, down_b = self.weights(tokens.dtype)  # (autocast casts them for its products)
+
+            def linear(rows, weight, bias=None):
+                return _grouped_linear(rows, weight, bias, counts, offsets)
+
+            return _DenseGradient.apply(self.ffn(tokens.to(dtype), self.weights(dtype), linear))
+        weights = self.weights(tokens.dtype)  # (autocast casts them for its products)
         outputs = []
         for e, rows in enumerate(tokens.split(host_counts if host_counts is not None else counts.tolist())):
-            outputs.append(F.linear(F.relu(F.linear(rows, up_w[e], up_b[e])), down_w[e], down_b[e]))
+            outputs.append(self.ffn(rows, [w[e] for w in weights], F.linear))
         return torch.cat(outputs)
 
+    def ffn(self, rows: torch.Tensor, weights: list[torch.Tensor], linear: Callable) -> torch.Tensor:
+        """The experts' FFN of `rows` with `weights` (`weights`' order), its products by `linear(rows, w, b)`."""
+        if self.gated:
+            w1, w3, w2 = weights
+            return linear(F.silu(linear(rows, w1)) * linear(rows, w3), w2)
+        up_w, up_b, down_w, down_b = weights
+        return linear(F.relu(linear(rows, up_w, up_b)), down_w, down_b)
+
     def weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """This rank's up weight and bias, down weight and bias, in `dtype`."""
-        return [local_shard(p).to(dtype) for p in (self.up_weight, self.up_bias, self.down_weight, self.down_bias)]
+        """This rank's parameters (up weight and bias, down weight and bias; gated: w1, w3, w2), in `dtype`."""
+        params = self.matrices() if self.gated else [self.up_weight, self.up_bias, self.down_weight, self.down_bias]
+        return [local_shard(p).to(dtype) for p in params]
 
 
 def _grouped_linear(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """F.linear of each expert's rows with its weight (experts, out, in) and bias (experts, out): one grouped
-    product, each row's bias gathered by its expert (as torchtitan's GPT-OSS experts; output_size: no host read)."""
+    """F.linear of each expert's rows with its weight (experts, out, in) and bias (experts, out; None: none): one
+    grouped product, each row's bias gathered by its expert (as torchtitan's GPT-OSS experts; output_size: no host
+    read)."""
     product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    if bias is None:
+        return product
     return product + bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
 
 
@@ -201,7 +226,7 @@ class MoE(nn.Module):
         self.block = block  # its index in the whole model (a pipeline stage's blocks keep theirs)
         self.experts_count, self.top_k = config.experts, config.top_k
         self.router = nn.Linear(d_model, config.experts, bias=False)
-        self.experts = GroupedExperts(config.experts, d_model, model.expert_width())
+        self.experts = GroupedExperts(config.experts, d_model, model.expert_width(), gated=model.family == "llama")
         # the aux and z losses' weights in the training loss: their coefficients, shared by the model's mixtures
         count = sum(config.is_moe_block(i) for i in range(model.n_layers))
         weights = config.loss_weights()

@@ -3,6 +3,9 @@
 Shape of the course model (embedding, sinusoidal positions, N blocks, final LayerNorm, output projection),
 with the defect fixed: attention is causal, through scaled_dot_product_attention(is_causal=True), which also gives
 GPUs the fused flash/memory-efficient kernels. Each block is its own module so FSDP can shard block by block.
+With model.family llama the blocks are today's (scalelm.model.llama: RMSNorm, SwiGLU, rotary grouped-query attention,
+no biases), under the same names and hooks, so that every layout applies to both; the model then has no positional
+table and its head no bias.
 
 Training calls `model(inputs, targets)`, which returns the mean next-token cross-entropy instead of the logits.
 On CPU in fp32 that loss goes through `LinearCrossEntropy`, which fuses the output projection with the loss and
@@ -30,6 +33,7 @@ from scalelm.model.gpu_ops import (
     chunked_loss_applies,
     loss_chunk,
 )
+from scalelm.model.llama import GroupedQueryAttention, SwiGLU, rms_norm
 from scalelm.model.loss import lm_loss
 from scalelm.model.moe import MoE
 
@@ -83,16 +87,25 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """The course's block (LayerNorm, ReLU FFN, post- or pre-norm) or, with model.family llama, today's
+    (scalelm.model.llama: pre-norm RMSNorm, SwiGLU, rotary grouped-query attention); the same names and hooks."""
+
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
-        self.pre_norm = config.norm == "pre"
-        self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
+        llama = config.family == "llama"
+        self.pre_norm = llama or config.norm == "pre"
+        if llama:
+            self.attn = GroupedQueryAttention(config)
+        else:
+            self.attn = CausalSelfAttention(config.d_model, config.n_heads, config.dropout)
         if is_moe_block(config, index):
             self.ffn = MoE(config, index)
+        elif llama:
+            self.ffn = SwiGLU(config.d_model, config.d_ff, config.dropout)
         else:
             self.ffn = FeedForward(config.d_model, config.d_ff, config.dropout)
-        self.norm1 = nn.LayerNorm(config.d_model)
-        self.norm2 = nn.LayerNorm(config.d_model)
+        self.norm1 = norm_of(config)
+        self.norm2 = norm_of(config)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +114,10 @@ class Block(nn.Module):
             return x + self.drop(self.ffn(self.norm2(x)))
         x = self.norm1(x + self.drop(self.attn(x)))
         return self.norm2(x + self.drop(self.ffn(x)))
+
+
+def norm_of(config: ModelConfig) -> nn.Module:
+    return rms_norm(config.d_model) if config.family == "llama" else nn.LayerNorm(config.d_model)
 
 
 class OutputHead(nn.Linear):
@@ -138,13 +155,16 @@ class TransformerLM(nn.Module):
         self.config = config
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, config.d_model)
-        self.register_buffer("positions", torch.empty(config.max_seq_len, config.d_model), persistent=False)
+        # the course's sinusoidal table; a llama block rotates its queries and keys instead (no table, no scaling)
+        self.positional = config.family == "gpt2"
+        if self.positional:
+            self.register_buffer("positions", torch.empty(config.max_seq_len, config.d_model), persistent=False)
         self.drop = Dropout(config.dropout)
         # keyed by index: a pipeline stage keeps its own blocks under their names (blocks.3.attn...), so every
         # stage's checkpoint speaks the whole model's names
         self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = OutputHead(config.d_model, vocab_size)
+        self.norm = norm_of(config)
+        self.head = OutputHead(config.d_model, vocab_size, bias=self.positional)  # llama: no biases
         self.loss_parallel = False  # set by tensor parallelism: the head's logits are split by vocabulary
         # set on the last stage of a pipeline (scalelm.parallel.pipeline.Pipeline): its forward ends with the final
         # norm, and the schedule's loss function runs `head_loss`, so the head and its loss stay the whole model's
@@ -163,7 +183,7 @@ class TransformerLM(nn.Module):
         keep the stream the group shares, and so the same masks on every rank."""
         for block in self.blocks.values():
             block.attn.dropout_stream = stream
-            if isinstance(block.ffn, FeedForward):  # (a mixture's experts have no inner dropout)
+            if isinstance(block.ffn, FeedForward | SwiGLU):  # (a mixture's experts have no inner dropout)
                 block.ffn.drop.stream = stream
             if sequence_parallel:
                 block.drop.stream = stream
@@ -172,7 +192,8 @@ class TransformerLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Values that are not parameters: recomputed after a model built on the meta device is materialised."""
-        self.positions.copy_(sinusoidal_positions(self.config.max_seq_len, self.config.d_model))
+        if self.positional:
+            self.positions.copy_(sinusoidal_positions(self.config.max_seq_len, self.config.d_model))
 
     def reset_parameters(self) -> None:
         mixtures = [m for m in self.modules() if isinstance(m, MoE)]
@@ -203,10 +224,13 @@ class TransformerLM(nn.Module):
             seq = tokens.shape[1]
             split = self.sequence_split
             whole = seq if split is None else seq * split.size
-            if whole > self.positions.shape[0]:
-                raise ValueError(f"sequence of {whole} tokens exceeds model.max_seq_len={self.positions.shape[0]}")
-            positions = self.positions[:seq] if split is None else self.positions[split.positions(seq, tokens.device)]
-            x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + positions)
+            if whole > self.config.max_seq_len:
+                raise ValueError(f"sequence of {whole} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+            if not self.positional:  # (rotary positions: in each block's attention)
+                x = self.drop(self.embed(tokens))
+            else:
+                at = self.positions[:seq] if split is None else self.positions[split.positions(seq, tokens.device)]
+                x = self.drop(self.embed(tokens) * math.sqrt(self.config.d_model) + at)
         else:
             x = tokens
         for block in self.blocks.values():

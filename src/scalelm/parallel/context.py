@@ -433,10 +433,11 @@ class RingCore:
 
 def apply_cp(model, split: SequenceSplit, tp_rank: int, tp_size: int) -> None:
     """Context parallelism on a TransformerLM, in place: its attention becomes a ring over the split's group, its
-    positional table is read at this rank's global positions, and its activation dropouts, each on this rank's own
-    part of the sequence, draw from a stream of their own."""
+    positional table (llama: its rotary positions) is read at this rank's global positions, and its activation
+    dropouts, each on this rank's own part of the sequence, draw from a stream of their own."""
     model.sequence_split = split
     for block in model.blocks.values():
         block.attn.core = RingCore(split, tp_rank)
+        block.attn.sequence_split = split  # (llama's rotary positions: this rank's tokens' true ones)
     # streams 1.. are this rank's own across the cp x tp ranks that share the default generator (0: the shared one)
     model.split_dropout_streams(split.rank * tp_size + tp_rank + 1, sequence_parallel=True)

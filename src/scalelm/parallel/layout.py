@@ -85,6 +85,11 @@ def check_tp(
     for name, value in (("model.n_heads", model.n_heads), ("model.d_ff", model.d_ff)):
         if value % tp:
             raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}; each TP rank needs an equal share")
+    if model.kv_heads % tp:  # (llama's grouped-query attention: a rank holds whole groups of query heads)
+        raise ConfigError(
+            f"model.n_kv_heads={model.kv_heads} is not divisible by parallel.tp={tp}: each TP rank holds whole "
+            "key/value heads with their query heads; choose a tp dividing n_kv_heads, or more key/value heads"
+        )
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise ConfigError(
             f"parallel.sequence_parallel splits sequences of data.seq_len={seq_len} tokens across parallel.tp={tp} "

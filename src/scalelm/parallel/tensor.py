@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron-style) over the mesh's "tp" dimension, applied to a TransformerLM in place.
 
-The model declares its plan (scalelm.model.architecture.BLOCK_TP_PLAN): in every block the first matrix of a pair is
+The model declares its plan (scalelm.model.architecture.block_tp_plan): in every block the first matrix of a pair is
 split by output columns and the second by input rows, so a block costs one all-reduce forward and one backward for
-attention and one each for the feed-forward network:
+attention and one each for the feed-forward network (llama's SwiGLU: w1 and w3 column-wise, w2 row-wise; its qkv
+rows grouped by key/value head, so a rank holds whole groups: tp divides model.n_kv_heads):
 
     attention   qkv: column-wise (whole heads per rank: the qkv rows are grouped by head)   out: row-wise
     FFN         up: column-wise                                                             down: row-wise
@@ -37,7 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from scalelm.model.architecture import BLOCK_TP_PLAN
+from scalelm.model.architecture import block_tp_plan
 from scalelm.model.moe import MoE
 
 
@@ -46,7 +47,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     # the residual stream between the pairs: replicated, or (SP) this rank's part of the sequence as a plain tensor
     between = Shard(1) if sequence_parallel else Replicate()
     styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=between)}
-    plan = {name: styles[split]() for name, split in BLOCK_TP_PLAN.items()}
+    plan = {name: styles[split]() for name, split in block_tp_plan(model.config).items()}
     if sequence_parallel:
         gather = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True

@@ -32,7 +32,7 @@ from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.model.architecture import parameter_counts
-from scalelm.plan.catalogue import catalogue, inter_names, machine_record
+from scalelm.plan.catalogue import catalogue, check_site, inter_names, machine_record
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, rate, smallest_fsdp, smallest_machine
 from scalelm.plan.machine import MachineBaseline
@@ -102,10 +102,8 @@ def speeds_of(args: argparse.Namespace, work: Workload | None = None, machine: M
     """The machine's speeds: a measured baseline's, else the catalogue's GPU's (flag or site file), else the flags'."""
     site = load_site(args.site)
     gpu, network = args.gpu or site.gpu, args.network or site.network
-    if gpu:
-        catalogue().accelerator(gpu)  # an unknown name is refused even where a baseline wins
+    check_site(gpu, network)  # an unknown name is refused even where a baseline wins
     if network:
-        catalogue().network(network)
         if not gpu:
             raise ConfigError("--network names the catalogue's network between a catalogue GPU's nodes: give --gpu too")
     hand = any(getattr(args, name) is not None for name in HAND_TYPED)

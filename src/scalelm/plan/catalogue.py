@@ -75,6 +75,14 @@ class Catalogue:
         return entries[name]
 
 
+def check_site(gpu: str | None, network: str | None) -> None:
+    """A site file's `gpu:` and `network:` (scalelm.site), refused by name unless the catalogue knows them."""
+    if gpu is not None:
+        catalogue().accelerator(gpu)
+    if network is not None:
+        catalogue().network(network)
+
+
 def read_catalogue(text: str) -> Catalogue:
     """The catalogue of a YAML text: every entry typed and with its source, its node link known; ConfigError naming the
     entry otherwise."""

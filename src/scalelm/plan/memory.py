@@ -67,6 +67,19 @@ work holds its fp32 logits and their exponentials with their gradient, (8 + e) V
 chunk's fp32 weight gradient. A pipeline rank keeps one micro-batch per schedule slot in flight: all m with GPipe,
 pp - rank with 1F1B (the first rank the most), and for interleaved 1F1B Megatron's count of warm-up chunks.
 
+The llama block (model.family: llama; scalelm.model.llama) keeps, in place of the course block's 4d/t for attention,
+its rotated queries (d) and keys (h = n_kv_heads x head size: fewer under grouped-query attention), the qkv
+projection's output, of which the values are a view (d + 2h), and attention's output (d), all over t (the rotation
+keeps only the small cos and sin tables); for its SwiGLU of width f four hidden activations (w1's and w3's outputs,
+silu's, and the product w2 takes: 4f/t) in place of two; and its RMSNorms their inputs and their normalised copies
+(torch's RMSNorm multiplies by its weight apart: 4d/u). Exact for a block on the CPU in fp32 without dropout, to its
+few numbers per row (its saved tensors counted; the course block's formula is an upper estimate there):
+
+    e (2d + 4d/u + (3d + 3h + 4f)/t) + k (2d/u + f/t)
+
+selective keeps e (d/u + (2d + 2h + 2f)/t + 2d) (the qkv, w1 and w3 outputs, attention's, out's and w2's), a
+mixture's SwiGLU experts 4g where the course's keep g, and without a positional table the buffers hold none.
+
 The sum of all five parts is the plan's peak: an upper estimate, as a step never holds all activations and all
 gradients at once (the backward frees one as it fills the other). Buffers and activations are estimates; params,
 grads and optimizer state are exact to the byte for a whole-tensor layout (tests compare them with the bytes each
@@ -101,6 +114,10 @@ RING_SCORE_BYTES_DROPOUT = 20  # with dropout: the probability, and the mask's i
 RING_PRODUCT_WIDTH_BYTES = 16  # per token and d/t: the products' fp32 dq accumulator and a block's three gradients
 SELECTIVE_FORMULA = "e (d/u + (4d + f)/t + 2d)"  # what a block keeps under selective activation checkpointing
 MOE_FORMULA = "e (2d + 2d/u + 4d/t + c (2d + g)) + k 2d/u + 4n + 32c"  # a mixture's block (model.moe)
+# model.family llama (module docstring): h = n_kv_heads x head size, the keys' (and the values') width
+LLAMA_BLOCK_FORMULA = "e (2d + 4d/u + (3d + 3h + 4f)/t) + k (2d/u + f/t)"
+LLAMA_SELECTIVE_FORMULA = "e (d/u + (2d + 2h + 2f)/t + 2d)"
+LLAMA_MOE_FORMULA = "e (2d + 4d/u + (3d + 3h)/t + c (2d + 4g)) + k 2d/u + 4n + 32c"
 ROUTE_BYTES = 32  # per route (a token's choice): three int64 indices (choice, order, token) and two fp32 weights
 
 
@@ -273,8 +290,13 @@ def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, st
     model, e, k = work.config.model, work.compute_bytes, work.mask_bytes
     d, f, t, a, s = model.d_model, model.d_ff, dims.tp, model.n_heads, work.config.data.seq_len
     u = t if work.config.parallel.sequence_parallel else 1
-    kept = e * (2 * d + 2 * d / u + (4 * d + 2 * f) / t) + k * (2 * d / u + f / t)
-    formula, values = BLOCK_FORMULA, f"e={e}, k={k}, d={d}, f={f}, t={t}, u={u}"
+    if model.family == "llama":
+        h = kv_width(model)
+        kept = e * (2 * d + 4 * d / u + (3 * d + 3 * h + 4 * f) / t) + k * (2 * d / u + f / t)
+        formula, values = LLAMA_BLOCK_FORMULA, f"e={e}, k={k}, d={d}, h={h}, f={f}, t={t}, u={u}"
+    else:
+        kept = e * (2 * d + 2 * d / u + (4 * d + 2 * f) / t) + k * (2 * d / u + f / t)
+        formula, values = BLOCK_FORMULA, f"e={e}, k={k}, d={d}, f={f}, t={t}, u={u}"
     if dims.cp > 1:  # ring attention keeps its log-sum-exp (fp32) beside the output, and recomputes the rest
         kept += 4 * a / t
         formula, values = formula + RING_FORMULA, values + f", a={a}"
@@ -284,15 +306,33 @@ def block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, st
     return kept, f"{formula} with {values}: {kept:,.0f} B per token and block"
 
 
+def kv_width(model) -> int:
+    """The keys' (and the values') width: n_kv_heads x head size."""
+    return model.kv_heads * model.head_dim
+
+
+def attention_width(model) -> int:
+    """What a block's attention keeps per token and TP rank, times tp: q, k, v and the output (4d), or llama's
+    rotated q and k, the qkv output the values are a view of, and the output (3d + 3h)."""
+    return 3 * model.d_model + 3 * kv_width(model) if model.family == "llama" else 4 * model.d_model
+
+
 def moe_block_bytes_per_token(work: Workload, dims: ParallelDims) -> tuple[float, str]:
-    """Activation bytes a mixture's block keeps per token (the module docstring's MOE_FORMULA), and the formula with
-    its values."""
+    """Activation bytes a mixture's block keeps per token (the module docstring's MOE_FORMULA; llama's
+    LLAMA_MOE_FORMULA), and the formula with its values."""
     model, e, k = work.config.model, work.compute_bytes, work.mask_bytes
     d, t, c, g, n = model.d_model, dims.tp, model.moe.top_k, model.expert_width(), model.moe.experts
     u = t if work.config.parallel.sequence_parallel else 1
-    kept = e * (2 * d + 2 * d / u + 4 * d / t + c * (2 * d + g)) + k * 2 * d / u + 4 * n + ROUTE_BYTES * c
+    llama = model.family == "llama"
+    hidden = 4 * g if llama else g  # SwiGLU's four hidden activations (module docstring)
+    norms = (4 if llama else 2) * d / u  # RMSNorm's inputs and normalised copies, LayerNorm's inputs
+    attention = attention_width(model) / t
+    kept = e * (2 * d + norms + attention + c * (2 * d + hidden)) + k * 2 * d / u + 4 * n + ROUTE_BYTES * c
     values = f"e={e}, k={k}, d={d}, t={t}, u={u}, c={c}, g={g}, n={n}"
-    return kept, f"{MOE_FORMULA} with {values}: {kept:,.0f} B per token and mixture's block"
+    formula = MOE_FORMULA
+    if model.family == "llama":
+        formula, values = LLAMA_MOE_FORMULA, values + f", h={kv_width(model)}"
+    return kept, f"{formula} with {values}: {kept:,.0f} B per token and mixture's block"
 
 
 def checkpointed_bytes_per_token(work: Workload, dims: ParallelDims, mixture: bool) -> float:
@@ -303,11 +343,16 @@ def checkpointed_bytes_per_token(work: Workload, dims: ParallelDims, mixture: bo
     model, e, t = work.config.model, work.compute_bytes, dims.tp
     d = model.d_model
     u = t if work.config.parallel.sequence_parallel else 1
-    full = work.checkpointing == "full"
+    full, llama = work.checkpointing == "full", model.family == "llama"
     if mixture:
         kept, _ = moe_block_bytes_per_token(work, dims)
-        return kept - e * (4 * d / t + model.moe.top_k * model.expert_width()) if full else kept
-    return e * d / u if full else e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
+        hidden = (4 if llama else 1) * model.expert_width()
+        return kept - e * (attention_width(model) / t + model.moe.top_k * hidden) if full else kept
+    if full:
+        return e * d / u
+    if llama:
+        return e * (d / u + (2 * d + 2 * kv_width(model) + 2 * model.d_ff) / t + 2 * d)
+    return e * (d / u + (4 * d + model.d_ff) / t + 2 * d)
 
 
 def blocks_bytes_per_token(work: Workload, dims: ParallelDims, blocks: Iterable[int]) -> list[float]:
@@ -394,7 +439,7 @@ def plan_memory(work: Workload, dims: ParallelDims) -> MemoryPlan:
             else:  # the log-probabilities kept; the logits with their fp32 copy, or the backward's two gradients
                 act += last_count * tokens * 4 * vocab / vocab_split + tokens * max(e + 4, 8) * vocab / vocab_split
 
-        buffers = config.model.max_seq_len * d * 4  # the positional table
+        buffers = config.model.max_seq_len * d * 4 if model.family == "gpt2" else 0  # the positional table
         reshards = fsdp_reshards(work, dims)
         if reshards is not None:
             units: dict[str, int] = {}

@@ -18,6 +18,7 @@ import psutil
 from scalelm.errors import ConfigError
 from scalelm.launch.container import check_image, exec_prefix, find_runtime, is_uri
 from scalelm.launch.slurm import check_node_counts
+from scalelm.plan.catalogue import check_site
 from scalelm.report import aggregate, history_store
 from scalelm.report.expectations import parse_expectations, to_arguments
 from scalelm.report.scaling import choose_baseline
@@ -43,6 +44,7 @@ class Study:
         settings = self.settings = load_study(config)
         self.results = settings.results
         self.site = load_site(settings.site)
+        check_site(self.site.gpu, self.site.network)
         check_command_line_values(dataclasses.asdict(self.site), "site file: ")
         self.resources = settings.resources
         self.stop_signal_s = stop_signal_seconds(self.resources)

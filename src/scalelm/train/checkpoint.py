@@ -367,6 +367,9 @@ def model_shape(config: Config, vocab_size: int) -> dict[str, Any]:
     if config.model.moe is not None:  # (absent for a dense model, as in the checkpoints from before mixtures)
         moe = config.model.moe
         shape["moe"] = {"experts": moe.experts, "every": moe.every, "d_ff": config.model.expert_width()}
+    if config.model.family != "gpt2":  # (absent for the course's block, as in the checkpoints from before families)
+        shape["family"] = config.model.family
+        shape["n_kv_heads"] = config.model.kv_heads
     return shape
 
 
