@@ -74,10 +74,10 @@ def project(tmp_path, cluster) -> Path:
             "training": {"batch": {"size": 100000}},
         }
 
-    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp and the mixtures one node's
-    # (tests/test_training.py), ddp_lightning Lightning's DDP (tests/test_lightning.py)
+    # hsdp and tp run the code of fsdp_tp on fewer dimensions, ddp_spawn ddp's, cp, the mixtures and the llama block
+    # one node's (tests/test_training.py), ddp_lightning Lightning's DDP (tests/test_lightning.py)
     def fewer(config):
-        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn", "ddp_lightning", "cp", "moe", "moe_ep"):
+        for name in ("hsdp", "tp", "pp_gpipe", "ddp_spawn", "ddp_lightning", "cp", "moe", "moe_ep", "llama_small"):
             config.get("local", config)["experiments"].pop(name)
 
     edit_yaml(tmp_path / "config/local.yaml", tiny)
