@@ -11,7 +11,7 @@ import json
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -548,31 +548,35 @@ def check_moe(moe: MoEConfig, n_layers: int) -> None:
     check_balance(moe)
 
 
+def unused_settings(section: Any, owner_of: dict[str, str], chosen: str) -> Iterator[tuple[str, Any, Any, str]]:
+    """(key, value, default, its choice) of each setting of `section` that only another choice than `chosen` uses
+    (`owner_of`: a setting's choice) and that is set away from its default: it would change nothing trained, yet
+    tell the run apart from the same run without it (a run's identity holds it)."""
+    defaults = type(section).__dataclass_fields__
+    for key, owner in owner_of.items():
+        value, default = getattr(section, key), defaults[key].default
+        if owner != chosen and value != default:
+            yield key, value, default, owner
+
+
 def check_balance(moe: MoEConfig) -> None:
-    """A coefficient that model.moe.balance does not use, refused unless at its default: it would change nothing
-    trained, yet tell the run apart from the same run without it (a run's identity holds every coefficient)."""
-    defaults = MoEConfig.__dataclass_fields__
-    for key, balance in BALANCE_OF.items():
-        value, default = getattr(moe, key), defaults[key].default
-        if balance != moe.balance and value != default:
-            raise ConfigError(
-                f"model.moe.{key}={value} acts under model.moe.balance={balance} only, and the balance is "
-                f"{moe.balance}: remove {key} (or leave it at its default, {default}), or set model.moe.balance={balance}"
-            )
+    """A coefficient that model.moe.balance does not use, refused unless at its default (`unused_settings`)."""
+    for key, value, default, balance in unused_settings(moe, BALANCE_OF, moe.balance):
+        raise ConfigError(
+            f"model.moe.{key}={value} acts under model.moe.balance={balance} only, and the balance is "
+            f"{moe.balance}: remove {key} (or leave it at its default, {default}), or set model.moe.balance={balance}"
+        )
 
 
 def check_family(model: ModelConfig) -> None:
-    """A setting of the other family's block refused unless at its default (as `check_balance`: it would change
-    nothing trained, yet tell the run apart), and grouped-query attention's heads against the query heads."""
-    defaults = ModelConfig.__dataclass_fields__
-    for key, family in FAMILY_ONLY.items():
-        value, default = getattr(model, key), defaults[key].default
-        if family != model.family and value != default:
-            raise ConfigError(
-                f"model.{key}={value} applies to model.family={family} only, and the family is {model.family}: "
-                f"remove {key} (or leave it at its default, {default})"
-                + (" (a llama block is always pre-norm, with RMSNorm)" if key == "norm" else "")
-            )
+    """A setting of the other family's block refused unless at its default (`unused_settings`), and grouped-query
+    attention's heads against the query heads."""
+    for key, value, default, family in unused_settings(model, FAMILY_ONLY, model.family):
+        raise ConfigError(
+            f"model.{key}={value} applies to model.family={family} only, and the family is {model.family}: "
+            f"remove {key} (or leave it at its default, {default})"
+            + (" (a llama block is always pre-norm, with RMSNorm)" if key == "norm" else "")
+        )
     if model.n_kv_heads is not None and model.n_heads % model.n_kv_heads:
         raise ConfigError(
             f"model.n_kv_heads ({model.n_kv_heads}) must divide model.n_heads ({model.n_heads}): each key/value "
