@@ -38,7 +38,14 @@ class PublishedRun:
     differs: str = ""  # what the planner cannot represent
 
 
-GPT2_124M = ("model.d_model=768", "model.n_heads=12", "model.n_layers=12", "model.d_ff=3072", "model.dropout=0.0")
+GPT2_124M = (
+    "model.d_model=768",
+    "model.n_heads=12",
+    "model.n_layers=12",
+    "model.d_ff=3072",
+    "model.dropout=0.0",
+    "model.norm=pre",
+)
 GPT2_TIED = (*GPT2_124M, "model.tie_weights=true", "data.seq_len=1024", "model.max_seq_len=1024")
 
 
@@ -51,9 +58,23 @@ def megatron_deepspeed_flops(batch: int, seq: int, layers: int, hidden: int, voc
 
 BLOOM_TFLOPS = 150  # "training throughput: about 150 TFLOPs" per GPU (the BigScience 176B model page, below)
 
+
+def korthikanti_sequences(seconds: float, mfu: float, gpus: int) -> float:
+    """The global batch (sequences) that Korthikanti et al.'s 530B model at `mfu` of the A100's 312 TFLOP/s on `gpus`
+    GPUs computes in `seconds`, by the paper's model FLOPs per sequence (its Appendix A, with Narayanan et al.'s
+    count): 72 L s h^2 (1 + s/6h + V/12hL), L 105, s 2048, h 20480, V 51200."""
+    layers, seq, hidden, vocab = 105, 2048, 20480, 51200
+    per_sequence = 72 * layers * seq * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * hidden * layers))
+    return seconds * mfu * 312e12 * gpus / per_sequence
+
+
+KORTHIKANTI_530B_S = 39.15  # seconds per iteration on 2240 A100s at 54.2% MFU (the paper's section 6.3, below)
+
 RUNS = [
-    # Left out, figures not found with the search tool: Korthikanti et al. 2022's table of iteration times (GPT 22B to
-    # 1T on A100s), llm.c's GPT-2 1.5B on 8 H100s (its tokens per step), nanoGPT's own README figures.
+    # Left out, figures not found with the search tool: the rest of Korthikanti et al. 2022's tables (its Table 3's
+    # configurations and Table 5's iteration times for 22B, 175B and 1T; only the 530B run's time on 2240 GPUs and MFU
+    # were found, in notes citing the paper, and its Table 4's per-layer times without their micro-batch), llm.c's
+    # GPT-2 1.5B on 8 H100s (its tokens per step), nanoGPT's own README figures.
     PublishedRun(
         "BLOOM-176B, 384 A100 80GB, tp 4 pp 12 dp 8",
         "BigScience 176B model page (https://bigscience.notion.site/BigScience-176B-Model-ad073ca07cdf479398d5f95d88e218c4):"
@@ -88,16 +109,61 @@ RUNS = [
         "ALiBi for learned positions and an embedding layer norm (negligible); ZeRO-1 (DeepSpeed's bf16 optimizer: "
         "bf16 weights and gradients, the fp32 state sharded over dp 8) planned as FSDP over the 8 replicas, which "
         "also shards the weights and gradients (fp32 here) and holds gathered units in buffers: the memory's match "
-        "is partly differences that cancel, and the step has FSDP's weight gathers (19 s) that ZeRO-1 has not (as plain data "
-        "parallelism: 74 s, -29%, and 163 GB); the embedding and output layer untied (scalelm ties none across pipeline "
+        "is partly differences that cancel, and the step has FSDP's weight gathers (18 s) that ZeRO-1 has not (as plain "
+        "data parallelism: 87 s, -17%, and 163 GB); the embedding and output layer untied (scalelm ties none across pipeline "
         "stages; Megatron keeps a copy on the last stage and all-reduces their gradients, as much memory); Megatron's stages split 70 blocks and the embedding as 72 layers",
+    ),
+    PublishedRun(
+        "Korthikanti et al. 530B, 2240 A100 80GB, tp 8 pp 35 dp 8, selective + sequence parallel",
+        "Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' (arXiv:2205.05198): "
+        "the 530B GPT on 2240 A100s with selective recomputation and sequence parallelism, 54.2% MFU (abstract), "
+        "39.15 s per iteration (section 6.3, as transcribed with the paper's ar5iv HTML cited in public notes found "
+        "with the search tool); tensor parallelism 8, 8-way data parallelism of a 280-GPU replica (so pipeline 35); "
+        "the shape is MT-NLG's (105 layers: the Microsoft/NVIDIA MT-NLG blog; h 20480, 128 heads, s 2048: the paper's "
+        "section 5); vocabulary 51,200 (Megatron-LM's GPT models, its README); Selene's DGX A100 80GB nodes with HDR "
+        "InfiniBand (the MT-NLG blog)",
+        (
+            "model.d_model=20480",
+            "model.n_heads=128",
+            "model.n_layers=105",
+            "model.d_ff=81920",
+            "model.dropout=0.0",
+            "model.norm=pre",
+            "data.seq_len=2048",
+            "model.max_seq_len=2048",
+            "batch.mode=global",
+            "batch.size=2240",
+            "parallel.pp_microbatches=280",  # a replica's 280 sequences in micro-batches of 1 (assumed)
+            "parallel.dp_replicate=8",
+            "parallel.tp=8",
+            "parallel.pp=35",
+            "parallel.sequence_parallel=true",
+            "parallel.loss_parallel=true",
+            "train.activation_checkpointing=selective",
+        ),
+        51200,
+        "a100-80gb",
+        "hdr-8x",
+        280,
+        8,
+        KORTHIKANTI_530B_S,
+        f"as published; its global batch of 2240 sequences from the MFU (the paper's FLOP count gives "
+        f"{korthikanti_sequences(KORTHIKANTI_530B_S, 0.542, 2240):,.0f} in 39.15 s)",
+        None,
+        "Megatron-LM's selective recomputation recomputes attention's core (QK^T, softmax, dropout, AV: the paper's "
+        "section 5), scalelm's the pointwise work between the products; the micro-batch of 1, the 1F1B schedule, "
+        "dropout (planned without) and plain data parallelism (planned as HSDP's replicas, whose bf16 policy is "
+        "Megatron's) are assumptions: the paper's Table 3 was not found; no memory figure published, and the plan's "
+        "(over 80 GB) holds scalelm's embedding whole where Megatron splits it by vocabulary over tp; the weights' "
+        "casts and gradient accumulation over 280 micro-batches (10 s of the plan) are scalelm's, which Megatron's "
+        "bf16 weights and fused accumulation into fp32 do not pay",
     ),
     PublishedRun(
         "llm.c GPT-2 124M, 8 A100 80GB SXM",
         "karpathy/llm.c discussion #481 ('Reproducing GPT-2 (124M) in llm.c in 90 minutes for $20'): 10B tokens in "
         "about 90 minutes on one 8X A100 80GB SXM node (found through a news summary of it, edworking.com, "
         "28 May 2024)",
-        (*GPT2_TIED, "batch.size=64", "parallel.strategy=ddp"),
+        (*GPT2_TIED, "batch.size=64", "parallel.strategy=ddp", "train.compile=true"),
         50304,
         "a100-80gb",
         None,
@@ -106,13 +172,15 @@ RUNS = [
         8 * 64 * 1024 / (10e9 / (90 * 60)),
         "from 10B tokens in ~90 minutes (evaluations included), at 8 x 64 x 1024 tokens per step",
         None,
-        "llm.c's fused C/CUDA kernels (no framework dispatch); the batch of 64 x 1024 per GPU is assumed (as nanoGPT's)",
+        "llm.c's fused C/CUDA kernels (no framework dispatch), planned as compiled (train.compile's fused regions, "
+        "the nearest scalelm has), with bf16 activations where the plan keeps autocast's fp32 residual stream; the "
+        "batch of 64 x 1024 per GPU is assumed (as nanoGPT's)",
     ),
     PublishedRun(
         "nanoGPT-style GPT-2 124M (build-nanogpt), 8 A100 SXM4",
         "debtirthasaha.github.io/blog/2026/gpt2-124m ('Eight A100s, $61, and 124M parameters'): 19,073 steps over "
         "10B FineWeb-Edu tokens, sustained 1.1M tokens/s",
-        (*GPT2_TIED, "batch.size=64", "parallel.strategy=ddp"),
+        (*GPT2_TIED, "batch.size=64", "parallel.strategy=ddp", "train.compile=true"),
         50304,
         "a100-80gb",
         None,
@@ -126,7 +194,7 @@ RUNS = [
     PublishedRun(
         "scalelm gpt2_small, 1 H200, compiled",
         "docs/benchmarks.md, 'One GPU: the proof kit on an NVIDIA H200': 512,742 tokens/s, 32.0 ms at batch 16",
-        (*GPT2_TIED, "batch.size=16", "parallel.strategy=single"),
+        (*GPT2_TIED, "batch.size=16", "parallel.strategy=single", "train.compile=true"),
         33278,
         "h200",
         None,

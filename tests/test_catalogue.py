@@ -1,7 +1,8 @@
 """The catalogue of machines (scalelm.plan.catalogue): its entries and their sources, the model of what datasheets do
 not give, a plan from a catalogue GPU the same as from its record given as a baseline, names refused, the site
-file's gpu key, and the published runs' bench script on one row. Each check is also shown to fail on a broken
-input."""
+file's gpu key, the published runs' bench script on one row and docs/plan.md's table of them all; the GPU step's
+elementwise bytes counted op by op (scalelm.plan.elementwise), the optimizer's and the attention kernel's, checked
+against counts made by hand. Each check is also shown to fail on a broken input."""
 
 from __future__ import annotations
 
@@ -9,14 +10,19 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
+from scalelm.config import load_config
 from scalelm.errors import ConfigError
+from scalelm.parallel.dims import ParallelDims
 from scalelm.plan.__main__ import main as plan_main
 from scalelm.plan.catalogue import (
+    attention_share,
+    baseline,
     catalogue,
     check_site,
     collective_rows,
@@ -25,7 +31,18 @@ from scalelm.plan.catalogue import (
     product_rate,
     read_catalogue,
 )
+from scalelm.plan.elementwise import (
+    ADAMW_BYTES,
+    Widths,
+    block_bytes,
+    edge_bytes,
+    llama_block,
+    loss_bytes,
+    optimizer_bytes_per_parameter,
+)
 from scalelm.plan.machine import MachineBaseline
+from scalelm.plan.memory import Workload, block_bytes_per_token
+from scalelm.plan.steptime import Speeds, attention_kernel_flops, stage_work
 from scalelm.site import load_site
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,8 +224,129 @@ def test_the_bench_script_plans_a_published_run():
     assert prediction.step_error == pytest.approx(prediction.step_s / (16 * 1024 / 350543) - 1)
     assert prediction.memory_error == pytest.approx(prediction.memory_gb / (11922 * 2**20 / 1e9) - 1)
     # the planning fails on a broken row: a layout its machine cannot hold
-    from dataclasses import replace
-
     broken = replace(row, settings=(*row.settings, "parallel.strategy=ddp"), gpus_per_node=1)
     with pytest.raises(ConfigError):
         bench.plan_run(replace(broken, settings=(*row.settings, "parallel.tp=2")))
+
+
+def test_the_docs_table_of_published_runs_is_the_bench_scripts_on_the_catalogue():
+    """docs/plan.md's "Against published runs" table and its mean error are what the bench script plans today on the
+    catalogue (all analytic: no speed measured here); a row planned otherwise would fail here."""
+    bench = published_runs()
+    predictions = {run.name: bench.plan_run(run) for run in bench.RUNS}
+    section = (ROOT / "docs/plan.md").read_text().split("## Against published runs")[1].split("\n## ")[0]
+    rows = {cells[0]: cells for cells in (line.strip("| ").split(" | ") for line in section.splitlines()) if cells}
+    for name, prediction in predictions.items():
+        assert rows[name][2] == f"{prediction.step_s:.4g}" and rows[name][3] == bench.percent(prediction.step_error)
+    mean = sum(abs(p.step_error) for p in predictions.values()) / len(predictions)
+    assert f"Mean absolute step-time error: {mean:.0%} over {len(predictions)} runs" in section
+    # the check fails on a row planned otherwise: the eager run planned as compiled
+    eager = next(run for run in bench.RUNS if run.name.endswith("eager"))
+    compiled = bench.plan_run(replace(eager, settings=(*eager.settings, "train.compile=true")))
+    assert f"{compiled.step_s:.4g}" != rows[eager.name][2]
+
+
+def tiny_work(*settings: str) -> Workload:
+    """A model small enough to count its bytes by hand: d 8, f 32, 2 heads, 4 tokens a sequence, bf16 on a GPU."""
+    base = ["model.d_model=8", "model.d_ff=32", "model.n_heads=2", "model.n_layers=1", "model.dropout=0.0"]
+    return Workload(load_config(None, [*base, "data.seq_len=4", "model.max_seq_len=4", *settings]), 100, "cuda")
+
+
+def test_a_course_blocks_elementwise_bytes_counted_op_by_op_by_hand():
+    """Per token, bf16 under autocast (fp32 residual: r 4, e 2, a cast 6 bytes an element), d 8, qkv 24, f 32."""
+    work = tiny_work()
+    eager = (
+        2 * 2 * 4 * 8  # two norms: the fp32 residual read, written
+        + 2 * 6 * 8  # their outputs cast to bf16
+        + 2 * (4 + 2 + 4) * 8  # two residual adds: fp32 stream and bf16 branch read, stream written
+        + 2 * 2 * 32  # ReLU read and written
+        + 2 * 6 * 8  # backward: the residual branches' gradients cast to bf16
+        + 2 * 6 * 8  # the products' input gradients cast back to fp32
+        + 2 * 5 * 4 * 8  # two norms' backward: dY, X read, dX written; dY and X again for their weights
+        + 2 * 3 * 4 * 8  # the residual gradient summed at each norm's input
+        + 3 * 2 * 32  # ReLU's backward
+        + 2 * (24 + 8 + 32 + 8)  # four biases' gradients read their outputs' gradients
+        + 2 * 2 * 2 * 24  # q, k, v gradients stacked, then copied into qkv's layout
+    )
+    assert eager == 1744 and block_bytes(work, ParallelDims(), False, compiled=False) == eager
+    # compiled: each fused region reads its inputs and writes its outputs once
+    compiled = (4 + 2) * 8 + (8 + 4) * 8 + 2 * 2 * 32 + (8 + 2) * 8  # forward's four regions
+    compiled += (4 + 4) * 8 + 4 * 2 * 32 + (16 + 6) * 8 + 2 * 8 + 3 * 2 * 24 + (16 + 4) * 8  # backward's six
+    assert compiled == 1168 and block_bytes(work, ParallelDims(), False, compiled=True) == compiled
+    # FSDP's policy casts the parameters to bf16: a bf16 residual stream, no casts (r = e = 2)
+    sharded = (24 * 2 + 4 * 2) * 8 + 5 * 2 * 24 + 6 * 2 * 32
+    assert block_bytes(work, ParallelDims(dp_shard=2), False, compiled=False) == sharded
+    # tp 2 with sequence parallelism: the stream's width halved (D 4), qkv's (12) and the FFN's (16) split
+    split = tiny_work("parallel.sequence_parallel=true")
+    split_eager = (24 * 4 + 4 * 2 + 6 * 6) * 4 + 10 * 12 + 12 * 16
+    assert block_bytes(split, ParallelDims(tp=2), False, compiled=False) == split_eager
+    # a check that fails: the count is not the three passes over what the block keeps
+    kept, _ = block_bytes_per_token(work, ParallelDims())
+    assert 3 * kept != eager
+
+
+def test_a_llama_blocks_elementwise_bytes_by_hand():
+    """d 8, 2 heads of 4, one key/value head (h 4: qkv 16), SwiGLU of width 32; bf16 under autocast."""
+    work = tiny_work("model.family=llama", "model.n_kv_heads=1")
+    w = Widths.of(work, ParallelDims())
+    assert (w.D, w.Q, w.A, w.K, w.F) == (8, 16, 8, 4, 32)
+    eager = (24 * 4 + 5 * 2) * 8 + 6 * 6 * 8 + 9 * 2 * 16 + 4 * 2 * 8 + 18 * 2 * (8 + 4) + 14 * 2 * 32
+    assert sum(llama_block(w, compiled=False).values()) == eager == 2816
+    compiled = (14 * 4 + 11 * 2) * 8 + 2 * 2 * 16 + 2 * 2 * (8 + 4) + 8 * 2 * 32
+    assert sum(llama_block(w, compiled=True).values()) == compiled == 1248
+
+
+def test_the_loss_the_optimizer_and_attentions_kernel_counted_by_hand():
+    work = tiny_work()  # vocabulary 100, 10 tokens
+    # eager: the bf16 logits cast to fp32 and back (6 + 6), the log-softmax's three passes (16) and its backward (16),
+    # nll's zero-filled gradient (4), the padded rows' gradient (3 x 2), the head's bias gradient (2)
+    assert loss_bytes(work, ParallelDims(), 10, compiled=False) == 10 * 100 * (12 + 16 + 4 + 16 + 6 + 2)
+    # compiled: the bf16 logits read three times, their gradient written, read again for the bias
+    assert loss_bytes(work, ParallelDims(), 10, compiled=True) == 10 * 100 * (4 * 2 + 2)
+    # AdamW as torch's fused kernel runs it (one pass: 16 read, 12 written) and the trainer's gradient norm (4)
+    assert ADAMW_BYTES["fused"] == 4 * 4 + 3 * 4 and optimizer_bytes_per_parameter(work) == 28 + 4
+    assert optimizer_bytes_per_parameter(tiny_work("optim.grad_clip=1.0")) == 28 + 4 + 8  # the in-place scaling
+    # torch's uncompiled capturable foreach step, pass by pass (torch/optim/adam.py's _multi_tensor_adam): decay,
+    # lerp_, mul_, addcmul_, sqrt, div_, add_, div_, addcdiv_, each reading its tensors and writing one
+    assert ADAMW_BYTES["foreach"] == 8 + 12 + 8 + 12 + 8 + 8 + 8 + 8 + 16 == 88
+    # the gpt2_small check (docs/benchmarks.md): 2.2 ms of AdamW with clipping on an H200, 9.4 GB at the measured copy
+    # rate, is ~85 bytes a parameter of its 110.6 M: the fused count explains half (the kernel is slower than a copy)
+    assert 2.2e-3 * 4.25e12 / 110.6e6 > 2 * (28 + 4 + 8)
+    # attention's causal kernel: 2 s d forward and 5 s d backward per token (the forward again under full
+    # checkpointing), over tp
+    assert attention_kernel_flops(work, ParallelDims()) == 7 * 4 * 8
+    assert attention_kernel_flops(tiny_work("train.activation_checkpointing=full"), ParallelDims(tp=2)) == 9 * 4 * 8 / 2
+
+
+def test_the_catalogue_prices_attention_at_flash_attentions_published_share():
+    book = catalogue()
+    assert attention_share("a100-80gb", book.model) == 0.5 and attention_share("h200", book.model) == 0.35
+    record = baseline("h200", None, 1, 1, "bf16", model_products(16384, 768, 3072, 33278))
+    assert record.attention_tflops == pytest.approx(989 * 0.35)
+    assert Speeds.from_baseline(record).attention_tflops == record.attention_tflops
+    # a measured baseline has none (attention timed with its products), and its file is written back unchanged
+    measured = MachineBaseline.from_json(record.to_json() | {"attention_tflops": None, "modelled": None})
+    assert measured.attention_tflops is None and "attention_tflops" not in measured.to_json()
+
+
+def test_a_catalogue_steps_work_sums_its_counted_parts():
+    """stage_work by operation on one GPU: the products (the tied head's included), attention's kernel and the
+    elementwise bytes of the block, the embedding and final norm, the loss, the weights' casts and AdamW."""
+    work = tiny_work("model.tie_weights=true", "batch.size=2", "model.norm=pre")
+    tokens, dims = 8, ParallelDims()
+    ((products, attention, moved),) = stage_work(work, dims, by_operation=True)
+    block_weights, head = 8 * 24 + 8 * 8 + 8 * 32 + 32 * 8, 100 * 8
+    assert products == tokens * 6 * (block_weights + head) and attention == tokens * 7 * 4 * 8
+    parameters = count_parameters(work)
+    expected = tokens * (block_bytes(work, dims, False, False) + edge_bytes(work, dims, True, True, False))
+    expected += loss_bytes(work, dims, tokens, False) + 12 * (block_weights + head) + 32 * parameters
+    assert moved == pytest.approx(expected)
+    # the legacy count, which measured baselines keep, prices the tied head's products too (it used to leave them out)
+    legacy, none, _ = stage_work(work, dims)[0]
+    assert none == 0 and legacy == products + tokens * 12 * 4 * 8
+
+
+def count_parameters(work: Workload) -> int:
+    from scalelm.model.architecture import parameter_counts
+
+    return parameter_counts(work.config.model, work.vocab_size)["total"]

@@ -6,7 +6,9 @@ its source), and the model of what their datasheets do not give, turned into the
   the share of the last wave of output tiles that has work (tile and wave quantisation), capped by the roofline (its
   bytes over the HBM bandwidth) where k or the other sides are small; the model's rate is its products' FLOPs over
   their summed time, at the shapes of its own forward and backward on one device, as the baseline times them;
-- elementwise work at a share of the HBM bandwidth;
+- elementwise work at a share of the HBM bandwidth, its bytes counted op by op (scalelm.plan.elementwise);
+- a fused causal attention kernel at a share of the dense peak (`attention_share`: flash attention's published
+  figures), its work as it counts it (scalelm.plan.steptime.attention_kernel_flops);
 - a collective of S bytes over n ranks: a latency of hops(n) x a hop's, plus its bus bytes (nccl-tests' convention)
   over the link's bus bandwidth; rows at message sizes from 1 KiB to 16 GiB, as a baseline measures them. Collectives
   over the job cross the nodes' adapters, all of them at once (a ring over every rank runs one ring per adapter); a
@@ -136,6 +138,13 @@ def product_rate(gpu: Accelerator, matmul: dict[str, Any], dtype: str, m: int, n
     return min(compute, gpu.hbm_gbps * intensity / 1e3)
 
 
+def attention_share(gpu_name: str, model: dict[str, Any]) -> float:
+    """The share of the dense peak a fused causal attention kernel reaches on a catalogue GPU: catalogue.yaml's
+    `model.attention`, the GPU's own figure where it names one."""
+    attention = model["attention"]
+    return attention.get("by_gpu", {}).get(gpu_name, attention["achievable"])
+
+
 def model_products(tokens: int, d_model: int, d_ff: int, vocab: int) -> list[tuple[int, int, int]]:
     """A block's and the head's products (m, n, k) in the forward, and the backward's two of each (the input's
     gradient, the weight's), as a training step on one device runs them."""
@@ -221,6 +230,7 @@ def baseline(
         collectives=rows,
         backend="nccl",
         modelled=f"the catalogue's {described}",
+        attention_tflops=gpu.peak_tflops[dtype] * attention_share(gpu_name, book.model),
     )
 
 

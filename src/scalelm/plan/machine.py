@@ -207,6 +207,8 @@ class MachineBaseline:
     torch: str | None = None
     # not measured: modelled from the catalogue's figures (scalelm.plan.catalogue), which it names; it has no model step
     modelled: str | None = None
+    # a fused causal attention kernel's TFLOP/s (the catalogue's model of flash attention); None: among the products
+    attention_tflops: float | None = None
 
     @property
     def nodes(self) -> int:
@@ -251,6 +253,7 @@ class MachineBaseline:
             backend=result.get("backend"),
             torch=result.get("torch"),
             modelled=result.get("modelled"),
+            attention_tflops=result.get("attention_tflops"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -271,4 +274,5 @@ class MachineBaseline:
             "nccl_network": self.nccl_network,
             "host_load": self.host_load,
             **({"modelled": self.modelled} if self.modelled else {}),
+            **({"attention_tflops": self.attention_tflops} if self.attention_tflops else {}),
         }

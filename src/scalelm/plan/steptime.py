@@ -1,16 +1,26 @@
 """How long a step of a layout should take on a machine, from what the machine's baseline measured
 (scalelm.measure.baseline) or what the user says it delivers: the step-time model of docs/plan.md.
 
-    step = (matrix products + elementwise work) / efficiency + fixed cost + exposed communication + drift + bubble
+    step = (matrix products + attention + elementwise work) / efficiency + fixed cost + exposed communication
+           + drift + bubble
 
 - matrix products: the rank's training FLOPs per step (6 per weight and token, 8 with full activation
-  checkpointing, plus attention's; the busiest pipeline stage's; tensor parallelism's share; a mixture's router and
-  the top_k experts a token goes through, which under expert parallelism a rank computes for as many rows as its
-  tokens choose, with uniform routing) over the baseline's rate at the model's own product shapes;
-- elementwise work: the bytes the step's memory-bound work moves (its activations written, read back and their
-  gradients written: 3 passes over what the memory plan says a block keeps; 4 passes over the fp32 logits of the
-  loss; AdamW's 28 bytes per parameter the rank updates) over the bandwidth the baseline measured for an elementwise
-  operation at the size of the logits;
+  checkpointing; the output layer's whether tied to the embedding or not; the busiest pipeline stage's; tensor
+  parallelism's share; a mixture's router and the top_k experts a token goes through, which under expert parallelism
+  a rank computes for as many rows as its tokens choose, with uniform routing) over the baseline's rate at the model's
+  own product shapes;
+- attention: where the speeds name a fused attention kernel's rate (the catalogue's: a share of the peak from flash
+  attention's published figures), its causal kernel's FLOPs as the flash-attention benchmark counts them (7 s d per
+  token and block: 2 forward, 5 backward; the forward again with full checkpointing) at that rate; else among the
+  products, 12 s d per token and block, as MFU counts it;
+- elementwise work: the bytes the step's memory-bound work moves over the bandwidth the baseline measured for an
+  elementwise operation at the size of the logits. Where a measured model step calibrates the efficiency (a
+  baseline's; every CPU plan), 3 passes over what the memory plan says a block keeps, 4 over the fp32 logits of the
+  loss and AdamW's 28 bytes per parameter the rank updates: the count that efficiency was measured against. Where
+  nothing calibrates it (a catalogue's GPU, speeds typed on the command line) and the step runs on GPUs, op by op
+  (scalelm.plan.elementwise): what each kernel of the eager step reads and writes (norms, casts, residual adds,
+  activations, biases' gradients, the loss's log-softmax over the fp32 logits, autocast's weight casts), or each
+  region Inductor fuses under train.compile, and AdamW's and the gradient norm's passes as the trainer runs them;
 - fixed cost: what a pass of the model costs whatever its tokens (dispatching its operations), from the baseline's
   model step timed at two token counts, per micro-batch pass (a stage's share of it in a pipeline);
 - a layout's overheads, per micro-batch pass as the fixed cost: what the baseline's model step cost more with the
@@ -42,15 +52,24 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from scalelm.errors import ConfigError
+from scalelm.model.architecture import is_moe_block
 from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import fsdp_of_one
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
+from scalelm.plan.elementwise import (
+    block_bytes,
+    edge_bytes,
+    forward_share,
+    loss_bytes,
+    optimizer_bytes_per_parameter,
+    weight_pass_bytes,
+)
 from scalelm.plan.host import HostContention, collective_crowding, crowding, rank_speedup
 from scalelm.plan.machine import MachineBaseline
-from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, held, rank_tensors
+from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token, gathered, held, rank_tensors
 
 ACTIVATION_PASSES = 3  # written in the forward, read in the backward, a gradient of the same size written
 LOGIT_PASSES = 4  # the loss's softmax reads the logits and writes its output; the backward reads it, writes the grad
@@ -87,6 +106,8 @@ class Speeds:
     # CPU: how long ranks wait for one another at a step's collectives, as a share of their compute (else None)
     drift_share: float | None = None
     source: str = ""
+    # a fused causal attention kernel's TFLOP/s as it counts its work (stage_work's by_operation); None: the products'
+    attention_tflops: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_tflops", "elementwise_gbps"):
@@ -128,6 +149,7 @@ class Speeds:
             layout_overhead_s={name: figure.at(at) for name, figure in step.layout_overhead_s.items()} if step else {},
             in_step_latency_s=waits.in_step_latency_s.at(at) / crowded if cpu and waits else None,
             drift_share=waits.drift_share.at(at) / crowded if cpu and waits else None,
+            attention_tflops=baseline.attention_tflops,
             source=source
             or baseline.modelled
             or f"baseline of {baseline.world_size} process(es) on {', '.join(baseline.hosts)}",
@@ -178,6 +200,12 @@ class Speeds:
         return large_bw  # not reached: the sizes are ascending
 
     @property
+    def calibrated(self) -> bool:
+        """Whether a measured model step calibrates these speeds' efficiency (a baseline's), or nothing does (the
+        catalogue's, the command line's): then a GPU's step is counted op by op (stage_work's by_operation)."""
+        return self.model_step is not None
+
+    @property
     def on_cpu(self) -> bool:
         """Whether these are a CPU's speeds (per thread, the cores shared with gloo's collectives)."""
         return self.threads is not None
@@ -214,10 +242,11 @@ class StepTime:
     communication_s: dict[str, float] = field(default_factory=dict)  # exposed seconds by collective
     bubble_s: float = 0.0
     all_to_all_s: float = 0.0  # expert parallelism's all-to-alls among communication_s
+    attention_s: float = 0.0  # the attention kernels', where priced apart from the products (stage_work)
 
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.elementwise_s + self.fixed_s + sum(self.overhead_s.values())
+        return self.matmul_s + self.attention_s + self.elementwise_s + self.fixed_s + sum(self.overhead_s.values())
 
     @property
     def total_s(self) -> float:
@@ -227,29 +256,82 @@ class StepTime:
         return {**asdict(self), "compute_s": self.compute_s, "total_s": self.total_s}
 
 
-def stage_work(work: Workload, dims: ParallelDims) -> list[tuple[float, float]]:
-    """FLOPs and elementwise bytes per step of each pipeline rank (the one rank without a pipeline)."""
+class StageWork(NamedTuple):
+    """What one pipeline rank computes and moves in a step."""
+
+    flops: float  # its matrix products' (and, counted the legacy way, attention's QK^T and AV at their rate)
+    attention_flops: float  # its attention kernels', as they run them (0 where counted among the products)
+    moved: float  # the bytes its memory-bound work reads and writes
+
+
+def stage_work(work: Workload, dims: ParallelDims, by_operation: bool = False) -> list[StageWork]:
+    """Each pipeline rank's work per step (the one rank's without a pipeline). `by_operation` (a GPU's speeds that
+    nothing measured calibrates): attention as its causal kernel computes it, at its own rate, and the elementwise
+    bytes counted op by op (scalelm.plan.elementwise); else attention among the products as MFU counts it (12 s d per
+    token and block) and the elementwise bytes as passes over what a block keeps, which a baseline's efficiency was
+    calibrated against."""
     config, model = work.config, work.config.model
     d, s, vocab = model.d_model, config.data.seq_len, work.vocab_size
-    global_batch, _ = config.batch.sizes(dims.dp_size)
+    global_batch, micro = config.batch.sizes(dims.dp_size)
     tokens = global_batch // dims.dp_size * s // dims.cp  # every micro-batch of the step on this rank
+    passes = max(1, global_batch // dims.dp_size // micro) * work.layout(dims).microbatches
     recompute = {"full": 8 / 6, "selective": 1.0}.get(work.checkpointing, 1.0)  # full: the forward twice
     vocab_share = dims.tp if config.parallel.loss_parallel else 1
     stages = []
     for tensors in rank_tensors(work, dims):
         blocks = block_indices(tensors)
+        last = any(t.unit == "root" for t in tensors)  # the final norm: the head's stage
         matrices = [t for t in tensors if t.unit.startswith("blocks.") and len(t.shape) == 2 and not t.expert]
         block_weights = sum(t.numel(dims.tp) for t in matrices)
-        head = sum(t.numel(dims.tp) for t in tensors if t.unit == "head" and len(t.shape) == 2)
-        attention = 12 * len(blocks) * s * d / dims.tp  # QK^T and AV, forward and backward (every rank's keys)
-        flops = tokens * (
-            (6 * (block_weights + active_expert_weights(work, tensors)) + attention) * recompute + 6 * head
-        )
-        moved = ACTIVATION_PASSES * tokens * sum(blocks_bytes_per_token(work, dims, blocks))
-        moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if head else 0
-        moved += ADAMW_BYTES_PER_PARAMETER * sum(held(t, dims) for t in tensors)
-        stages.append((flops, moved))
+        head = vocab // vocab_share * d if last else 0  # the output layer's products, tied to the embedding or not
+        flops = tokens * (6 * (block_weights + active_expert_weights(work, tensors)) * recompute + 6 * head)
+        if by_operation:
+            attention = tokens * len(blocks) * attention_kernel_flops(work, dims)
+            products = [t for t in tensors if len(t.shape) > 1 and t.unit not in ("embed", "head")]
+            weights = sum(gathered(t, dims) for t in products) + head  # the weights the rank's products take
+            moved = operation_bytes(work, dims, tensors, tokens, passes, weights)
+        else:
+            attention = 0.0
+            flops += tokens * 12 * len(blocks) * s * d / dims.tp * recompute  # QK^T and AV, every rank's keys
+            moved = ACTIVATION_PASSES * tokens * sum(blocks_bytes_per_token(work, dims, blocks))
+            moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if last else 0
+            moved += ADAMW_BYTES_PER_PARAMETER * sum(held(t, dims) for t in tensors)
+        stages.append(StageWork(flops, attention, moved))
     return stages
+
+
+def attention_kernel_flops(work: Workload, dims: ParallelDims) -> float:
+    """FLOPs per token and block of a causal fused attention kernel (flash attention's, cuDNN's), as the
+    flash-attention benchmark counts them: forward 4 s d per sequence's token halved by the mask (2 s d), backward 2.5
+    times the forward (it computes QK^T again), and the forward again under full activation checkpointing; over tp,
+    whose ranks hold a share of the heads."""
+    s, d = work.config.data.seq_len, work.config.model.d_model
+    forward, backward = 2 * s * d, 5 * s * d
+    recomputed = forward if work.checkpointing == "full" else 0
+    return (forward + backward + recomputed) / dims.tp
+
+
+def operation_bytes(
+    work: Workload, dims: ParallelDims, tensors: list, tokens: int, passes: int, weights: float
+) -> float:
+    """A rank's bytes per step counted op by op (scalelm.plan.elementwise): its blocks' (their forward again under
+    activation checkpointing), the embedding's and final norm's, the loss's on the last stage, `weights`' casts over
+    `passes` micro-batches and the optimizer's pass over the state the rank holds."""
+    compiled, model = work.config.train.compile, work.config.model
+    blocks = block_indices(tensors)
+    first, last = any(t.unit == "embed" for t in tensors), any(t.unit == "root" for t in tensors)
+    checkpointed = work.checkpointing in ("full", "selective")
+    per_token = 0.0
+    for mixture in (False, True):
+        count = sum(is_moe_block(model, i) == mixture for i in blocks)
+        if count:
+            again = forward_share(work, dims, mixture, compiled) if checkpointed else 0.0
+            per_token += count * (block_bytes(work, dims, mixture, compiled) + again)
+    per_token += edge_bytes(work, dims, first, last, compiled)
+    moved = tokens * per_token + (loss_bytes(work, dims, tokens, compiled) if last else 0.0)
+    state = sum(held(t, dims) for t in tensors)
+    moved += weight_pass_bytes(work, dims, passes, weights, state)
+    return moved + optimizer_bytes_per_parameter(work) * state
 
 
 def active_expert_weights(work: Workload, tensors: list) -> int:
@@ -312,7 +394,7 @@ def efficiency(work: Workload, speeds: Speeds) -> float:
         vocab_size=speeds.model_vocab or work.vocab_size,
         activation_checkpointing="none",
     )
-    ((flops, moved),) = stage_work(reference, ParallelDims())
+    ((flops, _, moved),) = stage_work(reference, ParallelDims())
     ideal = flops / (speeds.matmul_tflops * 1e12) + moved / (speeds.elementwise_gbps * 1e9)
     return ideal / max(seconds - fixed_cost(speeds), 1e-9)
 
@@ -334,9 +416,15 @@ def predict(
     global_batch, micro = work.config.batch.sizes(dims.dp_size)
     passes = max(1, global_batch // dims.dp_size // micro) * layout.microbatches  # forward and backward, each
     fixed = fixed_cost(speeds) * passes / share / dims.pp  # a pipeline rank dispatches its stages' share of each
+    by_operation = not speeds.calibrated and work.device == "cuda"
+    attention_tflops = speeds.attention_tflops or speeds.matmul_tflops
     stages = [
-        (flops / (speeds.matmul_tflops * 1e12 * faster), moved / (speeds.elementwise_gbps * 1e9 * faster))
-        for flops, moved in stage_work(work, dims)
+        (
+            flops / (speeds.matmul_tflops * 1e12 * faster),
+            moved / (speeds.elementwise_gbps * 1e9 * faster),
+            attention / (attention_tflops * 1e12 * faster),
+        )
+        for flops, attention, moved in stage_work(work, dims, by_operation)
     ]
     busiest = max(range(len(stages)), key=lambda rank: sum(stages[rank]))
     used = {
@@ -350,7 +438,15 @@ def predict(
         for name, seconds in speeds.layout_overhead_s.items()
         if used.get(name)
     }
-    step = StepTime(*stages[busiest], efficiency=efficiency(work, speeds), fixed_s=fixed, overhead_s=overhead)
+    matmul_s, elementwise_s, attention_s = stages[busiest]
+    step = StepTime(
+        matmul_s,
+        elementwise_s,
+        efficiency=efficiency(work, speeds),
+        fixed_s=fixed,
+        overhead_s=overhead,
+        attention_s=attention_s,
+    )
     flows = traffic(work, dims, gpus_per_node)
     step.communication_s = exposed(flows, speeds, step.compute_s, host)
     drift = host.drift(step.compute_s)
