@@ -123,7 +123,7 @@ def test_a_setting_of_the_other_model_family_is_refused_by_name_and_the_course_b
     """Issue 70: n_kv_heads and rope_theta are the llama block's, model.norm the course block's (a llama block is
     always pre-norm): each refused by name with the other family unless at its default; grouped-query attention's
     key/value heads divide the query heads, and tensor parallelism divides them. The new settings at their
-    defaults leave a run's identity as it was."""
+    defaults leave a run's identity as it was; a llama run's identity names none of the course block's settings."""
     from scalelm.config import identity_settings
 
     for overrides, message in (
@@ -150,7 +150,9 @@ def test_a_setting_of_the_other_model_family_is_refused_by_name_and_the_course_b
         "norm",
         "tie_weights",
     }
-    assert identity_settings(llama.to_dict())["model"]["family"] == "llama"
+    llama_identity = identity_settings(llama.to_dict())["model"]
+    assert llama_identity["family"] == "llama" and llama_identity["n_kv_heads"] == 2
+    assert "norm" not in llama_identity  # the course block's setting: a llama run's identity does not name it
 
 
 def test_a_misspelt_strategy_is_refused_where_layouts_are_checked():

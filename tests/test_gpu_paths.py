@@ -816,7 +816,8 @@ def test_the_farm_runs_beside_the_light_checks_and_is_ended_before_e(bench, tmp_
     assert ended["compile"] == {"configured": "not warm when the farm ended"}  # E's CPU variant
     assert hung in results["A.versions"]["figures"]["farm_alive"]  # beside the farm
     levers = results["E.levers"]["figures"]
-    assert levers["farm_alive"] == [] and 0 < levers["deadline"] - levers["began"] <= results["E.levers"]["limit_s"]
+    told = levers["deadline"] - levers["began"]
+    assert levers["farm_alive"] == [] and 0 < told <= results["E.levers"]["limit_s"] + 0.05  # limit_s: rounded to 0.1 s
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in printed[:4]] == [
         ["PASS", "A.versions"],

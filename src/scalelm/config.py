@@ -639,6 +639,10 @@ def identity_settings(settings: dict[str, Any], cls: type | None = None) -> dict
         elif item is None or item.metadata.get("identity", True):
             if not (item is not None and item.metadata.get("added") and value == item.default):
                 kept[key] = value
+    if cls is ModelConfig:  # the other family's settings shape nothing here (check_family refuses them set)
+        for key, family in FAMILY_ONLY.items():
+            if settings.get("family", "gpt2") != family:
+                kept.pop(key, None)
     return kept
 
 
