@@ -334,6 +334,13 @@ def test_a_mixtures_experiment_is_planned_and_wired_like_any_other():
     moe_ep = Experiment("moe_ep", "ep", 1, 2, 1, config, layout)
     plan = plan_experiment(moe_ep, SiteConfig(gpus_per_node=2, gpu_memory_gb=40), 28785)
     assert plan["fits"] and plan["layout"] == "1x2[ep2]x1x1" and plan["expert_bytes"]["params"] > 0
+    # a site that names its GPU in the catalogue (gpu:) and not its memory is planned against the catalogue's
+    named = plan_experiment(moe_ep, SiteConfig(gpus_per_node=2, gpu="a100-40gb"), 28785)
+    assert named["gpu_memory_gb"] == 40 and named["fits"] and named["usable_bytes"] == plan["usable_bytes"]
+    assert (
+        plan_experiment(moe_ep, SiteConfig(gpus_per_node=2, gpu="a100-40gb", gpu_memory_gb=80), 28785)["gpu_memory_gb"]
+        == 80
+    )  # the site's own figure wins
     dense = load_config(None, ["model.n_layers=4", "parallel.strategy=ddp"])
     runs = preflight.preflight_runs(
         [Experiment("ddp", "ddp", 1, 2, 1, dense, resolve_layout(dense, 2, 2)), moe_ep], "r"

@@ -32,7 +32,7 @@ from scalelm.config import load_config
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError, DataError, friendly_errors
 from scalelm.model.architecture import parameter_counts
-from scalelm.plan.catalogue import catalogue, check_site, inter_names, machine_record
+from scalelm.plan.catalogue import catalogue, check_site, gpu_memory_gb, inter_names, machine_record
 from scalelm.plan.comm import INTER, INTRA, totals
 from scalelm.plan.layouts import LayoutPlan, Machine, gb, plan_machine, rate, smallest_fsdp, smallest_machine
 from scalelm.plan.machine import MachineBaseline
@@ -150,9 +150,8 @@ def machine_of(args: argparse.Namespace) -> Machine:
     gpu = catalogue().accelerator(named) if named else None  # the catalogue's, for what the flags and site leave out
     # a flag given as 0 is refused (Machine), not replaced by the site's value
     gpus = args.gpus_per_node if args.gpus_per_node is not None else site.gpus_per_node or None
-    memory = args.gpu_memory_gb if args.gpu_memory_gb is not None else site.gpu_memory_gb
+    memory = gpu_memory_gb(args.gpu_memory_gb if args.gpu_memory_gb is not None else site.gpu_memory_gb, named)
     gpus = gpus if gpus is not None or gpu is None else gpu.gpus_per_node
-    memory = memory if memory is not None or gpu is None else gpu.memory_gb
     if gpus is None:
         raise ConfigError("the machine's GPUs per node are unknown: pass --gpus-per-node, or --site with gpus_per_node")
     if memory is None:

@@ -85,6 +85,14 @@ def check_site(gpu: str | None, network: str | None) -> None:
         catalogue().network(network)
 
 
+def gpu_memory_gb(given: float | None, gpu: str | None) -> float | None:
+    """One GPU's memory to plan against: the figure given (a flag, the site file's gpu_memory_gb), else the
+    catalogue's for the GPU named (a flag, the site file's gpu:), else None (unknown)."""
+    if given is not None or gpu is None:
+        return given
+    return catalogue().accelerator(gpu).memory_gb
+
+
 def read_catalogue(text: str) -> Catalogue:
     """The catalogue of a YAML text: every entry typed and with its source, its node link known; ConfigError naming the
     entry otherwise."""

@@ -1,7 +1,8 @@
 """Rule `plan`, before every training: scalelm.plan predicts the experiment's per-GPU memory on the site's GPUs
-(site.gpu_memory_gb), or on the local default, where every process runs on this machine's CPUs, the memory of all its
-processes against this machine's; one that cannot fit is refused by name with the predicted figures, and no training
-is submitted, unless the experiment sets `check_memory: false`. The plan is written beside the run (plan.json)."""
+(site.gpu_memory_gb, else the memory of the catalogue's site.gpu), or on the local default, where every process runs
+on this machine's CPUs, the memory of all its processes against this machine's; one that cannot fit is refused by name
+with the predicted figures, and no training is submitted, unless the experiment sets `check_memory: false`. The plan
+is written beside the run (plan.json)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import psutil
 from scalelm.data.manifest import read_manifest
 from scalelm.errors import ConfigError
 from scalelm.files import atomic_write_text
+from scalelm.plan.catalogue import gpu_memory_gb
 from scalelm.plan.layouts import Candidate, Machine, gb, plan_layout
 from scalelm.plan.memory import PARTS, Workload
 from scalelm.site import SiteConfig
@@ -37,7 +39,7 @@ def plan_experiment(
     """The experiment's plan on the site's GPUs; on CPUs, against `host_bytes` where every process runs on one
     machine with that much memory (the local default); else (a cluster's CPU nodes) nothing to check against."""
     work = Workload(experiment.config, vocab_size, "cuda" if site.gpus_per_node else "cpu")
-    memory_gb = site.gpu_memory_gb if site.gpus_per_node else None
+    memory_gb = gpu_memory_gb(site.gpu_memory_gb, site.gpu) if site.gpus_per_node else None
     machine = Machine(experiment.nodes, experiment.procs_per_node, memory_gb or math.inf)
     plan = plan_layout(work, Candidate(experiment.name, experiment.dims, experiment.strategy), machine)
     record = plan.to_dict() | {"device": work.device, "gpu_memory_gb": memory_gb}
