@@ -845,6 +845,9 @@ def test_the_course_model_on_jureca_dc_is_data_parallel(capsys):
     plan_main([*COURSE, *JURECA])
     table = capsys.readouterr().out
     assert "recommended: ddp (8x1x1x1)" in table and "pp: not possible here: model.n_layers=4 blocks" in table
+    assert "(gpt2 block, d_model 128, 4 layers, 4 heads, d_ff 2048," in table  # the model planned, its family first
+    plan_main([*COURSE, *JURECA, "--set", "model.family=llama", "--set", "model.n_kv_heads=2"])
+    assert "(llama block, d_model 128, 4 layers, 4 heads over 2 key/value heads, d_ff 2048," in capsys.readouterr().out
 
 
 def test_a_7b_model_needs_fsdp_over_several_a100s(capsys):

@@ -233,9 +233,10 @@ def print_plan(
             f", {counts['active'] / 1e6:,.1f} M active per token; {moe.experts} experts of width "
             f"{model.expert_width()}, top {moe.top_k}, every {moe.every} block(s)"
         )
+    heads = f"{model.n_heads} heads" + (f" over {model.kv_heads} key/value heads" if model.family == "llama" else "")
     print(
-        f"model: {counts['total'] / 1e6:,.1f} M parameters{mixture} (d_model {model.d_model}, {model.n_layers} "
-        f"layers, {model.n_heads} heads, d_ff {model.d_ff}, vocabulary {vocab:,}), seq_len {config.data.seq_len}, "
+        f"model: {counts['total'] / 1e6:,.1f} M parameters{mixture} ({model.family} block, d_model {model.d_model}, "
+        f"{model.n_layers} layers, {heads}, d_ff {model.d_ff}, vocabulary {vocab:,}), seq_len {config.data.seq_len}, "
         f"batch {config.batch.size} ({config.batch.mode}), {work.precision}, AdamW"
     )
     print(f"machine: {machine.describe()}, {gb(machine.usable_bytes)} GB usable per GPU; GB = 1e9 bytes, per GPU\n")
