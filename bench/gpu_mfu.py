@@ -42,7 +42,7 @@ from bench.argtypes import count, output_dir, positive
 from bench.throughput import VOCAB
 
 from scalelm.config import Config, load_config
-from scalelm.measure.baseline import HealthSampler, open_health_reader, worst_health
+from scalelm.measure.baseline.gpu_health import HealthSampler, open_health_reader, worst_health
 from scalelm.measure.peak import causal_flops_per_token, mfu, peak_flops
 from scalelm.model.architecture import flops_per_token
 from scalelm.model.transformer import TransformerLM
@@ -347,7 +347,7 @@ class Variant:
 
 
 def gpu_during(samples: list[dict]) -> dict | None:
-    """NVML's view of the GPU over a variant's turns: the worst (baseline.worst_health) and the median SM clock;
+    """NVML's view of the GPU over a variant's turns: the worst (gpu_health.worst_health) and the median SM clock;
     None without samples (a CPU, no NVML)."""
     if not samples:
         return None
@@ -372,7 +372,7 @@ def machine(device: torch.device, reader: Callable[[], dict] | None) -> dict:
 
 
 def health_reader(device: torch.device) -> tuple[Callable[[], dict] | None, str | None]:
-    """The GPU's NVML reader (baseline.open_health_reader), or why there is none; (None, None) off CUDA."""
+    """The GPU's NVML reader (gpu_health.open_health_reader), or why there is none; (None, None) off CUDA."""
     try:
         return open_health_reader(device), None
     except Exception as error:  # no NVML: the clocks go unrecorded, the figures stand

@@ -855,17 +855,20 @@ def machine_baseline(ctx: Ctx) -> dict:
     (the step at a quarter of the tokens would be a second cold compile; eager on a CPU, it runs there), and the GPU's
     health sampled during the work against an idle reading."""
     from scalelm.config import load_config
-    from scalelm.measure import baseline
+    from scalelm.measure.baseline.gpu_health import gpu_health
+    from scalelm.measure.baseline.job import measure_alone
+    from scalelm.measure.baseline.rates import matmul_rates
+    from scalelm.measure.baseline.shapes import gemm_shapes, output_shapes
 
     config = load_config(None)
     config.model = gpt2_config(ctx)
     config.data.seq_len, config.batch.size = (1024, 32) if ctx.cuda else (64, 4)
     config.data.prepared_dir = str(ctx.work / "no-prepared-data")  # no manifest: WikiText-2's vocabulary
     config.train.compile = ctx.cuda
-    outputs = baseline.matmul_rates(baseline.output_shapes(config), ctx.device, ctx.dtype)
-    shapes = baseline.gemm_shapes(config, ctx.device.type)
-    alone = baseline.measure_alone(config, shapes, VOCAB, ctx.device, all_cores=False, small_step=not ctx.cuda)
-    return {"output_products": outputs, "alone": alone, "idle_health": baseline.gpu_health(ctx.device)}
+    outputs = matmul_rates(output_shapes(config), ctx.device, ctx.dtype)
+    shapes = gemm_shapes(config, ctx.device.type)
+    alone = measure_alone(config, shapes, VOCAB, ctx.device, all_cores=False, small_step=not ctx.cuda)
+    return {"output_products": outputs, "alone": alone, "idle_health": gpu_health(ctx.device)}
 
 
 # --- D ---------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scalelm.config import load_config
 from scalelm.launch import container, slurm
 from scalelm.launch import launcher as launch
-from scalelm.measure import baseline, energy
+from scalelm.measure import energy
+from scalelm.measure.baseline import gpu_health, job
+from scalelm.measure.baseline.__main__ import report
+from scalelm.measure.baseline.shapes import (
+    WIKITEXT2_VOCABULARY,
+    gemm_shapes,
+    output_shapes,
+    padded_rows,
+    prepared_vocabulary,
+    vocabulary_size,
+)
 from scalelm.model import gpu_ops
 from scalelm.parallel import compile as compiling
 from scalelm.plan.machine import MachineBaseline
@@ -40,17 +50,17 @@ def test_the_baseline_times_the_output_product_on_the_rows_training_pads_it_to(t
     unpadded and padded products side by side for the GPU check; and the baseline's shape is the one the model's
     head dispatches where padding applies (checked on CPU by making it a padded device)."""
     course = load_config(tiny_config("course", data__prepared_dir=str(tmp_path / "unprepared")))  # no manifest
-    assert baseline.gemm_shapes(course, "cuda")["output"] == (16 * 16, 32, 33280)
-    assert baseline.gemm_shapes(course, "cpu")["output"] == (16 * 16, 32, 33278)
-    assert baseline.output_shapes(course) == {"output_unpadded": (256, 32, 33278), "output_padded": (256, 32, 33280)}
-    assert baseline.padded_rows(33280, "cuda") == 33280 and baseline.padded_rows(1, "cuda") == gpu_ops.ROW_MULTIPLE
-    assert baseline.prepared_vocabulary(course) is None  # the stand-in's, which the baseline records (test_plan.py)
+    assert gemm_shapes(course, "cuda")["output"] == (16 * 16, 32, 33280)
+    assert gemm_shapes(course, "cpu")["output"] == (16 * 16, 32, 33278)
+    assert output_shapes(course) == {"output_unpadded": (256, 32, 33278), "output_padded": (256, 32, 33280)}
+    assert padded_rows(33280, "cuda") == 33280 and padded_rows(1, "cuda") == gpu_ops.ROW_MULTIPLE
+    assert prepared_vocabulary(course) is None  # the stand-in's, which the baseline records (test_plan.py)
 
     config = load_config(tiny_config())  # the sample's own vocabulary
-    vocab = baseline.vocabulary_size(config)
-    assert vocab == baseline.prepared_vocabulary(config) != baseline.WIKITEXT2_VOCABULARY
+    vocab = vocabulary_size(config)
+    assert vocab == prepared_vocabulary(config) != WIKITEXT2_VOCABULARY
     monkeypatch.setattr(gpu_ops, "PADDED_DEVICES", ("cpu",))
-    m, d, padded = baseline.gemm_shapes(config, "cpu")["output"]
+    m, d, padded = gemm_shapes(config, "cpu")["output"]
     assert padded % gpu_ops.ROW_MULTIPLE == 0 and vocab < padded < vocab + gpu_ops.ROW_MULTIPLE
     x, weight = torch.randn(m, d), torch.randn(vocab, d)
     with MatmulShapes() as seen:
@@ -86,7 +96,7 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         compiling, "apply_compile", lambda model, device, mode="default": compiled_models.append(device)
     )
     in_products, reads = [False], []
-    timed = baseline.matmul_rates
+    timed = job.matmul_rates
 
     def products(*args):
         in_products[0] = True
@@ -95,14 +105,14 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         finally:
             in_products[0] = False
 
-    monkeypatch.setattr(baseline, "matmul_rates", products)
-    monkeypatch.setattr(baseline, "HEALTH_SAMPLE_S", 0.005)
-    real_reader = baseline.open_health_reader
-    monkeypatch.setattr(baseline, "open_health_reader", lambda device: fake_nvml_reader(in_products, reads))
+    monkeypatch.setattr(job, "matmul_rates", products)
+    monkeypatch.setattr(gpu_health, "HEALTH_SAMPLE_S", 0.005)
+    real_reader = gpu_health.open_health_reader
+    monkeypatch.setattr(gpu_health, "open_health_reader", lambda device: fake_nvml_reader(in_products, reads))
     cpu = torch.device("cpu")
     config = load_config(tiny_config("compiled", train__compile=True))
-    shapes, vocab = baseline.gemm_shapes(config, "cpu"), baseline.vocabulary_size(config)
-    figures = baseline.measure_alone(config, shapes, vocab, cpu, all_cores=True)
+    shapes, vocab = gemm_shapes(config, "cpu"), vocabulary_size(config)
+    figures = job.measure_alone(config, shapes, vocab, cpu, all_cores=True)
     assert figures["model_step_compiled"] and compiled_models == [cpu, cpu, cpu]  # full, a quarter, every core
     assert figures["model_step_s"] > 0 and figures["model_step_all_cores_s"] > 0
     health = figures["gpu"]
@@ -112,7 +122,7 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
 
     compiled_models.clear()
     eager = load_config(tiny_config("eager"))
-    figures = baseline.measure_alone(eager, shapes, vocab, cpu, all_cores=False)
+    figures = job.measure_alone(eager, shapes, vocab, cpu, all_cores=False)
     assert not figures["model_step_compiled"] and compiled_models == [] and figures["model_step_all_cores_s"] is None
     result = {
         "world_size": 1,
@@ -126,19 +136,19 @@ def test_the_baseline_steps_compile_as_training_does_and_the_gpus_health_is_samp
         "per_rank": [],
         "nccl_network": None,
     }
-    assert "(the slowest rank, compiled)" in baseline.report(MachineBaseline.from_json(result), None)[0]
+    assert "(the slowest rank, compiled)" in report(MachineBaseline.from_json(result), None)[0]
     # timed before the data was prepared: the report says which vocabulary the step had
     result["model_step"] |= {"vocab_size": 33278, "prepared": False}
-    assert "with WikiText-2's vocabulary (33,278)" in baseline.report(MachineBaseline.from_json(result), None)[1]
+    assert "with WikiText-2's vocabulary (33,278)" in report(MachineBaseline.from_json(result), None)[1]
 
     def broken():
         raise RuntimeError("GPU is lost")
 
-    with baseline.HealthSampler(broken, interval=0.001) as lost:
+    with gpu_health.HealthSampler(broken, interval=0.001) as lost:
         pass
     assert lost.result() == {"error": "RuntimeError: GPU is lost"}
-    monkeypatch.setattr(baseline, "open_health_reader", real_reader)
-    with baseline.health_sampler(cpu) as nothing:  # the real reader off CUDA
+    monkeypatch.setattr(gpu_health, "open_health_reader", real_reader)
+    with gpu_health.health_sampler(cpu) as nothing:  # the real reader off CUDA
         pass
     assert nothing.result() is None
 
@@ -161,7 +171,7 @@ def test_the_baseline_forces_nccls_info_log_over_the_sites_setting_and_restores_
     monkeypatch.setattr(scalelm.parallel.env, "setup", setup)
     args = argparse.Namespace(out=tmp_path / "baseline.json", config=None)
     with pytest.raises(RuntimeError, match="stop here"):
-        baseline.measure(args)
+        job.measure(args)
     assert seen == {
         "NCCL_DEBUG": "INFO",
         "NCCL_DEBUG_SUBSYS": "INIT,NET",
@@ -306,5 +316,5 @@ def test_an_nvml_energy_lap_shorter_than_a_second_is_marked_unreliable_and_the_c
 
 def test_the_baseline_module_stays_importable_without_torch_for_the_site_file():
     """The report imports the baseline's names; its new imports must not pull torch in."""
-    code = "import sys; import scalelm.measure.baseline; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; import scalelm.measure.baseline.__main__; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parent)

@@ -1091,7 +1091,8 @@ def test_the_baseline_can_time_its_compiled_step_at_one_shape(tiny_config, monke
     """Review 4, finding 1: H timed gpt2_small's compiled step at two shapes, each a cold compile of a minute or more
     on a GPU. `small_step=False` times the one shape (what H asks for on a GPU); the default keeps both."""
     from scalelm.config import load_config
-    from scalelm.measure import baseline
+    from scalelm.measure.baseline import job
+    from scalelm.measure.baseline.shapes import gemm_shapes, vocabulary_size
 
     timed = []
 
@@ -1099,15 +1100,15 @@ def test_the_baseline_can_time_its_compiled_step_at_one_shape(tiny_config, monke
         timed.append((tokens, compiled))
         return 1.0, 1.0, 1.0
 
-    monkeypatch.setattr(baseline, "model_step_seconds", seconds)
-    monkeypatch.setattr(baseline, "matmul_rates", lambda *args: {})
-    monkeypatch.setattr(baseline, "elementwise_gbps", lambda *args: 1.0)
+    monkeypatch.setattr(job, "model_step_seconds", seconds)
+    monkeypatch.setattr(job, "matmul_rates", lambda *args: {})
+    monkeypatch.setattr(job, "elementwise_gbps", lambda *args: 1.0)
     config = load_config(tiny_config("compiled", train__compile=True))
-    shapes, vocab = baseline.gemm_shapes(config, "cpu"), baseline.vocabulary_size(config)
+    shapes, vocab = gemm_shapes(config, "cpu"), vocabulary_size(config)
     cpu = torch.device("cpu")
-    one = baseline.measure_alone(config, shapes, vocab, cpu, all_cores=False, small_step=False)
+    one = job.measure_alone(config, shapes, vocab, cpu, all_cores=False, small_step=False)
     assert len(timed) == 1 and timed[0][1] and "model_step_small_s" not in one and one["model_step_s"] == 1.0
-    both = baseline.measure_alone(config, shapes, vocab, cpu, all_cores=False)
+    both = job.measure_alone(config, shapes, vocab, cpu, all_cores=False)
     assert len(timed) == 3 and both["model_step_small_tokens"] == timed[-1][0] < timed[0][0]
 
 

@@ -430,7 +430,7 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     model's matrix products per rank, and every collective over message sizes in the whole job and within each node,
     the bus bandwidth in nccl-tests' convention."""
     from scalelm.launch.launcher import free_port
-    from scalelm.measure import baseline
+    from scalelm.site import OPS
 
     config, out, port = tiny_config("baseline"), tmp_path / "baseline.json", free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=baseline-{port}"]
@@ -461,7 +461,7 @@ def test_the_baseline_times_products_and_collectives_within_and_across_nodes(tin
     assert low <= result["model_step"]["host_speedup"] <= high
     assert all((r["threads"], r["cpus"]) == (1, len(os.sched_getaffinity(0))) for r in result["per_rank"])
     rows = {(r["scope"], r["op"], r["bytes"]): r for r in result["collectives"]}
-    assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in baseline.OPS}
+    assert {(scope, op) for scope, op, _ in rows} == {(s, op) for s in ("job", "node") for op in OPS}
     assert {size for *_, size in rows} == {4096, 16384, 65536, 262144}
     for (scope, op, size), row in rows.items():
         assert row["ranks"] == (4 if scope == "job" else 2) and row["time_s"] > 0
@@ -508,7 +508,7 @@ def test_the_baseline_refuses_a_mixture_that_training_refuses_naming_the_setting
     """Issue 66: the baseline's --moe goes through training's own checks in --config's model (in one process too),
     and a mixture training refuses is refused by name, before anything is measured (it once measured for 27 s on 2
     ranks, then crashed on a shape and wrote nothing)."""
-    from scalelm.measure import baseline
+    from scalelm.measure.baseline import __main__ as baseline
 
     monkeypatch.setattr(baseline, "measure", lambda args: pytest.fail("measured a mixture training refuses"))
     out = tmp_path / "baseline.json"
@@ -521,12 +521,13 @@ def test_the_baseline_refuses_a_mixture_that_training_refuses_naming_the_setting
 
 def test_the_baseline_in_one_process_says_its_mixture_is_unused(tiny_config, tmp_path, capsys, monkeypatch):
     """Issue 66: one process measures no layout's overheads, the mixture's dispatch among them: it says so."""
-    from scalelm.measure import baseline
+    from scalelm.measure.baseline import __main__ as baseline
+    from scalelm.measure.baseline import job
 
     def stop(*args, **kwargs):
         raise RuntimeError("stop before measuring")
 
-    monkeypatch.setattr(baseline, "measure_alone", stop)
+    monkeypatch.setattr(job, "measure_alone", stop)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     options = [f"--out={tmp_path / 'baseline.json'}", f"--config={tiny_config()}", '--moe={"experts": 4}']
     with pytest.raises(RuntimeError, match="stop before measuring"):
@@ -538,7 +539,7 @@ def test_the_baselines_all_to_all_sends_uneven_splits_that_every_rank_agrees_on(
     """As a mixture's dispatch sends them: each rank's busiest destination gets 1 + LOAD_SKEW times the mean, its
     quietest 1 - LOAD_SKEW, every rank sends and receives its whole buffer, and what a rank sends to another is what
     that one expects from it."""
-    from scalelm.measure.baseline import LOAD_SKEW, uneven_splits
+    from scalelm.measure.baseline.collectives import LOAD_SKEW, uneven_splits
 
     for ranks in (2, 3, 4, 8):
         splits = [uneven_splits(1000 * ranks, ranks, me) for me in range(ranks)]
@@ -554,7 +555,10 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     """On CPU with a fake NVML and NCCL logs: a GPU held back by a thermal slowdown or with uncorrected ECC errors is
     unhealthy (idle is not); the network NCCL chose is read from its INFO log, and sockets on a site with InfiniBand
     are a warning."""
-    from scalelm.measure import baseline, monitor
+    from scalelm.measure import monitor
+    from scalelm.measure.baseline.__main__ import report
+    from scalelm.measure.baseline.gpu_health import gpu_health
+    from scalelm.measure.baseline.nccl_network import nccl_debug_env, nccl_network
 
     class FakeNvml:
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_CLOCK_SM = 1, 0, 1
@@ -583,7 +587,7 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
     monkeypatch.setattr(monitor, "device_uuid", lambda device: "GPU-1")
     gpu = torch.device("cuda", 0)
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x1, ecc=0))
-    assert baseline.gpu_health(gpu) == {
+    assert gpu_health(gpu) == {
         "ecc_uncorrected": 0,
         "sm_clock_mhz": 1200,
         "sm_clock_max_mhz": 1980,
@@ -591,14 +595,14 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
         "healthy": True,
     }
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(reasons=0x40 | 0x4, ecc=3))
-    health = baseline.gpu_health(gpu)
+    health = gpu_health(gpu)
     assert health["held_back_by"] == ["sw power cap", "hw thermal slowdown"] and not health["healthy"]
-    assert baseline.gpu_health(torch.device("cpu")) is None
+    assert gpu_health(torch.device("cpu")) is None
 
     logs = [
         "node1:4242:4250 [0] NCCL INFO NET/Plugin: no plugin found\nnode1:4242:4250 [0] NCCL INFO Using network Socket\n"
     ]
-    assert baseline.nccl_network(logs) == "Socket" and baseline.nccl_network(["NCCL INFO Using network IB"]) == "IB"
+    assert nccl_network(logs) == "Socket" and nccl_network(["NCCL INFO Using network IB"]) == "IB"
     result = {
         "world_size": 8,
         "procs_per_node": 4,
@@ -611,10 +615,10 @@ def test_the_baseline_reads_the_gpus_health_and_the_network_nccl_chose(monkeypat
         "per_rank": [{"rank": 5, "host": "n2", "gpu": health}],
         "nccl_network": "Socket",
     }
-    lines = "\n".join(baseline.report(MachineBaseline.from_json(result), "infiniband"))
+    lines = "\n".join(report(MachineBaseline.from_json(result), "infiniband"))
     assert "WARNING: rank 5 on n2: GPU not healthy" in lines
     assert "WARNING: the site has InfiniBand but NCCL uses Socket" in lines
-    assert baseline.nccl_debug_env(Path("/r"))["NCCL_DEBUG_FILE"] == "/r/nccl.%h.%p.log"
+    assert nccl_debug_env(Path("/r"))["NCCL_DEBUG_FILE"] == "/r/nccl.%h.%p.log"
 
 
 def test_mfu_counts_gpt2_smalls_flops_under_both_conventions_against_the_h200s_peak():

@@ -556,12 +556,14 @@ def test_the_pair_is_timed_first_and_a_budget_leaves_later_levers_out(gpu_mfu, t
 
 def test_the_card_and_its_power_limit_come_through_the_one_nvml_reader(gpu_mfu, monkeypatch):
     """Review 4, finding 7: E's figures name the card they were measured on, its driver, power limit and kernel, so
-    that an H100's are never read as an H200's. The power limit comes through scalelm.measure.baseline's NVML reader
-    (no NVML opened another way): its samples carry the enforced limit, and the worst of them the lowest (a card
-    capped lower clocks lower); a binding or GPU without the query leaves it out. CUDA faked here."""
+    that an H100's are never read as an H200's. The power limit comes through the baseline's NVML reader
+    (scalelm.measure.baseline.gpu_health; no NVML opened another way): its samples carry the enforced limit, and the
+    worst of them the lowest (a card capped lower clocks lower); a binding or GPU without the query leaves it out.
+    CUDA faked here."""
     import sys
 
-    from scalelm.measure import baseline, monitor
+    from scalelm.measure import monitor
+    from scalelm.measure.baseline.gpu_health import open_health_reader, worst_health
 
     class FakeNvml:
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0, 1, 0
@@ -575,11 +577,11 @@ def test_the_card_and_its_power_limit_come_through_the_one_nvml_reader(gpu_mfu, 
 
     monkeypatch.setattr(monitor, "device_uuid", lambda device: "GPU-1")
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
-    reader = baseline.open_health_reader(torch.device("cuda", 0))
+    reader = open_health_reader(torch.device("cuda", 0))
     samples = [reader(), reader()]
     assert [s["power_limit_w"] for s in samples] == [700.0, 650.0]
-    assert baseline.worst_health(samples)["power_limit_w"] == 650.0
-    assert "power_limit_w" not in baseline.worst_health([{**samples[0], "power_limit_w": None}])
+    assert worst_health(samples)["power_limit_w"] == 650.0
+    assert "power_limit_w" not in worst_health([{**samples[0], "power_limit_w": None}])
 
     FakeNvml.limits = [700_000]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")

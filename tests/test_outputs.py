@@ -246,7 +246,7 @@ def test_evaluate_refuses_batches_of_no_sequences_or_tokens(tmp_path, capsys):
 
 
 def test_the_machine_baseline_refuses_a_directory_before_measuring(tmp_path, monkeypatch, capsys):
-    from scalelm.measure import baseline
+    from scalelm.measure.baseline import __main__ as baseline
 
     monkeypatch.setattr(baseline, "measure", lambda args: pytest.fail("measured before the --out was checked"))
     mine = foreign_directory(tmp_path / "mine")

@@ -613,7 +613,8 @@ def test_with_the_machines_speeds_the_plan_recommends_the_fastest_layout(capsys,
 
 
 def collective_rows(scope: str, ranks: int, scale: float) -> list[dict]:
-    """Every op at three sizes as measure.baseline.time_collectives writes them, `scale` x a slow network's."""
+    """Every op at three sizes as measure.baseline.collectives.time_collectives writes them, `scale` x a slow
+    network's."""
     rows = []
     for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"):
         factor = {"all_reduce": 2 * (ranks - 1) / ranks, "send_recv": 1.0}.get(op, (ranks - 1) / ranks)

@@ -472,7 +472,7 @@ import json, sys, yaml
 import scalelm.config, scalelm.plan, scalelm.plan.__main__, scalelm.data.prefetch
 import scalelm.launch.container, scalelm.launch.launcher, scalelm.site, scalelm.launch.slurm, scalelm.launch.supervise
 import scalelm.report.aggregate, scalelm.report.expectations, scalelm.report.history, scalelm.report.machine
-import scalelm.measure.baseline  # the site file reads the names of its collectives
+import scalelm.measure.baseline.__main__  # the baseline's program, every module of it
 from scalelm.study.experiments import apply_local_overlay
 from scalelm.study.workflow import Study
 config = yaml.safe_load(open("config/config.yaml"))

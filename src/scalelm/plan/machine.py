@@ -175,7 +175,7 @@ class Rank:
     machine: str | None  # its kernel's boot id (measure.hostload.machine_id)
     threads: int | None
     cpus: int | None
-    gpu: dict[str, Any] | None  # NVML's worst health seen (measure.baseline.worst_health); None off CUDA
+    gpu: dict[str, Any] | None  # NVML's worst health seen (measure.baseline.gpu_health.worst_health); None off CUDA
     figures: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
