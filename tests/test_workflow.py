@@ -76,10 +76,12 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
         config["experiments"]["ddp"]["expect"] = {"min_scaling_efficiency": 0.8}
 
     edit_yaml(project / "config/config.yaml", strict)
-    # a login node of that site, not this machine: sinfo must not answer for the Slurm tier's test cluster
-    result = snakemake(
-        project, "-n", "--profile", "profiles/slurm", env={"SLURM_CONF": str(project / "no-cluster.conf")}
-    )
+    # a login node of that site, not this machine: sinfo must not answer for the Slurm tier's test cluster. An empty
+    # slurm.conf makes it fail at once (the partition is then the scheduler's to judge); a missing one would make it
+    # look for a controller until the planner's 30 s timeout, in each of the three dry runs
+    no_cluster = {"SLURM_CONF": str(project / "no-cluster.conf")}
+    (project / "no-cluster.conf").write_text("")
+    result = snakemake(project, "-n", "--profile", "profiles/slurm", env=no_cluster)
     assert result.returncode == 0, result.stderr
     jobs = planned_jobs(result)
     assert jobs["prefetch"] == 1 and jobs["prepare"] == 1
@@ -135,7 +137,6 @@ def test_dry_run_of_the_real_config_lists_the_course_matrix(project):
     # measuring again as docs/usage.md says (issue 66): a --config of one's own replaces the profile's whole list, so
     # the local default would be planned for the cluster; refused, naming the pairs to repeat, and with them it plans
     # the real matrix
-    no_cluster = {"SLURM_CONF": str(project / "no-cluster.conf")}
     again = snakemake(project, "-n", "--profile", "profiles/slurm", "--config", "study=r2", env=no_cluster)
     assert again.returncode != 0 and "Repeat its pairs: --config local=null site=profiles/slurm/site.yaml study=r2" in (
         again.stdout + again.stderr
