@@ -61,6 +61,7 @@ RESUMES_FROM = {
     "ep_pp": "ep_tp",
     "fsdp_ep_into_moe": "fsdp_ep",
     "llama_tp_pp": "llama_cp_tp",
+    "llama_ddp": "llama",
 }
 
 
@@ -135,22 +136,26 @@ LAYOUTS = {
         },
     ),
     "ep_pp": (4, {**BIASED, "parallel__ep": 2, "parallel__dp_shard": 2, "parallel__pp": 2}),
-    # the llama block (a layout group each): one process; FSDP x TP with SP and loss parallelism, each block
-    # recomputed (selective); load-balanced CP x TP (rotary positions at each rank's tokens' true places), whose
-    # checkpoint a pipeline with TP resumes; its SwiGLU experts over ep 2 x TP 2 with full activation checkpointing
+    # the llama block (a layout group each): one process, whose checkpoint DDP resumes; HSDP 2x2, each block
+    # recomputed (selective); load-balanced CP x TP with SP and loss parallelism (rotary positions at each rank's
+    # tokens' true places), whose checkpoint a pipeline with TP resumes; its SwiGLU experts over ep 2 x TP 2 with full
+    # activation checkpointing. FSDP x TP x PP: the 3D test below.
     "llama": (1, LLAMA),
-    "llama_fsdp_tp_sp": (
+    "llama_ddp": (2, {**LLAMA, "parallel__strategy": "ddp"}),
+    "llama_hsdp": (
+        4,
+        {**LLAMA, "parallel__dp_replicate": 2, "parallel__dp_shard": 2, "train__activation_checkpointing": "selective"},
+    ),
+    "llama_cp_tp": (
         4,
         {
             **LLAMA,
-            "parallel__dp_shard": 2,
+            "parallel__cp": 2,
             "parallel__tp": 2,
             "parallel__sequence_parallel": True,
             "parallel__loss_parallel": True,
-            "train__activation_checkpointing": "selective",
         },
     ),
-    "llama_cp_tp": (4, {**LLAMA, "parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True}),
     "llama_tp_pp": (4, {**LLAMA, "parallel__pp": 2, "parallel__tp": 2, "parallel__loss_parallel": True}),
     "llama_moe": (1, {**LLAMA, **MOE}),
     "llama_ep_tp": (
@@ -175,9 +180,10 @@ def test_every_layout_trains_like_one_process_and_its_checkpoints_load_into_the_
     (1F1B, GPipe, with FSDP 2 and with TP 2), context parallelism 2 (alone with contiguous parts, and load-balanced
     with FSDP 2, with TP 2, with a pipeline of 2 and with 2 replicas) give the same loss at every step and the same
     exact evaluation; so do a mixture of experts' layouts against its one process (expert parallelism 2 alone, with
-    FSDP 4, HSDP 2x2, TP 2 and a pipeline of 2), and the llama block's against its own (FSDP x TP with SP, CP x TP
-    load-balanced, TP x PP, its SwiGLU experts over ep x TP). Half the layouts start from another layout's step-10
-    checkpoint (RESUMES_FROM) and match one process over steps 11-20: checkpoints load across layouts and train on."""
+    FSDP 4, HSDP 2x2, TP 2 and a pipeline of 2), and the llama block's against its own (DDP, HSDP 2x2, CP x TP
+    load-balanced with SP, TP x PP, its SwiGLU experts over ep x TP). Half the layouts start from another layout's
+    step-10 checkpoint (RESUMES_FROM) and match one process over steps 11-20: checkpoints load across layouts and
+    train on."""
     runs = [*(name for name in LAYOUTS if name not in RESUMES_FROM), *RESUMES_FROM]  # sources first
     configs = {name: tiny_config(name, **LAYOUTS[layout_of(name)][1]) for name in runs}
     losses, evals, records = {}, {}, {}
@@ -341,16 +347,16 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tiny_config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp", "llama"])
+@pytest.mark.parametrize("layout", ["single", "ddp_spawn", "tp", "cp_tp", "pp", "llama_cp_tp"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tiny_config, tmp_path, layout):
     """Dropout on, mid-epoch interruption; the resumed run restores weights, optimizer, schedule, data position, RNG
     (under TP alone: the masks a TP group shares on its replicated activations and its ranks' own on their heads and
     FFN columns; under CP x TP with SP: those on each rank's part of the sequence too, and the ring attention's masks,
-    from the seed its group shares; and the llama block's in one process). The most sharded checkpoint, a mixture's
-    under expert parallelism, is stopped ten times in tests/test_faults.py. The straight run is forked
-    (tests/forked.py); the interrupted and resumed one is started by torchrun, or for ddp_spawn by `scalelm.launch
-    --launcher spawn` (torch.multiprocessing.spawn, the stop signal passed on by the supervisor and the spawning
-    process)."""
+    from the seed its group shares; and the llama block's under CP x TP, its rotary positions and grouped key and
+    value heads split). The most sharded checkpoint, a mixture's under expert parallelism, is stopped ten times in
+    tests/test_faults.py. The straight run is forked (tests/forked.py); the interrupted and resumed one is started by
+    torchrun, or for ddp_spawn by `scalelm.launch --launcher spawn` (torch.multiprocessing.spawn, the stop signal
+    passed on by the supervisor and the spawning process)."""
     nproc, layout_settings = LAYOUTS[layout.removesuffix("_spawn")]
     settings = dict(model__dropout=0.1, optim__schedule="cosine", optim__warmup_steps=3, **layout_settings)
     straight, broken = tiny_config("straight", **settings), tiny_config("broken", **settings)
@@ -500,7 +506,7 @@ def test_a_stop_signal_during_evaluation_checkpoints_and_stops_within_the_evalua
     assert list(scratch.iterdir()) == []
 
     monkeypatch.setattr(TransformerLM, "forward", forward)
-    results = train_here(config).results
+    results = train_here(config, "train.eval_batch_size=256").results  # not the run's identity: it resumes, faster
     assert results.steps == 20
     assert results.energy["source"] == "rapl packages" and results.energy["unknown"] is None
     assert results.energy["joules"] == pytest.approx(10 * results.train_time_s, rel=0.05, abs=0.02)
