@@ -185,17 +185,6 @@ def starts_work(item) -> bool:
     return any(STARTS_WORK & names_called(code, scope) for code, scope in codes)
 
 
-def pytest_configure(config):
-    """Under pytest-xdist, this worker's in-process trainings (`train_here`) run on one thread, as every process the
-    tests start does (OMP_NUM_THREADS=1): beside the other worker's processes, OpenMP's threads of a thread per core
-    wait for a core at each parallel region's end (an in-process training beside two busy cores: 31.5 s on two
-    threads, 12.7 s on one)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-
-        torch.set_num_threads(1)
-
-
 def pytest_collection_modifyitems(items):
     """Each test that trains or starts processes marked `trains`. Then the files with the most long tests first, each
     file's tests in their order: scripts/test.sh runs every file whole on one of two pytest-xdist workers
