@@ -60,6 +60,7 @@ from scalelm.parallel.dims import ParallelDims
 from scalelm.parallel.layout import fsdp_of_one
 from scalelm.plan.comm import INTER, INTRA, Traffic, traffic
 from scalelm.plan.elementwise import (
+    ADAMW_BYTES,
     block_bytes,
     edge_bytes,
     forward_share,
@@ -73,7 +74,6 @@ from scalelm.plan.memory import Workload, block_indices, blocks_bytes_per_token,
 
 ACTIVATION_PASSES = 3  # written in the forward, read in the backward, a gradient of the same size written
 LOGIT_PASSES = 4  # the loss's softmax reads the logits and writes its output; the backward reads it, writes the grad
-ADAMW_BYTES_PER_PARAMETER = 28  # fp32 parameter, gradient and two moments read (16), parameter and moments written
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward does twice the forward's products
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 STAND_IN = {"all_to_all": "all_gather"}  # an op the baseline did not time: the one whose bus bandwidth is alike
@@ -295,7 +295,7 @@ def stage_work(work: Workload, dims: ParallelDims, by_operation: bool = False) -
             flops += tokens * 12 * len(blocks) * s * d / dims.tp * recompute  # QK^T and AV, every rank's keys
             moved = ACTIVATION_PASSES * tokens * sum(blocks_bytes_per_token(work, dims, blocks))
             moved += LOGIT_PASSES * tokens * 4 * vocab / vocab_share if last else 0
-            moved += ADAMW_BYTES_PER_PARAMETER * sum(held(t, dims) for t in tensors)
+            moved += ADAMW_BYTES["fused"] * sum(held(t, dims) for t in tensors)
         stages.append(StageWork(flops, attention, moved))
     return stages
 
