@@ -108,9 +108,9 @@ RUNS = [
         60.0,
         "ALiBi for learned positions and an embedding layer norm (negligible); ZeRO-1 (DeepSpeed's bf16 optimizer: "
         "bf16 weights and gradients, the fp32 state sharded over dp 8) planned as FSDP over the 8 replicas, which "
-        "also shards the weights and gradients (fp32 here) and holds gathered units in buffers: the memory's match "
-        "is partly differences that cancel, and the step has FSDP's weight gathers (18 s) that ZeRO-1 has not (as plain "
-        "data parallelism: 87 s, -17%, and 163 GB); the embedding and output layer untied (scalelm ties none across pipeline "
+        "also shards the weights and gradients that ZeRO-1 keeps whole (so less memory planned than published), and "
+        "the step has FSDP's weight gathers (3 s) that ZeRO-1 has not (as plain data parallelism: 84 s, -19%, and "
+        "98 GB); the embedding and output layer untied (scalelm ties none across pipeline "
         "stages; Megatron keeps a copy on the last stage and all-reduces their gradients, as much memory); Megatron's stages split 70 blocks and the embedding as 72 layers",
     ),
     PublishedRun(
@@ -153,9 +153,8 @@ RUNS = [
         "Megatron-LM's selective recomputation recomputes attention's core (QK^T, softmax, dropout, AV: the paper's "
         "section 5), scalelm's the pointwise work between the products; the micro-batch of 1, the 1F1B schedule, "
         "dropout (planned without) and plain data parallelism (planned as HSDP's replicas, whose bf16 policy is "
-        "Megatron's) are assumptions: the paper's Table 3 was not found; no memory figure published, and the plan's "
-        "(over 80 GB) holds scalelm's embedding whole where Megatron splits it by vocabulary over tp; the weights' "
-        "casts and gradient accumulation over 280 micro-batches (10 s of the plan) are scalelm's, which Megatron's "
+        "Megatron's) are assumptions: the paper's Table 3 was not found; no memory figure published; the weights' "
+        "casts and gradient accumulation over 280 micro-batches (5 s of the plan) are scalelm's, which Megatron's "
         "bf16 weights and fused accumulation into fp32 do not pay",
     ),
     PublishedRun(

@@ -247,3 +247,78 @@ def test_expert_parallelism_borrows_consecutive_shard_ranks_and_says_so_in_the_l
     assert hsdp.groups("expert_dp") == [[0, 2, 4, 6], [1, 3, 5, 7]] and hsdp.groups("efsdp")[0] == [0, 2]
     assert resolve_dims("ep", NONE, 2, 2).layout == "1x2[ep2]x1x1"
     assert resolve_dims(None, {**NONE, "dp_shard": 4}, 4, 4, ep=-1).ep == 4
+
+
+VOCABULARY_SPLIT = r"""
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from scalelm.config import ModelConfig
+from scalelm.model.transformer import TransformerLM, count_parameters
+from scalelm.parallel.data import materialise
+from scalelm.parallel.tensor import apply_tp, keep_embedding_gradient_split
+
+def rank_main(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    # (tied, loss_parallel, vocabulary): a vocabulary of 51 splits unevenly (26 + 25 rows)
+    for tied, split_loss, vocab in ((False, False, 51), (True, True, 50), (True, False, 51), (False, True, 50)):
+        config = ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=32, dropout=0.0, norm="pre", tie_weights=tied)
+        torch.manual_seed(0)
+        whole = TransformerLM(config, vocab)
+        with torch.device("meta"):  # as training builds it: on the meta device, split, then materialised
+            split = TransformerLM(config, vocab)
+        apply_tp(split, mesh, loss_parallel=split_loss, sequence_parallel=False)
+        materialise(split, torch.device("cpu"), cpu_offload=False)
+        split.init_buffers()
+        set_model_state_dict(split, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+        keep_embedding_gradient_split(split)
+        tokens = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+        targets = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(2))
+        expected = whole(tokens, targets)
+        expected.backward()
+        with loss_parallel() if split_loss else torch.enable_grad():
+            loss = split(tokens, targets)
+            loss.backward()
+        by_vocabulary = split_loss or not tied
+        embed = split.embed.weight
+        assert isinstance(embed, DTensor) == by_vocabulary, (tied, split_loss)
+        if by_vocabulary:
+            assert embed.placements == (Shard(0),) and embed.to_local().shape[0] == -(-vocab // 2) - rank * (vocab % 2)
+        assert (split.head.weight is embed) == tied, (tied, split_loss)  # still one tensor where tied
+        assert count_parameters(split) == count_parameters(whole)
+        assert torch.allclose(loss, expected, rtol=1e-6), (tied, split_loss, float(loss), float(expected))
+        if by_vocabulary:  # each rank holds its rows' gradient, not the whole table's
+            assert embed.grad.placements == (Shard(0),) and embed.grad.to_local().shape == embed.to_local().shape
+        grad = embed.grad.full_tensor() if isinstance(embed.grad, DTensor) else embed.grad
+        assert torch.allclose(grad, whole.embed.weight.grad, atol=1e-7), (tied, split_loss)
+    dist.destroy_process_group()
+    if rank == 0:
+        print("vocabulary split ok")
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(rank_main, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_tensor_parallelism_splits_the_embedding_by_vocabulary_and_keeps_tied_weights_tied(tmp_path):
+    """Under TP the embedding is split by vocabulary (evenly or not) unless tied to a whole head, and a head tied to it
+    stays the same tensor after the split (parallelize_module gives each module its own copy) and after the model
+    built on the meta device is materialised (to_empty gives each module a new parameter: DDP's case too): the loss
+    and the embedding's gradient are one process's, each rank holds its rows' gradient only, and no parameter is
+    counted twice."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "vocabulary_split.py"
+    script.write_text(VOCABULARY_SPLIT)
+    result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "vocabulary split ok" in result.stdout, result.stderr[-4000:]

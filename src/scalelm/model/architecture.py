@@ -109,9 +109,12 @@ def is_moe_block(model: ModelConfig, index: int) -> bool:
 
 def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False) -> list[Parameter]:
     """Every parameter of scalelm.model.transformer.TransformerLM, in its order, with the split tensor parallelism
-    gives it (the head's by vocabulary with loss_parallel)."""
+    gives it (the head's by vocabulary with loss_parallel; the embedding's by vocabulary unless tied to a whole head:
+    scalelm.parallel.tensor)."""
     d, f, llama = model.d_model, model.d_ff, model.family == "llama"
-    tensors = [Parameter("embed.weight", (vocab_size, d), "embed", None)]
+    vocab_split = 0 if loss_parallel else None
+    embed_split = vocab_split if model.tie_weights else 0
+    tensors = [Parameter("embed.weight", (vocab_size, d), "embed", embed_split)]
     for i in range(model.n_layers):
         unit = f"blocks.{i}"
         tensors += linear("attn.qkv", qkv_rows(model), d, unit, llama) + linear("attn.out", d, d, unit, llama)
@@ -124,7 +127,6 @@ def parameters(model: ModelConfig, vocab_size: int, loss_parallel: bool = False)
             tensors += linear("ffn.up", f, d, unit) + linear("ffn.down", d, f, unit)
         tensors += norm("norm1", d, unit, llama) + norm("norm2", d, unit, llama)
     tensors += norm("norm", d, "root", llama)
-    vocab_split = 0 if loss_parallel else None
     if not model.tie_weights:
         tensors.append(Parameter("head.weight", (vocab_size, d), "head", vocab_split))
     if not llama:

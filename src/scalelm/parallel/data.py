@@ -77,8 +77,17 @@ def shard_experts(experts: nn.Module, options: dict, data_parallel_ranks: int) -
 def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
     """Storage for a model built on the meta device, on `device`; with FSDP's CPU offload the parameters on the host
     (FSDP copies each to the device when it gathers it, and refuses to start otherwise) and the buffers, which it
-    leaves alone, on the device."""
+    leaves alone, on the device. A parameter that several modules share (model.tie_weights) stays one: to_empty gives
+    each module a new parameter of its own where it cannot fill the old one in place (a meta tensor's)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
     model.to_empty(device="cpu" if cpu_offload else device)
+    for (owner, name), *others in (places for places in holders.values() if len(places) > 1):
+        for module, other in others:
+            setattr(module, other, getattr(owner, name))
     if cpu_offload:
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):

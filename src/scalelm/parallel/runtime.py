@@ -51,7 +51,7 @@ from scalelm.parallel.hostmemory import keep_freed_memory, reuse_threshold
 from scalelm.parallel.layout import Layout, fsdp_of_one, resolve_layout
 from scalelm.parallel.numerics import Numerics, check_attention_lengths
 from scalelm.parallel.pipeline import Pipeline, StageParts, stage_part
-from scalelm.parallel.tensor import apply_tp
+from scalelm.parallel.tensor import apply_tp, keep_embedding_gradient_split
 
 
 def start_group_of_one(device: torch.device, options: ParallelConfig) -> None:
@@ -241,6 +241,8 @@ class Parallel:
         for part in parts:
             materialise(part, device, self.uses_fsdp and options.cpu_offload)
             part.init_buffers()
+            if self.dims.tp > 1 and not self.uses_fsdp:
+                keep_embedding_gradient_split(part)
         model = StageParts(parts) if stage_ids else parts[0]
         # rank 0 sends every tensor; each rank keeps those of its own stages (hence not strict with a pipeline)
         from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not stage_ids)

@@ -18,10 +18,14 @@ Options:
 A mixture of experts (model.moe) stays whole: every rank of a group routes and computes it alike, on the whole
 sequence (under SP gathered before it and split again after it).
 
-Embedding, norms (without SP) and the head (without loss_parallel) are replicated: every rank of a TP group computes
-them on the same activations and so gets the same gradients. A dropout on activations every rank of the group holds
-draws the same masks on all of them (their RNG states are equal); one on a rank's own slice (its heads, its FFN
-columns, its part of the sequence) gets a stream of its own (scalelm.model.cpu_ops).
+The embedding is split by vocabulary (Megatron's vocabulary-parallel embedding, torchtitan's rowwise plan): each rank
+looks up the tokens in its rows, the others' read as zeros, and an all-reduce sums them, so a large vocabulary's table
+and its optimizer state take 1/tp of a rank's memory. An embedding tied to the head (model.tie_weights) follows it:
+split alike under loss_parallel, and the head's weight tied to it again after the split (parallelize_module gives each
+module its own copy), whole otherwise. Norms (without SP) and the head (without loss_parallel) are replicated: every
+rank of a TP group computes them on the same activations and so gets the same gradients. A dropout on activations
+every rank of the group holds draws the same masks on all of them (their RNG states are equal); one on a rank's own
+slice (its heads, its FFN columns, its part of the sequence) gets a stream of its own (scalelm.model.cpu_ops).
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     model.split_dropout_streams(tp_mesh.get_local_rank() + 1, sequence_parallel)  # 0 is the stream the group shares
 
     top = {}
+    tied = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
+    if model.embed is not None and (loss_parallel or not tied):
+        # replicated output: the positions' table (the course's block) is added to the whole sequence
+        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if sequence_parallel and model.embed is not None:  # (a pipeline stage after the first has no embedding)
         # the embedding's sum is replicated: each rank keeps its part of the sequence (a slice, no communication)
         top["drop"] = PrepareModuleInput(
@@ -87,7 +95,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        model.head.weight = model.embed.weight  # both split by vocabulary, or both whole
     model.loss_parallel = loss_parallel
+
+
+def keep_embedding_gradient_split(model: nn.Module) -> None:
+    """DTensor's embedding backward returns the whole table's gradient, replicated: keep this rank's rows of it, as of
+    the weight (a slice, no communication), or each rank would hold and step the whole table's gradient. Called on the
+    materialised model (its parameters are new tensors) where no FSDP wraps it (FSDP's reduce-scatter already gives
+    each rank its part of the gradient)."""
+    weight = getattr(model.embed, "weight", None) if model.embed is not None else None
+    if isinstance(weight, DTensor):
+        weight.register_hook(lambda grad: grad.redistribute(placements=weight.placements))
 
 
 def _replicated_as_local(module: nn.Module, args, output):

@@ -9,7 +9,8 @@ Ring algorithms, as NCCL runs them for large messages; n is the group's size, B 
     TP all-reduce    2 (n - 1)/n B      per block, two forward (after attention, after the FFN) and two backward
                                         (one each in a mixture of experts' block: the mixture is not split),
                                         B = tokens x d_model in the compute precision; with sequence parallelism the
-                                        same bytes as a reduce-scatter and an all-gather each
+                                        same bytes as a reduce-scatter and an all-gather each; and the vocabulary-split
+                                        embedding's rows, forward (B = tokens x d_model in the weight's dtype)
     send/recv        B                  a pipeline stage's activations forward and their gradients back,
                                         B = micro-batch tokens x d_model, per micro-batch and stage boundary
     CP ring          B                  per block and pass: cp - 1 key/value blocks forward (B = 2 x a rank's
@@ -131,6 +132,10 @@ def traffic(work: Workload, dims: ParallelDims, gpus_per_node: int) -> list[Traf
             sums * passes,
             None,
         )
+        if any(t.unit == "embed" and t.tp_dim is not None for t in tensors):
+            # the vocabulary-split embedding's rows summed, forward only, in the weight's dtype (FSDP's bf16 copy)
+            looked_up = tokens * d * (e if dims.sharded else 4)
+            add("all-reduce embedding rows (TP, vocabulary-split)", "tp", "all_reduce", looked_up, passes, None)
     if dims.pp > 1:
         virtual = work.layout(dims).virtual_stages
         transfers = 2 * virtual * accumulation * chunks
