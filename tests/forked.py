@@ -20,7 +20,12 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
+from scalelm.version import installed
+
 PRELOAD = ["forked", "scalelm.train.run", "scalelm.train.trainer", "scalelm.parallel.env"]
+# read once in the server, as a long-lived process reads it once: the installed packages' metadata (scalelm.version
+# caches it), which a run's first rank records and every rank forked from here then has
+installed()
 # the others' time to end by themselves once a rank failed, as torchrun waits: on a machine busy with other tests a
 # rank can lag its peer by seconds on its way to the same error
 FAILED_RANK_GRACE_S = 30

@@ -4,8 +4,10 @@ scripts/lock.sh)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +31,32 @@ def git_commit() -> str | None:
 
 
 # ------------------------------------------------------------------------------ the software around it, and the lock
-def installed() -> dict[str, Any]:
-    """Every installed distribution by its canonical name (one scan of the path, not one per name)."""
+@dataclass(frozen=True)
+class Installed:
+    """An installed distribution's version and requirements, from its metadata."""
+
+    version: str
+    requires: list[str]
+
+
+@functools.cache
+def installed() -> dict[str, Installed]:
+    """Every installed distribution by its canonical name: one scan of the path, each metadata file parsed once
+    (its parse is most of the cost), once per process (what is installed does not change under a running one)."""
     from importlib import metadata
 
     from packaging.utils import canonicalize_name
 
-    found: dict[str, Any] = {}
+    found: dict[str, Installed] = {}
     for distribution in metadata.distributions():
-        found.setdefault(canonicalize_name(distribution.metadata["Name"] or ""), distribution)  # the first wins
+        fields = distribution.metadata
+        name = canonicalize_name(fields["Name"] or "")
+        if name not in found:  # the first on the path wins, as the import system's
+            found[name] = Installed(fields["Version"], fields.get_all("Requires-Dist") or [])
     return found
 
 
-def installed_closure(root: str = "scalelm", distributions: dict[str, Any] | None = None) -> dict[str, str]:
+def installed_closure(root: str = "scalelm", distributions: dict[str, Installed] | None = None) -> dict[str, str]:
     """The installed version of every distribution `root` needs to run, its dependencies' dependencies included
     (torch's CUDA libraries too): what a run's figures may depend on besides the settings. Extras are left out."""
     from packaging.requirements import Requirement
@@ -55,7 +70,7 @@ def installed_closure(root: str = "scalelm", distributions: dict[str, Any] | Non
         if name in found or name not in distributions:
             continue
         found[name] = distributions[name].version
-        for line in distributions[name].requires or []:
+        for line in distributions[name].requires:
             requirement = Requirement(line)
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
                 pending.append(requirement.name)
@@ -130,7 +145,7 @@ def check_lock() -> None:
         read_lock(path)
 
 
-def lock_facts(distributions: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def lock_facts(distributions: dict[str, Installed] | None = None) -> dict[str, Any] | None:
     """The lock export's path and checksum, and every pin the environment does not hold: {name: [locked, installed
     or None]} (empty when it matches)."""
     from scalelm.files import sha256

@@ -227,7 +227,7 @@ class Engine:
                 f"{self.batches.accumulation}",
                 flush=True,
             )
-        facts = provenance.collect(config.to_dict(), env.world_size)
+        facts = provenance.collect(config.to_dict(), env.world_size, env.is_main)
         self.clock = Stopwatch(env.device)  # training time only: evaluation and checkpoints run with the clock paused
         self.instruments.start()
         try:

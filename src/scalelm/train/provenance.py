@@ -80,13 +80,10 @@ def device_facts() -> dict[str, Any]:
     return facts
 
 
-def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Call on every rank (gathers the host names); the result matters on rank 0."""
-    hosts = all_gather_object(socket.gethostname())
-    machines = all_gather_object(machine_id())
+def software() -> dict[str, Any]:
+    """The code's commit and the versions of everything it runs with, against the lock."""
     distributions = installed()
     return {
-        "config": config_dict,
         "git_commit": git_commit(),
         "versions": {
             "scalelm": scalelm.__version__,
@@ -96,6 +93,18 @@ def collect(config_dict: dict[str, Any], world_size: int) -> dict[str, Any]:
             "packages": installed_closure(distributions=distributions),
             "lock": lock_facts(distributions),
         },
+    }
+
+
+def collect(config_dict: dict[str, Any], world_size: int, main: bool) -> dict[str, Any]:
+    """Call on every rank (gathers the host names); the result matters on the `main` rank, which alone reads the
+    software's versions (every installed package's metadata: most of a second, which a tiny run's ranks would each
+    pay)."""
+    hosts = all_gather_object(socket.gethostname())
+    machines = all_gather_object(machine_id())
+    return {
+        "config": config_dict,
+        **(software() if main else {}),
         "world_size": world_size,
         # torchrun's view: GROUP_WORLD_SIZE agents (one per node) of LOCAL_WORLD_SIZE workers each
         "launch": {
