@@ -176,6 +176,22 @@ RUNS = [
         "batch of 64 x 1024 per GPU is assumed (as nanoGPT's)",
     ),
     PublishedRun(
+        "llm.c GPT-2 124M, 8 H100 SXM",
+        "KellerJordan/modded-nanogpt records/101324_llmc/README.md: llm.c as of 13 October 2024 run on a node of 8 "
+        "H100 HBM3 by the instructions of karpathy/llm.c discussion #481, median step 139 ms, 10.26B tokens "
+        "(19,570 steps of 524,288 tokens: 64 x 1024 per GPU)",
+        (*GPT2_TIED, "batch.size=64", "parallel.strategy=ddp", "train.compile=true"),
+        50304,
+        "h100-sxm",
+        None,
+        1,
+        8,
+        0.139,
+        "as published (the median step)",
+        None,
+        "as the A100 row: llm.c's fused C/CUDA kernels planned as compiled, its bf16 activations as autocast's",
+    ),
+    PublishedRun(
         "nanoGPT-style GPT-2 124M (build-nanogpt), 8 A100 SXM4",
         "debtirthasaha.github.io/blog/2026/gpt2-124m ('Eight A100s, $61, and 124M parameters'): 19,073 steps over "
         "10B FineWeb-Edu tokens, sustained 1.1M tokens/s",
