@@ -4,7 +4,7 @@
 # Extra arguments go to pytest (e.g. -k parity, -m "not slurm"). `--fast` first: a developer's inner loop, every test
 # but those that train or start processes (marked `trains` by tests/conftest.py), the slow ones (marked `slow`: about
 # 30 s or more) and the Slurm and Apptainer tiers; CI runs everything.
-# The test files run on pytest-xdist workers, two more than the machine has cores, each file whole on one worker.
+# The test files run on pytest-xdist workers, one more than the machine has cores, each file whole on one worker.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 selection=()
@@ -18,8 +18,7 @@ cd "$repo"
 if [ ${#selection[@]} = 0 ] && [ "$(id -u)" = 0 ] && [ -d .ci/slurm ]; then
     bash .ci/slurm/install.sh
 fi
-# two workers more than the machine has cores: the Slurm and Apptainer tiers and the fault drills spend much of their
-# time waiting on a scheduler, a build or a timeout (a whole run kept 1.2 of 2 cores busy with one worker per core,
-# 1.3 with one more)
-workers=$(( $(nproc) + 2 ))
+# one worker more than the machine has cores: the Slurm and Apptainer tiers and the fault drills spend much of their
+# time waiting on a scheduler, a build or a timeout (a whole run kept 1.2 of 2 cores busy with one worker per core)
+workers=$(( $(nproc) + 1 ))
 exec python -m pytest -ra --numprocesses "$workers" --dist loadfile --no-loadscope-reorder "${selection[@]}" "$@"
