@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import scalelm
@@ -36,11 +38,11 @@ class Installed:
     """An installed distribution's version and requirements, from its metadata."""
 
     version: str
-    requires: list[str]
+    requires: tuple[str, ...]
 
 
 @functools.cache
-def installed() -> dict[str, Installed]:
+def installed() -> Mapping[str, Installed]:
     """Every installed distribution by its canonical name: one scan of the path, each metadata file parsed once
     (its parse is most of the cost), once per process (what is installed does not change under a running one)."""
     from importlib import metadata
@@ -52,11 +54,11 @@ def installed() -> dict[str, Installed]:
         fields = distribution.metadata
         name = canonicalize_name(fields["Name"] or "")
         if name not in found:  # the first on the path wins, as the import system's
-            found[name] = Installed(fields["Version"], fields.get_all("Requires-Dist") or [])
-    return found
+            found[name] = Installed(fields["Version"], tuple(fields.get_all("Requires-Dist") or ()))
+    return MappingProxyType(found)  # cached for the process: read-only, so no caller changes it for the others
 
 
-def installed_closure(root: str = "scalelm", distributions: dict[str, Installed] | None = None) -> dict[str, str]:
+def installed_closure(root: str = "scalelm", distributions: Mapping[str, Installed] | None = None) -> dict[str, str]:
     """The installed version of every distribution `root` needs to run, its dependencies' dependencies included
     (torch's CUDA libraries too): what a run's figures may depend on besides the settings. Extras are left out."""
     from packaging.requirements import Requirement
@@ -145,7 +147,7 @@ def check_lock() -> None:
         read_lock(path)
 
 
-def lock_facts(distributions: dict[str, Installed] | None = None) -> dict[str, Any] | None:
+def lock_facts(distributions: Mapping[str, Installed] | None = None) -> dict[str, Any] | None:
     """The lock export's path and checksum, and every pin the environment does not hold: {name: [locked, installed
     or None]} (empty when it matches)."""
     from scalelm.files import sha256
